@@ -1,0 +1,1 @@
+"""Prefect flows: data preparation, base model, DAPO training, evaluation, deployment."""

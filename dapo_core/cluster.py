@@ -1,0 +1,220 @@
+"""Where the workers live: long-lived named Ray actors, or plain in-process objects with the same interface.
+
+`Cluster` starts a local Ray (or joins `trainer.ray_address` / `RAY_ADDRESS`), creates one named actor per role
+(`rollout`, `actor`, `ref`, `critic`, `reward`) for a run, and hands out `Handle`s whose `call(method, ...)` blocks
+and returns the result. With `trainer.use_ray=False` the same roles are plain objects in this process: the flow and
+the tasks cannot tell the difference, which keeps tests and debugging simple.
+
+Actors are named `dapo/<run_id>/<role>` in the namespace `dapo`, so a task can look a worker up by run id and role
+(`Cluster.lookup`) instead of receiving an actor handle as an argument. `shutdown()` kills only the actors this
+object created and stops Ray only if this object started it.
+
+On CPU each actor asks for `num_cpus=1` and runs torch with one thread (stack notes: two threads collapse under a
+neighbour's load); on GPU the model-holding roles ask for `num_gpus` each.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "dapo"
+_LOCAL_REGISTRY: dict[tuple[str, str], "Handle"] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def actor_name(run_id: str, role: str) -> str:
+    """The Ray actor name of `role` in run `run_id`."""
+    return f"dapo/{run_id}/{role}"
+
+
+def _init_worker_process(num_threads: int) -> None:
+    """Per-process set-up inside an actor: one torch thread on CPU unless told otherwise."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+    try:
+        import torch
+
+        torch.set_num_threads(num_threads)
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        pass
+
+
+class _RayHost:
+    """A generic Ray actor body: builds the worker object from a factory and forwards method calls to it."""
+
+    def __init__(self, factory: Callable[[], Any], num_threads: int):
+        _init_worker_process(num_threads)
+        self._obj = factory()
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        import ray
+
+        # ObjectRefs nested in the argument tuple are not resolved by Ray: fetch them here (worker-to-worker data).
+        args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
+        kwargs = {k: ray.get(v) if isinstance(v, ray.ObjectRef) else v for k, v in kwargs.items()}
+        return getattr(self._obj, method)(*args, **kwargs)
+
+    def ping(self) -> str:
+        return "ok"
+
+
+@dataclass
+class Handle:
+    """A blocking handle on one worker: `handle.call("generate", table, gen_step=3)`.
+
+    Wraps either a Ray actor (`ray_actor`) or a local object (`local`). `submit` returns a future-like object
+    (a Ray ObjectRef, or the already computed value locally) that `Handle.wait` resolves; it lets the driver pass
+    one worker's output to another without copying it through the driver (weight sync).
+    """
+
+    role: str
+    ray_actor: Any = None
+    local: Any = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def is_ray(self) -> bool:
+        return self.ray_actor is not None
+
+    def submit(self, method: str, *args, **kwargs) -> Any:
+        """Start `method` and return a reference to its result (Ray ObjectRef, or the value in-process)."""
+        if self.is_ray:
+            return self.ray_actor.call.remote(method, args, kwargs)
+        with self._lock:  # in-process workers are not thread-safe; serialise calls like an actor would
+            return getattr(self.local, method)(*args, **kwargs)
+
+    def call(self, method: str, *args, **kwargs) -> Any:
+        """Run `method` on the worker and return its result."""
+        return self.wait(self.submit(method, *args, **kwargs))
+
+    def wait(self, ref: Any) -> Any:
+        """Resolve a reference returned by `submit`."""
+        if self.is_ray:
+            import ray
+
+            return ray.get(ref)
+        return ref
+
+
+class Cluster:
+    """Start or join Ray and own the named worker actors of one run.
+
+    Parameters: `run_id`; `use_ray` (False = in-process workers); `address` (a Ray address to join; None =
+    `RAY_ADDRESS` or start a local Ray); `num_cpus` for a local Ray; `device` ("cpu" | "cuda");
+    `num_threads` torch threads per worker process.
+    """
+
+    def __init__(self, run_id: str, *, use_ray: bool = True, address: str | None = None,
+                 num_cpus: int | None = None, device: str = "cpu", num_threads: int = 1):
+        self.run_id = run_id
+        self.use_ray = use_ray
+        self.device = device
+        self.num_threads = num_threads
+        self._started_ray = False
+        self._owned: dict[str, Handle] = {}
+        if use_ray:
+            import ray
+
+            address = address or os.environ.get("RAY_ADDRESS")
+            if not ray.is_initialized():
+                if address:
+                    ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+                else:
+                    ncpu = num_cpus or max(2, os.cpu_count() or 2)
+                    ray.init(num_cpus=ncpu, include_dashboard=False, namespace=NAMESPACE,
+                             log_to_driver=True, configure_logging=False)
+                    self._started_ray = True
+
+    def create(self, role: str, factory: Callable[[], Any], *, num_gpus: float = 0.0,
+               num_cpus: float = 1.0) -> Handle:
+        """Create the worker `role` from a zero-argument `factory` (a picklable callable) and return its handle.
+
+        An existing actor of the same name (e.g. left by a crashed driver) is killed and replaced, so a resumed run
+        never talks to a worker holding stale weights.
+        """
+        if not self.use_ray:
+            handle = Handle(role=role, local=factory())
+            with _REGISTRY_LOCK:
+                _LOCAL_REGISTRY[(self.run_id, role)] = handle
+            self._owned[role] = handle
+            return handle
+        import ray
+
+        name = actor_name(self.run_id, role)
+        try:
+            stale = ray.get_actor(name, namespace=NAMESPACE)
+            log.warning("replacing existing actor %s", name)
+            ray.kill(stale)
+        except ValueError:
+            pass
+        remote_cls = ray.remote(_RayHost)
+        actor = remote_cls.options(name=name, namespace=NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus,
+                                   max_concurrency=1).remote(factory, self.num_threads)
+        ray.get(actor.ping.remote())  # surface construction errors here, with the role in the traceback
+        handle = Handle(role=role, ray_actor=actor)
+        self._owned[role] = handle
+        return handle
+
+    def get(self, role: str) -> Handle:
+        """The handle of a worker this cluster created (KeyError naming the known roles otherwise)."""
+        if role not in self._owned:
+            raise KeyError(f"no worker '{role}' in run {self.run_id}; created: {sorted(self._owned)}")
+        return self._owned[role]
+
+    def has(self, role: str) -> bool:
+        """Whether this cluster created `role`."""
+        return role in self._owned
+
+    @staticmethod
+    def lookup(run_id: str, role: str) -> Handle:
+        """Find a worker by run id and role from any process of the run (Ray) or this process (local)."""
+        with _REGISTRY_LOCK:
+            if (run_id, role) in _LOCAL_REGISTRY:
+                return _LOCAL_REGISTRY[(run_id, role)]
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError(f"worker '{role}' of run {run_id} is not in this process and Ray is not initialised")
+        return Handle(role=role, ray_actor=ray.get_actor(actor_name(run_id, role), namespace=NAMESPACE))
+
+    def sync_weights(self, src: str = "actor", dst: str = "rollout") -> None:
+        """Push `src`'s current weights to `dst` without routing the tensors through the driver (Ray)."""
+        s, d = self.get(src), self.get(dst)
+        ref = s.submit("weights")
+        if s.is_ray and d.is_ray:
+            d.wait(d.submit("sync_weights", ref))  # Ray resolves the ObjectRef inside the destination actor
+        else:
+            d.call("sync_weights", s.wait(ref))
+
+    def shutdown(self) -> None:
+        """Kill the actors this object created; stop Ray only if this object started it."""
+        for role, handle in list(self._owned.items()):
+            if handle.is_ray:
+                import ray
+
+                try:
+                    ray.kill(handle.ray_actor)
+                except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                    log.warning("could not kill %s: %s", role, exc)
+            else:
+                close = getattr(handle.local, "close", None)
+                if callable(close):
+                    close()
+            with _REGISTRY_LOCK:
+                _LOCAL_REGISTRY.pop((self.run_id, role), None)
+        self._owned.clear()
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,138 @@
+"""Driver-side stage logic that needs no model: building generation batches, dynamic-sampling bookkeeping,
+assembling the training batch, and the advantage stage (KL in reward, rollout correction, estimator).
+
+Pure functions over Arrow tables; the Prefect tasks in `tasks/` call them and commit their outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from dapo_core import batch as B
+from dapo_core.advantages import get_adv_estimator
+from dapo_core.sampling import filter_groups
+
+
+class DynamicSamplingExhausted(ValueError):
+    """Raised when `max_num_gen_batches` generation batches did not yield `train_batch_size` informative groups."""
+
+
+def exhausted_message(num_gen_batches: int, max_num_gen_batches: int, kept: int, needed: int) -> str:
+    """The reference's error text (§6.1 step 9), with our counts and the two ways out."""
+    return (f"num_gen_batches={num_gen_batches} >= max_num_gen_batches={max_num_gen_batches}. Generated too many. "
+            f"Please check if your data are too difficult. You could also try set max_num_gen_batches=0 to enable "
+            f"endless trials. (kept {kept} of the {needed} groups needed; key: "
+            f"algorithm.filter_groups.max_num_gen_batches)")
+
+
+def filter_metric_values(table: pa.Table, metric: str) -> np.ndarray:
+    """Per-trajectory values of the dynamic-sampling metric (§6.1 step 7).
+
+    `seq_reward` = score + overlong penalty (the token-level score sum); `seq_final_reward` additionally includes a
+    KL-in-reward penalty in the reference. We filter before the reference policy runs, so here `seq_final_reward`
+    equals `seq_reward` (identical unless `use_kl_in_reward` is on; `validate_config` warns about that case).
+    Any other name reads the reward column of that name (`acc`, `score`, ...).
+    """
+    if metric in ("seq_reward", "seq_final_reward"):
+        col = "reward"
+    else:
+        col = metric
+    if col not in table.column_names:
+        raise KeyError(f"algorithm.filter_groups.metric={metric!r}: the reward stage produced no column {col!r}; "
+                       f"available: {sorted(table.column_names)}")
+    return np.asarray(table.column(col).to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
+@dataclass
+class FilterOutcome:
+    """What dynamic sampling kept from one generation batch."""
+
+    kept: pa.Table
+    num_groups: int
+    num_kept_groups: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def apply_group_filter(table: pa.Table, metric: str) -> FilterOutcome:
+    """Keep the groups whose metric has non-zero population std (singletons kept), order preserved."""
+    uids = table.column("uid").to_pylist()
+    keep = filter_groups(uids, filter_metric_values(table, metric))
+    kept = table.filter(pa.array(keep))
+    n_groups = len(set(uids))
+    n_kept = len(set(kept.column("uid").to_pylist()))
+    return FilterOutcome(kept, n_groups, n_kept, {"train/filter_keep_rate": n_kept / max(n_groups, 1)})
+
+
+def truncate_to_groups(table: pa.Table, num_groups: int, n: int) -> tuple[pa.Table, int]:
+    """First `num_groups·n` rows (a group boundary, since every kept group has n rows); returns dropped groups."""
+    rows = num_groups * n
+    have = table.num_rows // n
+    return table.slice(0, min(rows, table.num_rows)), max(have - num_groups, 0)
+
+
+def place_scalar_at_last_token(values: Sequence[float], lengths: Sequence[int], width: int) -> torch.Tensor:
+    """(B, L) float32 zeros with `values[i]` at index `lengths[i]−1` (index −1 for an empty response, §6.2)."""
+    out = torch.zeros(len(values), max(width, 1), dtype=torch.float32)
+    for i, (v, ln) in enumerate(zip(values, lengths)):
+        out[i, ln - 1 if ln > 0 else -1] = float(v)
+    return out
+
+
+def compute_advantage_table(table: pa.Table, *, pad_token_id: int, adv_estimator: str, gamma: float = 1.0,
+                            lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, use_kl_in_reward: bool = False,
+                            kl_ctrl: Any = None, kl_penalty_kind: str = "kl",
+                            rollout_correction: Mapping[str, Any] | None = None,
+                            extra_kwargs: Mapping[str, Any] | None = None) -> tuple[pa.Table, dict[str, float]]:
+    """The advantage stage: token rewards (− β·KL), rollout correction (IS weights, RS mask), advantages/returns.
+
+    Order as the reference trainer: KL-in-reward, then rollout correction (its RS mask zeroes advantages of rejected
+    tokens; group statistics still use the unmasked scores), then the estimator grouped by `uid`.
+    """
+    metrics: dict[str, float] = {}
+    cols = [c for c in ("old_log_probs", "rollout_log_probs", "ref_log_probs", "values") if c in table.column_names]
+    t = B.to_padded(table, pad_token_id, columns=cols)
+    mask = t["response_mask"].float()
+    lengths = B.response_lengths(table)
+    scores = place_scalar_at_last_token(table.column("reward").to_pylist(), lengths, mask.shape[1])
+    rewards = scores
+    if use_kl_in_reward:
+        from dapo_core.kl import apply_kl_in_reward
+
+        rewards, kl_metrics = apply_kl_in_reward(scores, t["old_log_probs"], t["ref_log_probs"], mask, kl_ctrl,
+                                                 kl_penalty_kind)
+        metrics.update(kl_metrics)
+    weights = None
+    if rollout_correction and "rollout_log_probs" in t and "old_log_probs" in t:
+        from dapo_core.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
+
+        rc = RolloutCorrectionConfig.from_dict(dict(rollout_correction))
+        if not rc.bypass_mode:
+            weights, new_mask, rc_metrics = apply_rollout_correction(t["old_log_probs"], t["rollout_log_probs"],
+                                                                     mask, rc)
+            mask = new_mask.float()
+            metrics.update(rc_metrics)
+    kwargs: dict[str, Any] = dict(extra_kwargs or {})
+    kwargs.update(gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+    if "values" in t:
+        kwargs["values"] = t["values"]
+    index = table.column("uid").to_pylist()
+    adv, ret = get_adv_estimator(adv_estimator)(rewards, mask, index=index, **kwargs)
+    out = table
+    new_cols = {"token_level_rewards": rewards, "advantages": adv, "returns": ret}
+    if weights is not None:
+        new_cols["rollout_is_weights"] = weights
+    for name, tensor in new_cols.items():
+        out = _replace(out, name, B.from_padded(tensor.float(), lengths).cast(pa.list_(pa.float32())))
+    mask_col = B.from_padded(mask.to(torch.int8), lengths).cast(pa.list_(pa.int8()))
+    out = _replace(out, "response_mask", mask_col)
+    return out, metrics
+
+
+def _replace(table: pa.Table, name: str, col: pa.Array) -> pa.Table:
+    if name in table.column_names:
+        table = table.drop_columns([name])
+    return table.append_column(name, col)

@@ -1,0 +1,154 @@
+"""dapo-train: the DAPO step loop as a Prefect flow, in the synchronous (reference `fit`) order.
+
+    for each train step:
+        generate → reward → filter_groups  ⟲ until train_batch_size informative groups (dynamic sampling)
+        → old_log_prob → [ref] → [values] → advantage → [update_critic] → update_actor → sync weights
+        → [checkpoint every save_freq] → [validate every test_freq] → log
+
+Every stage is a Prefect task (tasks/) that commits its output to the run store `runs/<run_id>/`; tasks pass URIs
+and the run id, never batches or actor handles. Models live in long-lived workers (Ray actors, or in-process with
+`trainer.use_ray=false`). Resume = run the flow again with the same run id (`trainer.resume_mode=auto`): the latest
+checkpoint is loaded, committed rollouts of later steps are replayed instead of regenerated, and prompts left in
+flight are re-issued (`RunStore.reissue_inflight`).
+
+Step accounting: `gen_step` counts generation batches (it seeds sampling), `train_step` counts policy updates (the
+lr schedule and `total_training_steps` follow it). The reference counts `total_training_steps` in generation
+batches, so with filtering its last-step logic rarely fires; we deliberately count training steps.
+"""
+from __future__ import annotations
+
+import time
+
+from prefect import flow, get_run_logger
+
+from dapo_core.config import gen_batch_size, need_reference_policy, use_critic
+from dapo_core.sampling import KeepRateEstimator, next_gen_batch_size
+from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
+from flows.run_setup import DriverState, close_run, load_cfg, open_run, restore, step_metrics
+from tasks.compute import advantage, old_log_prob, ref, values
+from tasks.rollout import assemble_batch, filter_groups, generate, reward, sample_prompts
+from tasks.update import checkpoint, sync_weights, update_actor, update_critic
+from tasks.validate import validate
+
+
+def collect_batch(run_id: str, cfg, step: int, state: DriverState, progress) -> tuple[str, dict]:
+    """Dynamic sampling (§6.1): generate, score and filter until `train_batch_size` groups are kept."""
+    fg = cfg.algorithm.filter_groups
+    need = int(cfg.data.train_batch_size)
+    base = gen_batch_size(cfg)
+    keep_rate = KeepRateEstimator()
+    kept_uris: list[str] = []
+    kept_groups, k, metrics = 0, 0, {}
+    while True:
+        size = base
+        if fg.enable and str(fg.refill) == "adaptive" and k > 0:
+            size = next_gen_batch_size(need - kept_groups, keep_rate.rate, base=base)
+        progress.stage(f"generate g{k} ({size} prompts)")
+        prompts_uri, _ = sample_prompts(run_id, step, k, size)
+        state.gen_step += 1
+        gen_uri, m = generate(run_id, step, k, state.gen_step, prompts_uri)
+        _accumulate(metrics, m)
+        progress.stage(f"reward g{k}")
+        reward_uri, m = reward(run_id, step, k, gen_uri)
+        _accumulate(metrics, m)
+        k += 1
+        if not fg.enable:
+            kept_uris.append(reward_uri)
+            break
+        kept_uri, m = filter_groups(run_id, step, k - 1, reward_uri)
+        kept_uris.append(kept_uri)
+        kept_groups += int(m["train/num_kept_groups"])
+        keep_rate.update(int(m["train/num_kept_groups"]), int(m["train/num_groups"]))
+        if kept_groups >= need:
+            break
+        print(f"num_prompt_in_batch={kept_groups} < prompt_bsz={need}")
+        max_gen = int(fg.max_num_gen_batches)
+        if max_gen > 0 and k >= max_gen:
+            raise DynamicSamplingExhausted(exhausted_message(k, max_gen, kept_groups, need))
+        print(f"num_gen_batches={k}. Keep generating...")
+    progress.stage("assemble batch")
+    batch_uri, m = assemble_batch(run_id, step, kept_uris, k)
+    metrics.update(m)
+    metrics["train/keep_rate"] = keep_rate.rate if fg.enable and keep_rate.rate is not None else 1.0
+    return batch_uri, metrics
+
+
+def _accumulate(acc: dict, new: dict) -> None:
+    for key, v in new.items():
+        acc[key] = acc.get(key, 0.0) + v if key.startswith(("timing_s/", "perf/")) else v
+
+
+def train_step(run_id: str, cfg, step: int, state: DriverState, progress) -> dict:
+    """One DAPO training step; returns its metrics."""
+    t0 = time.perf_counter()
+    uri, metrics = collect_batch(run_id, cfg, step, state, progress)
+    progress.stage("old_log_prob")
+    uri, m = old_log_prob(run_id, step, uri)
+    metrics.update(m)
+    if need_reference_policy(cfg):
+        progress.stage("ref")
+        uri, m = ref(run_id, step, uri)
+        metrics.update(m)
+    if use_critic(cfg):
+        progress.stage("values")
+        uri, m = values(run_id, step, uri)
+        metrics.update(m)
+    progress.stage("advantage")
+    uri, m = advantage(run_id, step, uri)
+    metrics.update(m)
+    if use_critic(cfg):
+        progress.stage("update_critic")
+        metrics.update(update_critic(run_id, step, uri)[1])
+    if step > int(cfg.trainer.critic_warmup):
+        progress.stage("update_actor")
+        metrics.update(update_actor(run_id, step, uri)[1])
+        state.weight_version += 1
+        sync_weights(run_id, step, state.weight_version)
+    metrics["timing_s/step"] = time.perf_counter() - t0
+    metrics.update(step_metrics(run_id, step, uri, metrics))
+    return metrics
+
+
+@flow(name="dapo-train", log_prints=True)
+def dapo_train(config_yaml: str, run_id: str) -> dict:
+    """Train with DAPO under run id `run_id` (resumes it if it exists and `trainer.resume_mode` allows)."""
+    cfg = load_cfg(config_yaml)
+    logger = get_run_logger()
+    rt = open_run(cfg, run_id)
+    try:
+        state = restore(rt)
+        total = state.total_steps
+        logger.info("run %s: train_step=%d gen_step=%d of %d steps; store %s", run_id, state.train_step,
+                    state.gen_step, total, rt.store.root)
+        progress = rt.extras["progress"]
+        tracker = rt.extras["tracker"]
+        if cfg.trainer.val_before_train and state.train_step == 0:
+            progress.stage("validate (before training)")
+            tracker.log(0, validate(run_id, 0, state.gen_step)[1])
+        while state.train_step < total:
+            step = state.train_step + 1
+            progress.begin_step(step, total)
+            metrics = train_step(run_id, cfg, step, state, progress)
+            state.train_step = step
+            last = step == total
+            if int(cfg.trainer.save_freq) > 0 and (step % int(cfg.trainer.save_freq) == 0 or last):
+                progress.stage("checkpoint")
+                checkpoint(run_id, step, state.to_json(rt))
+            if int(cfg.trainer.test_freq) > 0 and (step % int(cfg.trainer.test_freq) == 0 or last):
+                progress.stage("validate")
+                metrics.update(validate(run_id, step, state.gen_step)[1])
+            metrics.update({"training/global_step": step, "training/gen_step": state.gen_step})
+            tracker.log(step, metrics)
+            progress.end_step(metrics)
+            logger.info("step %d (gen_step %d) done in %.1fs", step, state.gen_step, metrics["timing_s/step"])
+        return {"run_id": run_id, "train_step": state.train_step, "gen_step": state.gen_step,
+                "run_dir": str(rt.store.root)}
+    finally:
+        close_run(rt)
+
+
+def main_pipeline(cfg_yaml: str, run_id: str) -> dict:
+    """prepare data → base model → evaluate base → DAPO → evaluate final (the `make train` job)."""
+    from flows.pipeline import pipeline
+
+    return pipeline(cfg_yaml, run_id)

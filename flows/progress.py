@@ -1,0 +1,56 @@
+"""A live console display of the run: step k/N, the stage running now, generated tokens and reward."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class StepProgress:
+    """rich progress bar over training steps with the current stage and headline metrics; no-op when disabled."""
+
+    def __init__(self, run_id: str, enabled: bool = True):
+        self.enabled = enabled
+        self.run_id = run_id
+        self._progress = None
+        self._task = None
+        self._last = ""
+        if enabled:
+            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), TextColumn("{task.fields[stage]}"),
+                                      TextColumn("{task.fields[last]}"), console=Console(stderr=True),
+                                      transient=False, refresh_per_second=4)
+            self._progress.start()
+
+    def begin_step(self, step: int, total: int) -> None:
+        """A new train step starts."""
+        if not self.enabled:
+            return
+        if self._task is None:
+            self._task = self._progress.add_task(f"dapo {self.run_id}", total=total, completed=step - 1,
+                                                 stage="", last="")
+        self._progress.update(self._task, stage=f"step {step}")
+
+    def stage(self, name: str) -> None:
+        """The stage now running."""
+        if self.enabled and self._task is not None:
+            self._progress.update(self._task, stage=name)
+
+    def end_step(self, metrics: dict) -> None:
+        """A step finished: advance and show its score, accuracy and generated tokens."""
+        if not self.enabled or self._task is None:
+            return
+        parts = []
+        for key, label in (("critic/score/mean", "score"), ("critic/acc/mean", "acc"),
+                           ("perf/gen_tokens", "gen tok"), ("train/num_gen_batches", "gen batches")):
+            if key in metrics:
+                parts.append(f"{label} {metrics[key]:.3g}")
+        val = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
+        if val:
+            parts.append(f"val acc {val[0]:.3f}")
+        self._progress.update(self._task, advance=1, stage="", last=" | ".join(parts))
+
+    def close(self) -> None:
+        """Stop the live display."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

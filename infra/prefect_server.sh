@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Start / stop a local Prefect server for deployments and the UI (state in $PREFECT_HOME, default ./.prefect).
+#   infra/prefect_server.sh start|stop|status
+# At scale, point PREFECT_API_DATABASE_CONNECTION_URL at PostgreSQL (see infra/README.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PREFECT_HOME="${PREFECT_HOME:-$PWD/.prefect}"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+PIDFILE="$PREFECT_HOME/server.pid"
+PORT="${PREFECT_PORT:-4200}"
+case "${1:-start}" in
+  start)
+    mkdir -p "$PREFECT_HOME"
+    if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then echo "already running (pid $(cat "$PIDFILE"))"; exit 0; fi
+    nohup .venv/bin/prefect server start --host 127.0.0.1 --port "$PORT" >"$PREFECT_HOME/server.log" 2>&1 &
+    echo $! >"$PIDFILE"
+    for _ in $(seq 1 60); do
+      if curl -sf "http://127.0.0.1:$PORT/api/health" >/dev/null; then
+        echo "Prefect server up: UI http://127.0.0.1:$PORT  API http://127.0.0.1:$PORT/api (pid $(cat "$PIDFILE"))"
+        echo "export PREFECT_API_URL=http://127.0.0.1:$PORT/api"; exit 0; fi
+      sleep 1
+    done
+    echo "server did not become healthy; see $PREFECT_HOME/server.log" >&2; exit 1 ;;
+  stop)
+    [ -f "$PIDFILE" ] && kill -INT "$(cat "$PIDFILE")" 2>/dev/null && rm -f "$PIDFILE" && echo stopped || echo "not running" ;;
+  status)
+    curl -sf "http://127.0.0.1:$PORT/api/health" && echo " healthy" || echo "not running" ;;
+  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+esac

@@ -1,0 +1,36 @@
+"""The commit discipline shared by every stage task: skip if committed, else compute → validate → commit."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import pyarrow as pa
+
+from dapo_core.schemas import validate_stage
+from tasks.runtime import Runtime
+
+StageResult = tuple[str, dict[str, float]]
+
+
+def run_stage(rt: Runtime, step: int, stage: str, compute: Callable[[], tuple[pa.Table, dict[str, float]]], *,
+              schema: str | None = None, n: int | None = None, meta: dict | None = None) -> StageResult:
+    """Return the committed output of (step, stage) if it exists, else compute, validate against `schema`, commit.
+
+    The run store is the single source of truth: a retried task, a retried flow run or a resumed run skips work
+    whose manifest is already written. Timing goes into the metrics as `timing_s/<stage>`.
+    """
+    if rt.store.is_committed(step, stage):
+        m = rt.store.meta(step, stage) or {}
+        return rt.store.stage_uri(step, stage), dict(m.get("metrics", {}))
+    t0 = time.perf_counter()
+    table, metrics = compute()
+    if schema is not None:
+        cfg = rt.cfg
+        validate_stage(schema, table, n=n, vocab_size=rt.vocab_size,
+                       max_prompt_length=int(cfg.data.max_prompt_length),
+                       max_response_length=int(cfg.data.max_response_length))
+    metrics = dict(metrics)
+    metrics[f"timing_s/{stage.split('_g')[0] if stage.startswith(('generate_g', 'reward_g')) else stage}"] = \
+        time.perf_counter() - t0
+    uri = rt.store.write_stage(step, stage, table, meta={**(meta or {}), "metrics": metrics})
+    return uri, metrics

@@ -1,0 +1,73 @@
+"""Compute-side stage tasks: old_log_prob, ref, values, advantage."""
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from dapo_core import batch as B
+from dapo_core.losses import agg_loss
+from dapo_core.stages import compute_advantage_table
+from tasks import runtime
+from tasks.common import StageResult, run_stage
+
+_OPTS = dict(retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+
+
+@task(name="old_log_prob", task_run_name="old_log_prob-step{step}", **_OPTS)
+def old_log_prob(run_id: str, step: int, batch_uri: str) -> StageResult:
+    """π_old log-probs recomputed by the actor (decoupled mode), or the rollout's own (bypass mode)."""
+    rt = runtime.get(run_id)
+    cfg = rt.cfg
+
+    def compute():
+        table = rt.store.read_uri(batch_uri)
+        if bool(cfg.algorithm.rollout_correction.bypass_mode):
+            return table.append_column("old_log_probs", table.column("rollout_log_probs")), {}
+        out = rt.worker("actor").call("compute_log_prob", table, True)
+        t = B.to_padded(out, rt.pad_token_id, columns=["entropy"])
+        ent = agg_loss(t["entropy"], t["response_mask"].float(), str(cfg.actor_rollout_ref.actor.loss_agg_mode))
+        return out, {"actor/entropy": float(ent)}
+
+    return run_stage(rt, step, "old_log_prob", compute, schema="old_log_prob", n=rt.n)
+
+
+@task(name="ref", task_run_name="ref-step{step}", **_OPTS)
+def ref(run_id: str, step: int, in_uri: str) -> StageResult:
+    """Reference-policy log-probs (only when a KL term is used)."""
+    rt = runtime.get(run_id)
+    return run_stage(rt, step, "ref", lambda: (rt.worker("ref").call("compute_ref_log_prob",
+                                                                      rt.store.read_uri(in_uri)), {}),
+                     schema="ref", n=rt.n)
+
+
+@task(name="values", task_run_name="values-step{step}", **_OPTS)
+def values(run_id: str, step: int, in_uri: str) -> StageResult:
+    """Critic values per response token (only for GAE-style estimators)."""
+    rt = runtime.get(run_id)
+    return run_stage(rt, step, "values", lambda: (rt.worker("critic").call("compute_values",
+                                                                            rt.store.read_uri(in_uri)), {}),
+                     schema="values", n=rt.n)
+
+
+@task(name="advantage", task_run_name="advantage-step{step}", **_OPTS)
+def advantage(run_id: str, step: int, in_uri: str) -> StageResult:
+    """Token rewards (KL in reward), rollout correction, and advantages by the configured estimator."""
+    rt = runtime.get(run_id)
+    alg = rt.cfg.algorithm
+
+    def compute():
+        from omegaconf import OmegaConf
+
+        table = rt.store.read_uri(in_uri)
+        rc = OmegaConf.to_container(alg.rollout_correction, resolve=True)
+        enabled = rc.get("rollout_is") is not None or rc.get("rollout_rs") is not None
+        out, metrics = compute_advantage_table(
+            table, pad_token_id=rt.pad_token_id, adv_estimator=str(alg.adv_estimator), gamma=float(alg.gamma),
+            lam=float(alg.lam), norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo),
+            use_kl_in_reward=bool(alg.use_kl_in_reward), kl_ctrl=rt.extras.get("kl_ctrl"),
+            kl_penalty_kind=str(alg.kl_penalty), rollout_correction=rc if enabled else None)
+        return out, metrics
+
+    return run_stage(rt, step, "advantage", compute, schema="advantage", n=rt.n)
+
+

@@ -1,0 +1,64 @@
+"""Update-side stage tasks: update_critic, update_actor, weight sync, checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks import runtime
+from tasks.common import StageResult, run_stage
+
+_OPTS = dict(cache_policy=NO_CACHE)
+
+
+def _marker(step: int) -> pa.Table:
+    return pa.table({"step": pa.array([step], type=pa.int64())})
+
+
+@task(name="update_critic", task_run_name="update_critic-step{step}", **_OPTS)
+def update_critic(run_id: str, step: int, in_uri: str) -> StageResult:
+    """Clipped value-loss updates of the critic."""
+    rt = runtime.get(run_id)
+    return run_stage(rt, step, "update_critic",
+                     lambda: (_marker(step), rt.worker("critic").call("update_critic", rt.store.read_uri(in_uri), step)))
+
+
+@task(name="update_actor", task_run_name="update_actor-step{step}", **_OPTS)
+def update_actor(run_id: str, step: int, in_uri: str) -> StageResult:
+    """The DAPO policy update (PPO mini-batches/epochs with the configured loss); not retried automatically,
+    since a half-applied update cannot be undone — the flow resumes from the last checkpoint instead."""
+    rt = runtime.get(run_id)
+    return run_stage(rt, step, "update_actor",
+                     lambda: (_marker(step), rt.worker("actor").call("update_actor", rt.store.read_uri(in_uri), step)))
+
+
+@task(name="sync_weights", task_run_name="sync_weights-step{step}", cache_policy=NO_CACHE, retries=2)
+def sync_weights(run_id: str, step: int, weight_version: int) -> int:
+    """Push the actor's weights to the rollout worker; returns the new weight version."""
+    rt = runtime.get(run_id)
+    rt.cluster.sync_weights("actor", "rollout")
+    rt.worker("rollout").call("set_weight_version", weight_version)
+    return weight_version
+
+
+@task(name="checkpoint", task_run_name="checkpoint-step{step}", cache_policy=NO_CACHE, retries=1)
+def checkpoint(run_id: str, step: int, driver_state: dict) -> str:
+    """Write ckpt/step_<step>/ (actor [+critic] states, driver state) atomically; `latest` is written last."""
+    rt = runtime.get(run_id)
+    ckpts = rt.extras["checkpoints"]
+
+    def write(tmp_dir: str) -> None:
+        rt.worker("actor").call("save_checkpoint", os.path.join(tmp_dir, "actor"))
+        if rt.cluster.has("critic"):
+            rt.worker("critic").call("save_checkpoint", os.path.join(tmp_dir, "critic"))
+        with open(os.path.join(tmp_dir, "driver_state.json"), "w") as f:
+            json.dump(driver_state, f, indent=1, sort_keys=True)
+
+    path = ckpts.save(step, write, {"step": step, "run_id": run_id})
+    keep = rt.cfg.trainer.get("max_actor_ckpt_to_keep")
+    if keep:
+        ckpts.keep_last(int(keep))
+    return str(path)

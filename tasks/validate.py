@@ -1,0 +1,27 @@
+"""Validation task: generate on the held-out prompts with the validation sampling settings, score, and compute
+`val-core/…` / `val-aux/…` metrics (mean@k, best@k, maj@k, pass@k per data source)."""
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from dapo_core import batch as B
+from dapo_core.evaluation import validation_summary
+from tasks import runtime
+from tasks.common import StageResult, run_stage
+
+
+@task(name="validate", task_run_name="validate-step{step}", cache_policy=NO_CACHE, retries=1)
+def validate(run_id: str, step: int, gen_step: int) -> StageResult:
+    """Evaluate the current rollout weights on the validation set (committed as stage `val`)."""
+    rt = runtime.get(run_id)
+    vk = rt.cfg.actor_rollout_ref.rollout.val_kwargs
+
+    def compute():
+        prompts = rt.extras["val_table"]
+        table = B.repeat_interleave_prompts(prompts, int(vk.n))
+        out = rt.worker("rollout").call("generate", table, gen_step, True)
+        out, _ = rt.worker("reward").call("score", out)
+        return out, validation_summary(out)
+
+    return run_stage(rt, step, "val", compute)

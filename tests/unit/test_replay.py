@@ -1,0 +1,214 @@
+"""Unit tests for dapo_core.replay.ReplayBuffer (oldest-first, DAPO filter, staleness drop/wait, metrics)."""
+
+import uuid
+
+import pyarrow as pa
+import pytest
+
+from dapo_core.replay import ReplayBuffer, ReplayError
+from dapo_core.store import RunStore
+
+N = 4
+
+
+def _uid():
+    return uuid.uuid4().hex
+
+
+def _groups(uids, accs, weight_version=0, n=N):
+    """One row per trajectory; accs[g] is the list of n acc values of group g."""
+    rows = {"uid": [], "sample_idx": [], "acc": [], "weight_version": [], "response_ids": []}
+    for u, a in zip(uids, accs, strict=True):
+        for i in range(n):
+            rows["uid"].append(u)
+            rows["sample_idx"].append(i)
+            rows["acc"].append(bool(a[i]))
+            rows["weight_version"].append(weight_version)
+            rows["response_ids"].append([i, len(u)])
+    return pa.table({
+        "uid": pa.array(rows["uid"]), "sample_idx": pa.array(rows["sample_idx"], pa.int32()),
+        "acc": pa.array(rows["acc"]), "weight_version": pa.array(rows["weight_version"], pa.int64()),
+        "response_ids": pa.array(rows["response_ids"], pa.list_(pa.int32())),
+    })
+
+
+MIXED = [1, 0, 1, 0]
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = RunStore(tmp_path / "run")
+    yield s
+    s.close()
+
+
+def test_oldest_first_and_group_rows(store):
+    rb = ReplayBuffer(store, train_batch_size=2, n=N)
+    old = [_uid(), _uid()]
+    new = [_uid(), _uid()]
+    rb.add_groups(_groups(new, [MIXED] * 2, weight_version=2), global_steps=3)
+    rb.add_groups(_groups(old, [MIXED] * 2, weight_version=0), global_steps=1)
+    table, m = rb.sample(global_steps=4)
+    assert table is not None and table.num_rows == 2 * N
+    assert table.column("uid").to_pylist() == [old[0]] * N + [old[1]] * N
+    assert table.column("sample_idx").to_pylist() == list(range(N)) * 2
+    # staleness = (global_steps - 1) - weight version = 3 - 0
+    assert m["training/off_policy/trajectory_staleness/mean"] == 3
+    assert m["training/off_policy/trajectory_spans/max"] == 1
+    assert m["training/global_step"] == 4
+    assert m["training/replay/sampleable_groups"] == 2  # surplus kept
+    assert m["refill_needed"] == 0
+    table2, _ = rb.sample(global_steps=5)
+    assert set(table2.column("uid").to_pylist()) == set(new)
+    table3, m3 = rb.sample(global_steps=6)
+    assert table3 is None and m3["refill_needed"] == 2
+
+
+def test_not_enough_returns_none_with_refill(store):
+    rb = ReplayBuffer(store, train_batch_size=3, n=N)
+    rb.add_groups(_groups([_uid()], [MIXED]), global_steps=1)
+    inflight = [_uid()]
+    rb.register_prompts(inflight, global_steps=1)
+    rb.mark_running(inflight)
+    table, m = rb.sample(global_steps=1)
+    assert table is None
+    assert m["refill_needed"] == 1  # 3 wanted - 1 sampleable - 1 in flight
+    assert m["training/replay/inflight_prompts"] == 1
+    assert m["must_wait"] is False
+
+
+def test_dapo_filter_evicts_zero_std_groups(store):
+    rb = ReplayBuffer(store, train_batch_size=2, n=N, filter_groups_metric="acc")
+    all_right, all_wrong, mixed1, mixed2 = _uid(), _uid(), _uid(), _uid()
+    rb.add_groups(_groups([all_right, all_wrong, mixed1], [[1] * 4, [0] * 4, MIXED]), global_steps=1)
+    table, m = rb.sample(global_steps=1)
+    assert table is None
+    assert m["training/filter_groups/evicted_samples"] == 2
+    assert m["_dapo_filtered_reward_counts"] == {1.0: 1, 0.0: 1}
+    assert m["refill_needed"] == 1
+    assert store.count(uid=all_right) == 0 and store.count(uid=all_wrong) == 0  # evicted from ledger
+    rb.add_groups(_groups([mixed2], [[0, 0, 0, 1]]), global_steps=1)
+    table, m = rb.sample(global_steps=1)
+    assert set(table.column("uid").to_pylist()) == {mixed1, mixed2}
+    assert m["training/filter_groups/evicted_samples"] == 0
+
+
+def test_singleton_groups_are_kept_by_filter(store):
+    rb = ReplayBuffer(store, train_batch_size=1, n=1, filter_groups_metric="acc")
+    rb.add_groups(_groups([_uid()], [[1]], n=1), global_steps=1)
+    table, _ = rb.sample(1)
+    assert table is not None and table.num_rows == 1
+
+
+def test_drop_stale_groups(store):
+    rb = ReplayBuffer(store, train_batch_size=1, n=N, max_off_policy_threshold=2)
+    stale, fresh = _uid(), _uid()
+    rb.add_groups(_groups([stale], [MIXED]), global_steps=1)
+    rb.add_groups(_groups([fresh], [MIXED], weight_version=3), global_steps=4)
+    table, m = rb.sample(global_steps=4)  # span of stale = 4 - 1 + 1 = 4 > 2
+    assert table.column("uid").unique().to_pylist() == [fresh]
+    assert m["training/off_policy/evicted_samples"] == 1
+    assert m["training/off_policy/evicted_samples_staleness/mean"] == 4
+    assert m["training/off_policy/evicted_samples_staleness/max"] == 4
+    assert m["training/off_policy/trajectory_staleness/max"] == 0
+    assert store.count(uid=stale) == 0
+
+
+def test_wait_strategy_reports_must_wait(store):
+    rb = ReplayBuffer(store, train_batch_size=1, n=N, max_off_policy_threshold=2,
+                      max_off_policy_strategy="wait")
+    stale = _uid()
+    rb.add_groups(_groups([stale], [MIXED]), global_steps=1)
+    late = _uid()
+    rb.register_prompts([late], global_steps=2, status="running")
+    table, m = rb.sample(global_steps=3)  # in-flight span 2 >= threshold
+    assert table is None and m["must_wait"] is True
+    assert store.count(uid=stale) == N + 1  # nothing evicted
+    rb.add_groups(_groups([late], [MIXED]), global_steps=2)
+    table, m = rb.sample(global_steps=3)
+    assert m["must_wait"] is False and m["training/off_policy/evicted_samples"] == 0
+    assert table.column("uid").unique().to_pylist() == [stale]  # stale one kept, oldest first
+
+
+def test_discard_surplus(store):
+    rb = ReplayBuffer(store, train_batch_size=1, n=N, discard_surplus=True)
+    a, b, c = _uid(), _uid(), _uid()
+    rb.add_groups(_groups([a, b, c], [MIXED] * 3), global_steps=1)
+    table, m = rb.sample(global_steps=1)
+    assert table.column("uid").unique().to_pylist() == [a]
+    assert m["training/filter_groups/discarded_surplus_samples"] == 2
+    assert store.count(uid=b) == 0 and store.count(uid=c) == 0
+    assert m["refill_needed"] == 1
+
+
+def test_resample_same_step_returns_same_batch(store):
+    rb = ReplayBuffer(store, train_batch_size=2, n=N)
+    uids = [_uid() for _ in range(3)]
+    rb.add_groups(_groups(uids, [MIXED] * 3), global_steps=1)
+    t1, _ = rb.sample(global_steps=1)
+    t2, m2 = rb.sample(global_steps=1)
+    assert t1.equals(t2) and m2["training/replay/resampled"] == 1
+    assert rb.unconsume(1) == 2
+    t3, _ = ReplayBuffer(store, train_batch_size=3, n=N).sample(global_steps=1)
+    assert t3.num_rows == 3 * N
+    assert rb.release(1) == 3
+    assert store.count() == 0
+
+
+def test_existing_prompt_keeps_its_global_steps_and_payload(store):
+    rb = ReplayBuffer(store, train_batch_size=1, n=N)
+    u = _uid()
+    rb.register_prompts([u], global_steps=2, payloads=[b"prompt-row"])
+    rb.mark_running([u])
+    rb.add_groups(_groups([u], [MIXED]), global_steps=5)
+    tags, payload = store.get(u)
+    assert tags["status"] == "finished" and tags["global_steps"] == 2 and payload == b"prompt-row"
+    assert store.get(f"{u}_3")[0]["global_steps"] == 2
+
+
+def test_failed_groups_evicted(store):
+    rb = ReplayBuffer(store, train_batch_size=1, n=N)
+    bad = _uid()
+    rb.register_prompts([bad], global_steps=1)
+    rb.mark_failed([bad])
+    table, m = rb.sample(1)
+    assert table is None and m["training/rollout_failure/evicted_samples"] == 1
+    assert store.count(uid=bad) == 0
+
+
+def test_validation_partition_never_evicts(store):
+    rb = ReplayBuffer(store, train_batch_size=1, n=N, filter_groups_metric="acc", max_off_policy_threshold=1,
+                      partition="val")
+    u = _uid()
+    rb.add_groups(_groups([u], [[1] * 4]), global_steps=1)
+    table, m = rb.sample(global_steps=9)
+    assert table is not None and m["validation/off_policy/evicted_samples"] == 0
+    assert "validation/global_step" in m
+
+
+def test_add_groups_validation(store):
+    rb = ReplayBuffer(store, train_batch_size=1, n=N, filter_groups_metric="score")
+    t = _groups([_uid()], [MIXED])
+    with pytest.raises(ReplayError, match="'score' is missing"):
+        rb.add_groups(t, 1)
+    rb2 = ReplayBuffer(store, train_batch_size=1, n=N)
+    with pytest.raises(ReplayError, match="expected n=4"):
+        rb2.add_groups(t.slice(0, 3), 1)
+    with pytest.raises(ReplayError, match="weight_version"):
+        rb2.add_groups(t.drop_columns(["weight_version"]), 1)
+    with pytest.raises(ValueError, match="must not contain '_'"):
+        rb2.add_groups(_groups(["bad_uid"], [MIXED]), 1)
+    with pytest.raises(ReplayError, match="max_off_policy_strategy"):
+        ReplayBuffer(store, train_batch_size=1, n=N, max_off_policy_strategy="block")
+
+
+def test_rows_come_from_many_files_in_order(store):
+    rb = ReplayBuffer(store, train_batch_size=6, n=N)
+    uids = [_uid() for _ in range(6)]
+    for step, chunk in ((1, uids[:2]), (1, uids[2:4]), (2, uids[4:])):
+        rb.add_groups(_groups(chunk, [MIXED] * len(chunk), weight_version=step - 1), global_steps=step)
+    table, m = rb.sample(global_steps=3)
+    assert table.column("uid").to_pylist() == [u for u in uids for _ in range(N)]
+    assert [r[0] for r in table.column("response_ids").to_pylist()] == table.column("sample_idx").to_pylist()
+    assert m["training/off_policy/trajectory_staleness/min"] == 1
+    assert m["training/off_policy/trajectory_staleness/max"] == 2
