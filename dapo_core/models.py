@@ -24,12 +24,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 __all__ = [
+    "BOS_TOKEN",
     "CHATML_TEMPLATE",
     "EOS_TOKEN",
     "PAD_TOKEN",
-    "BOS_TOKEN",
-    "UNK_TOKEN",
     "TOKENIZER_SUBDIR",
+    "UNK_TOKEN",
     "ModelConfigError",
     "build_char_tokenizer",
     "build_tiny_model",
@@ -127,7 +127,9 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir / TOKENIZER_SUBDIR))
 
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast | None, out_dir: str | Path) -> Path:
+def save_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast | None, out_dir: str | Path
+) -> Path:
     """Save `model` as HF safetensors (and `tokenizer`, also in `tokenizer/`) into `out_dir`; return the path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -194,7 +196,9 @@ def build_tiny_model(out_dir: str | Path, tiny_cfg: Mapping[str, Any], seed: int
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     out = save_model(model, tokenizer, out_dir)
-    (out / "dapo_tiny.json").write_text(json.dumps({"seed": int(seed), "tiny": dict(config_subset(tiny_cfg))}))
+    (out / "dapo_tiny.json").write_text(
+        json.dumps({"seed": int(seed), "tiny": dict(config_subset(tiny_cfg))})
+    )
     return out
 
 
@@ -203,8 +207,17 @@ def config_subset(tiny_cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {k: (v if isinstance(v, (int, float, bool, str)) else str(v)) for k, v in tiny_cfg.items()}
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Load a causal LM from the HF folder `path` in `dtype` on `device` (eager attention, eval mode)."""
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+):
+    """Load a causal LM from the HF folder `path` in `dtype` on `device`, in eval mode.
+
+    Attention defaults to SDPA: transformers' eager attention turns left-padded rows into NaN in
+    float64 (its mask value overflows), SDPA is exact in float32 and float64.
+    """
     from transformers import AutoModelForCausalLM
 
     p = Path(path)
@@ -213,7 +226,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             f"{p} has no config.json; set actor_rollout_ref.model.path to an HF model folder "
             "(or build one with dapo_core.models.build_tiny_model)."
         )
-    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, attn_implementation=attn_implementation)
     model.to(device)
     model.eval()
     return model

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import asdict, dataclass, fields
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -33,9 +33,9 @@ from dapo_core.masked import masked_sum as _masked_sum
 
 __all__ = [
     "SAFETY_BOUND",
+    "SUPPORTED_LOSS_TYPES",
     "SUPPORTED_ROLLOUT_IS_LEVELS",
     "SUPPORTED_ROLLOUT_RS_OPTIONS",
-    "SUPPORTED_LOSS_TYPES",
     "RolloutCorrectionConfig",
     "apply_rollout_correction",
     "compute_is_metrics",
@@ -127,7 +127,7 @@ def _parse_positive(value: str, field: str) -> float:
     return out
 
 
-def parse_is_threshold(rollout_is_threshold: float | int | str) -> tuple[float | None, float, bool]:
+def parse_is_threshold(rollout_is_threshold: float | str) -> tuple[float | None, float, bool]:
     """Parse ``rollout_is_threshold`` into ``(lower, upper, is_icepop)``.
 
     A number or a number-string is a TIS upper cap (``lower=None``); a ``"lower_upper"`` string selects IcePop
@@ -667,7 +667,7 @@ class RolloutCorrectionConfig:
     # -- (de)serialisation ---------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "RolloutCorrectionConfig":
+    def from_dict(cls, data: Mapping[str, Any] | None) -> RolloutCorrectionConfig:
         """Build from a mapping (e.g. the YAML section); unknown keys raise naming the closest field.
 
         Missing keys take the dataclass defaults; ``None`` yields :meth:`disabled`.
@@ -690,24 +690,24 @@ class RolloutCorrectionConfig:
     # -- presets (reference §5.6; exact values) --------------------------------------------------------
 
     @classmethod
-    def decoupled_token_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
+    def decoupled_token_is(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
         """Decoupled, token-level truncated IS."""
         return cls(rollout_is="token", rollout_is_threshold=threshold)
 
     @classmethod
-    def decoupled_seq_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
+    def decoupled_seq_is(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
         """Decoupled, sequence-level truncated IS."""
         return cls(rollout_is="sequence", rollout_is_threshold=threshold)
 
     @classmethod
-    def decoupled_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> "RolloutCorrectionConfig":
+    def decoupled_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> RolloutCorrectionConfig:
         """Decoupled, token-level IcePop (weights outside [lower, upper] set to 0)."""
         return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
 
     @classmethod
     def decoupled_seq_is_rs(
         cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.5_2.0"
-    ) -> "RolloutCorrectionConfig":
+    ) -> RolloutCorrectionConfig:
         """Decoupled, sequence TIS plus sequence-sum k1 rejection."""
         return cls(
             rollout_is="sequence",
@@ -717,14 +717,14 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def decoupled_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> "RolloutCorrectionConfig":
+    def decoupled_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrectionConfig:
         """Decoupled, geometric-mean (seq_mean_k1) rejection only."""
         return cls(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
 
     @classmethod
     def decoupled_geo_rs_seq_tis(
         cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> "RolloutCorrectionConfig":
+    ) -> RolloutCorrectionConfig:
         """Decoupled, geometric rejection plus sequence TIS."""
         return cls(
             rollout_is="sequence",
@@ -736,7 +736,7 @@ class RolloutCorrectionConfig:
     @classmethod
     def decoupled_geo_rs_token_tis(
         cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> "RolloutCorrectionConfig":
+    ) -> RolloutCorrectionConfig:
         """Decoupled, geometric rejection plus token TIS."""
         return cls(
             rollout_is="token",
@@ -746,12 +746,12 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def decoupled_k3_rs(cls, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+    def decoupled_k3_rs(cls, rs_threshold: float = 0.01) -> RolloutCorrectionConfig:
         """Decoupled, sequence-mean k3 rejection only."""
         return cls(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
 
     @classmethod
-    def decoupled_k3_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+    def decoupled_k3_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> RolloutCorrectionConfig:
         """Decoupled, sequence-mean k3 rejection plus sequence TIS."""
         return cls(
             rollout_is="sequence",
@@ -763,7 +763,7 @@ class RolloutCorrectionConfig:
     @classmethod
     def decoupled_k3_rs_token_tis(
         cls, is_threshold: float = 2.0, rs_threshold: float = 0.01
-    ) -> "RolloutCorrectionConfig":
+    ) -> RolloutCorrectionConfig:
         """Decoupled, sequence-mean k3 rejection plus token TIS."""
         return cls(
             rollout_is="token",
@@ -773,12 +773,12 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def bypass_ppo_clip(cls) -> "RolloutCorrectionConfig":
+    def bypass_ppo_clip(cls) -> RolloutCorrectionConfig:
         """Bypass, PPO clip with ratio π_θ/π_rollout, no IS, no RS."""
         return cls(rollout_is=None, bypass_mode=True, loss_type="ppo_clip")
 
     @classmethod
-    def bypass_ppo_clip_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> "RolloutCorrectionConfig":
+    def bypass_ppo_clip_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrectionConfig:
         """Bypass, PPO clip plus geometric rejection."""
         return cls(
             rollout_is=None,
@@ -789,7 +789,7 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+    def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01) -> RolloutCorrectionConfig:
         """Bypass, PPO clip plus sequence-mean k3 rejection."""
         return cls(
             rollout_is=None,
@@ -800,12 +800,12 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def bypass_pg_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
+    def bypass_pg_is(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
         """Bypass, REINFORCE with sequence TIS."""
         return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, loss_type="reinforce")
 
     @classmethod
-    def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> "RolloutCorrectionConfig":
+    def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> RolloutCorrectionConfig:
         """Bypass, REINFORCE with token IcePop."""
         return cls(
             rollout_is="token",
@@ -815,7 +815,7 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def bypass_pg_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> "RolloutCorrectionConfig":
+    def bypass_pg_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrectionConfig:
         """Bypass, REINFORCE with geometric rejection only."""
         return cls(
             rollout_is=None,
@@ -828,7 +828,7 @@ class RolloutCorrectionConfig:
     @classmethod
     def bypass_pg_geo_rs_seq_tis(
         cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> "RolloutCorrectionConfig":
+    ) -> RolloutCorrectionConfig:
         """Bypass, REINFORCE with geometric rejection and sequence TIS."""
         return cls(
             rollout_is="sequence",
@@ -842,7 +842,7 @@ class RolloutCorrectionConfig:
     @classmethod
     def bypass_pg_geo_rs_token_tis(
         cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> "RolloutCorrectionConfig":
+    ) -> RolloutCorrectionConfig:
         """Bypass, REINFORCE with geometric rejection and token TIS."""
         return cls(
             rollout_is="token",
@@ -854,7 +854,7 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def disabled(cls) -> "RolloutCorrectionConfig":
+    def disabled(cls) -> RolloutCorrectionConfig:
         """No IS, no RS, decoupled (only the off-policy diagnostics are logged)."""
         return cls(rollout_is=None, rollout_rs=None, bypass_mode=False)
 

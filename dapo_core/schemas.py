@@ -37,14 +37,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 __all__ = [
-    "SchemaError",
-    "STAGES",
-    "STAGE_COLUMNS",
-    "OPTIONAL_COLUMNS",
     "COLUMN_TYPES",
     "LOGPROB_TOL",
     "MAX_UIDS_IN_MESSAGE",
+    "OPTIONAL_COLUMNS",
+    "STAGES",
+    "STAGE_COLUMNS",
+    "SchemaError",
     "build_schema",
+    "validate_dataset",
     "validate_stage",
 ]
 
@@ -514,3 +515,48 @@ def _collect(errs: pa_errors.SchemaErrors, rcs: tuple[_RowCheck, ...], table: pa
             hint = "see the batch contract in docs/INTERFACES.md"
         failures.append({"column": column, "what": what, "hint": hint, "rows": rows, "uids": uids})
     return failures
+
+
+# --------------------------------------------------------------------------------------------------
+# Dataset files (verl / DAPO parquet schema, reference §8.1)
+# --------------------------------------------------------------------------------------------------
+def _dataset_schema() -> ppa.DataFrameSchema:
+    def prompt_nonempty(data) -> pa.Array:
+        col = data.table.column("prompt")
+        return pa.array(np.asarray(pc.list_value_length(col).fill_null(0).to_numpy(zero_copy_only=False)) > 0)
+
+    def ground_truth_present(data) -> pa.Array:
+        gt = pc.struct_field(data.table.column("reward_model").combine_chunks(), "ground_truth")
+        ok = pc.and_(pc.invert(pc.is_null(gt)), pc.greater(pc.utf8_length(gt.fill_null("")), 0))
+        return ok.fill_null(False)
+
+    return ppa.DataFrameSchema(
+        {"data_source": ppa.Column(pa.string(), nullable=False),
+         "prompt": ppa.Column(nullable=False),
+         "reward_model": ppa.Column(nullable=False)},
+        checks=[ppa.Check(prompt_nonempty, name="prompt_nonempty", error="prompt: empty message list"),
+                ppa.Check(ground_truth_present, name="ground_truth",
+                          error="reward_model.ground_truth: missing or empty")],
+        strict=False, name="dapo.dataset")
+
+
+def validate_dataset(table: pa.Table, *, name: str = "dataset") -> pa.Table:
+    """Validate a dataset table in verl's schema (data_source, prompt messages, reward_model.ground_truth).
+
+    Raises :class:`SchemaError` naming the file, the column and up to 5 offending row numbers, with the fix.
+    """
+    missing = [c for c in ("data_source", "prompt", "reward_model") if c not in table.column_names]
+    if missing:
+        raise SchemaError(f"{name}: missing column(s) {missing}; a verl/DAPO parquet needs data_source, prompt "
+                          f"(list of {{role, content}}), reward_model {{ground_truth, style}}")
+    try:
+        _dataset_schema().validate(table, lazy=True)
+    except pa_errors.SchemaErrors as errs:
+        fc = errs.failure_cases
+        lines = []
+        for check in sorted(set(fc.column("check").to_pylist())) if fc is not None else []:
+            rows = [i for i, c in zip(fc.column("index").to_pylist(), fc.column("check").to_pylist()) if c == check]
+            lines.append(f"  {check}: rows {rows[:MAX_UIDS_IN_MESSAGE]}")
+        raise SchemaError(f"{name}: invalid dataset rows —\n" + "\n".join(lines)
+                          + "\n  fix: regenerate the file with `dapo prepare` or repair those rows") from None
+    return table

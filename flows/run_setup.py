@@ -116,7 +116,7 @@ def _create_workers(cfg, cluster: Cluster, model_path: str, tokenizer_path: str,
         log_prob_micro_batch_size=ro.get("log_prob_micro_batch_size_per_gpu"), rollout_correction=rc), num_gpus=gpu)
     cluster.create("reward", functools.partial(
         RewardWorker, tokenizer_path, max_resp_len=max_new, overlong_buffer=_plain(cfg.reward_model.overlong_buffer),
-        num_workers=int(cfg.reward_model.num_workers), timeout_s=float(cfg.reward_model.timeout_s)), num_cpus=0.5)
+        num_workers=int(cfg.reward_model.num_workers), timeout_s=float(cfg.reward_model.timeout_s)))
     procs = 2
     if need_reference_policy(cfg):
         cluster.create("ref", functools.partial(RefWorker, model_path, pad_token_id=pad,
@@ -222,7 +222,7 @@ def restore(rt: runtime.Runtime) -> DriverState:
         rt.cluster.sync_weights("actor", "rollout")
         rt.worker("rollout").call("set_weight_version", state.weight_version)
     # Later steps: keep committed rollouts (replayed), drop everything computed from the lost weights.
-    for s in rt.store.committed_steps() if hasattr(rt.store, "committed_steps") else []:
+    for s in rt.store.steps():
         if s > state.train_step:
             for stage in rt.store.committed_stages(s):
                 if not stage.startswith(ROLLOUT_STAGES):

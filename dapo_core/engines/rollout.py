@@ -17,17 +17,17 @@ import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
 __all__ = [
+    "ROLLOUT_ENGINES",
     "Completion",
     "RolloutEngine",
     "SamplingParams",
     "SamplingParamsError",
     "make_rollout_engine",
-    "ROLLOUT_ENGINES",
 ]
 
 
@@ -56,9 +56,13 @@ class SamplingParams:
                 f"SamplingParams.temperature={self.temperature} is negative; use 0 for greedy or a value > 0."
             )
         if not 0.0 < self.top_p <= 1.0:
-            raise SamplingParamsError(f"SamplingParams.top_p={self.top_p} must be in (0, 1]; use 1.0 to disable it.")
+            raise SamplingParamsError(
+                f"SamplingParams.top_p={self.top_p} must be in (0, 1]; use 1.0 to disable it."
+            )
         if self.top_k < -1:
-            raise SamplingParamsError(f"SamplingParams.top_k={self.top_k} must be -1 (off), 0 (off) or a positive count.")
+            raise SamplingParamsError(
+                f"SamplingParams.top_k={self.top_k} must be -1 (off), 0 (off) or a positive count."
+            )
         if self.max_new_tokens < 1:
             raise SamplingParamsError(f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 1.")
 
@@ -94,7 +98,9 @@ class RolloutEngine(abc.ABC):
         self._weight_version = 0
 
     @abc.abstractmethod
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]
+    ) -> list[Completion]:
         """Sample one completion per prompt row; `seeds[i]` alone determines row i's randomness."""
 
     @abc.abstractmethod
@@ -117,7 +123,7 @@ class RolloutEngine(abc.ABC):
     def close(self) -> None:
         """Release resources (processes, memory). Safe to call twice."""
 
-    def __enter__(self) -> RolloutEngine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -140,10 +146,14 @@ def check_generate_args(prompt_ids: list[list[int]], seeds: list[int]) -> None:
         )
     for i, p in enumerate(prompt_ids):
         if len(p) == 0:
-            raise ValueError(f"generate: prompt_ids[{i}] is empty; every row needs at least one prompt token.")
+            raise ValueError(
+                f"generate: prompt_ids[{i}] is empty; every row needs at least one prompt token."
+            )
 
 
-def make_rollout_engine(name: str, model_path: str | Path, *, device: str = "cpu", seed: int = 0, **opts: Any) -> RolloutEngine:
+def make_rollout_engine(
+    name: str, model_path: str | Path, *, device: str = "cpu", seed: int = 0, **opts: Any
+) -> RolloutEngine:
     """Build the rollout engine called `name` ("hf" or "vllm") on the HF folder `model_path`.
 
     `opts` are passed to the engine class (e.g. `max_batch_size`, `progress` for hf;

@@ -8,6 +8,7 @@ Checkpoint layout written by `save(dir)`:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,9 @@ class TorchTrainEngine(TrainEngine):
         self.model = load_model(self.model_path, dtype=dtype, device=self.device)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(optim_cfg))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda_for(optim_cfg, self.total_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda_for(optim_cfg, self.total_steps)
+        )
         self.optimizer_steps = 0
         self.skipped_steps = 0
 
@@ -98,7 +101,9 @@ class TorchTrainEngine(TrainEngine):
 
     def lr_step(self) -> None:
         """One scheduler step (call once per TRAIN step)."""
-        self.scheduler.step()
+        with warnings.catch_warnings():  # stepping before the first optimizer step is intended (warmup)
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
 
     @property
     def lr(self) -> float:

@@ -40,7 +40,10 @@ __all__ = [
     "set_rng_state",
 ]
 
-LossFn = Callable[[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor], dict[str, Any]], tuple[torch.Tensor, Mapping[str, Any]]]
+LossFn = Callable[
+    [torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor], dict[str, Any]],
+    tuple[torch.Tensor, Mapping[str, Any]],
+]
 
 
 class OptimConfigError(ValueError):
@@ -98,7 +101,9 @@ def lr_lambda_for(optim_cfg: Mapping[str, Any], total_steps: int) -> Callable[[i
     steps = -1 if steps is None else int(steps)
     ratio = float(optim_cfg.get("lr_warmup_steps_ratio", 0.0) or 0.0)
     if not 0.0 <= ratio <= 1.0:
-        raise OptimConfigError(f"actor_rollout_ref.actor.optim.lr_warmup_steps_ratio={ratio} must be in [0, 1].")
+        raise OptimConfigError(
+            f"actor_rollout_ref.actor.optim.lr_warmup_steps_ratio={ratio} must be in [0, 1]."
+        )
     warmup = steps if steps > 0 else int(ratio * total_steps)
     min_ratio = float(optim_cfg.get("min_lr_ratio", 0.0) or 0.0)
     if not 0.0 <= min_ratio <= 1.0:
@@ -190,7 +195,9 @@ class TrainEngine(abc.ABC):
                 position_ids=position_ids.to(dev),
                 use_cache=False,
             )
-            return response_log_probs(out.logits, input_ids.to(dev), response_length, temperature, calculate_entropy)
+            return response_log_probs(
+                out.logits, input_ids.to(dev), response_length, temperature, calculate_entropy
+            )
 
     def _module(self) -> torch.nn.Module:
         """The callable module used for forward (the DeepSpeed engine wraps the model)."""
@@ -286,7 +293,13 @@ def make_train_engine(
         raise ValueError(f"total_steps={total_steps} must be >= 1 (trainer.total_training_steps).")
     module_name, cls_name = TRAIN_ENGINES[strategy].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    kwargs: dict[str, Any] = dict(total_steps=total_steps, grad_clip=grad_clip, device=device, seed=seed, dtype=dtype)
+    kwargs: dict[str, Any] = {
+        "total_steps": total_steps,
+        "grad_clip": grad_clip,
+        "device": device,
+        "seed": seed,
+        "dtype": dtype,
+    }
     if strategy == "deepspeed":
         kwargs["deepspeed_cfg"] = deepspeed_cfg
     return cls(model_path, optim_cfg, **kwargs)
@@ -324,7 +337,9 @@ def ppo_update(
     """
     for key in (*_MODEL_INPUTS, "response_mask"):
         if key not in batch_tensors:
-            raise KeyError(f"ppo_update: batch_tensors lacks {key!r}; build it with dapo_core.batch.to_padded.")
+            raise KeyError(
+                f"ppo_update: batch_tensors lacks {key!r}; build it with dapo_core.batch.to_padded."
+            )
     n = int(batch_tensors["input_ids"].shape[0])
     if mini_batch_size < 1 or n % mini_batch_size != 0:
         raise ValueError(
@@ -332,7 +347,9 @@ def ppo_update(
             "(actor_rollout_ref.actor.ppo_mini_batch_size × rollout.n); make them divide."
         )
     if micro_batch_size < 1:
-        raise ValueError(f"ppo_update: micro_batch_size={micro_batch_size} must be >= 1 (ppo_micro_batch_size_per_gpu).")
+        raise ValueError(
+            f"ppo_update: micro_batch_size={micro_batch_size} must be >= 1 (ppo_micro_batch_size_per_gpu)."
+        )
     if epochs < 1:
         raise ValueError(f"ppo_update: epochs={epochs} must be >= 1 (actor_rollout_ref.actor.ppo_epochs).")
     resp_len = int(batch_tensors["response_mask"].shape[1])

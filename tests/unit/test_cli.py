@@ -34,9 +34,9 @@ def _fake_flow(monkeypatch, module: str, attr: str) -> list:
 
 
 def test_config_prints_resolved_yaml_with_overrides(capsys):
-    assert main(["config", "--config", TINY, "data.seed=9", "actor_rollout_ref.rollout.n=4"]) == 0
+    assert main(["config", "--config", TINY, "data.seed=9", "actor_rollout_ref.rollout.n=16"]) == 0
     out = OmegaConf.create(capsys.readouterr().out)
-    assert out.data.seed == 9 and out.actor_rollout_ref.rollout.n == 4
+    assert out.data.seed == 9 and out.actor_rollout_ref.rollout.n == 16
 
 
 def test_bad_key_exits_2_without_traceback(capsys):

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError
 
 from dapo_core.config import (
     ConfigError,
@@ -173,7 +174,7 @@ def test_base_chain_and_cycle(tmp_path):
 
 def test_struct_mode_rejects_new_attributes():
     c = _load()
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigAttributeError):
         c.data.not_a_key = 1
 
 

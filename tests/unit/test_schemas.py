@@ -10,7 +10,7 @@ from dapo_core import schemas as S
 
 LI32 = pa.list_(pa.int32())
 LF32 = pa.list_(pa.float32())
-KW = dict(n=2, vocab_size=50, max_prompt_length=4, max_response_length=5)
+KW = {"n": 2, "vocab_size": 50, "max_prompt_length": 4, "max_response_length": 5}
 UIDS = ["aa", "aa", "bb", "bb"]
 
 
@@ -167,7 +167,7 @@ def test_uid_limit_in_message():
     big = replace(big, "sample_idx", pa.array([0, 1] * n, pa.int32()))
     big = replace(big, "rollout_log_probs", pa.array([[0.5, 0, 0]] * rows, LF32))
     msg = _err("generate", big)
-    line = [ln for ln in msg.splitlines() if "rollout_log_probs" in ln and "log-prob" in ln][0]
+    line = next(ln for ln in msg.splitlines() if "rollout_log_probs" in ln and "log-prob" in ln)
     assert "in 16 row(s)" in line
     assert "u0, u1, u2, u3, u4…" in line and "u5" not in line
 

@@ -198,7 +198,7 @@ def test_run_json_files_and_pickle(store, tmp_path):
 
 
 def test_read_uri_plain_file(store, tmp_path):
-    import pyarrow.ipc as ipc
+    from pyarrow import ipc
 
     path = tmp_path / "free.arrow"
     with ipc.new_file(str(path), _table().schema) as w:

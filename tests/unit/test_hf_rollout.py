@@ -1,0 +1,184 @@
+"""Tests for the rollout interface and HFRolloutEngine (determinism, log-probs, stopping, weight sync)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dapo_core.engines.hf_rollout import HFRolloutEngine, filter_logits
+from dapo_core.engines.rollout import SamplingParams, SamplingParamsError, make_rollout_engine
+from dapo_core.engines.train import make_train_engine
+from dapo_core.models import build_tiny_model, load_tokenizer
+
+torch.set_num_threads(1)
+
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return make_rollout_engine("hf", tiny_dir, max_batch_size=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_dir):
+    tok = load_tokenizer(tiny_dir)
+    texts = ["1+1=", "What is the answer to life?", "x", "Hello\nworld", "12*12="]
+    return [tok.encode(t) for t in texts]
+
+
+def _teacher_forced(tiny_dir, prompts, completions, temperature):
+    p = max(len(x) for x in prompts)
+    length = max(len(c.token_ids) for c in completions)
+    b = len(prompts)
+    ids = torch.zeros(b, p + length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (x, c) in enumerate(zip(prompts, completions, strict=True)):
+        ids[i, p - len(x) : p] = torch.tensor(x)
+        ids[i, p : p + len(c.token_ids)] = torch.tensor(c.token_ids)
+        mask[i, p - len(x) : p + len(c.token_ids)] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    train = make_train_engine("torch", tiny_dir, {"lr": 1e-3}, total_steps=1, grad_clip=1.0)
+    train.eval()
+    log_probs, _ = train.forward(ids, mask, pos, length, temperature=temperature)
+    return log_probs
+
+
+def test_same_seeds_same_tokens_and_seed_matters(engine, prompts):
+    sp = SamplingParams(max_new_tokens=12)
+    seeds = [10, 11, 12, 13, 14]
+    a = engine.generate(prompts, sp, seeds)
+    b = engine.generate(prompts, sp, seeds)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.log_probs for c in a] == [c.log_probs for c in b]
+    c = engine.generate(prompts, sp, [s + 100 for s in seeds])
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    for x in a:
+        assert len(x.token_ids) == len(x.log_probs) <= 12
+        assert x.finish_reason in ("stop", "length")
+
+
+def test_row_tokens_do_not_depend_on_batch(engine, prompts, tiny_dir):
+    sp = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=50)
+    seeds = [7, 8, 9, 10, 11]
+    together = engine.generate(prompts, sp, seeds)
+    alone = [engine.generate([p], sp, [s])[0] for p, s in zip(prompts, seeds, strict=True)]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    # Micro-batching of a long request list does not change anything either.
+    small = HFRolloutEngine(tiny_dir, max_batch_size=2, progress=False)
+    again = small.generate(prompts[::-1], sp, seeds[::-1])[::-1]
+    assert [c.token_ids for c in together] == [c.token_ids for c in again]
+    for x, y in zip(together, again, strict=True):
+        assert max(abs(u - v) for u, v in zip(x.log_probs, y.log_probs, strict=True)) <= 1e-5
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
+def test_log_probs_match_teacher_forced_train_forward(engine, prompts, tiny_dir, temperature, top_p):
+    sp = SamplingParams(max_new_tokens=20, temperature=temperature, top_p=top_p)
+    completions = engine.generate(prompts, sp, [1, 2, 3, 4, 5])
+    recomputed = _teacher_forced(tiny_dir, prompts, completions, temperature)
+    worst = 0.0
+    for i, c in enumerate(completions):
+        got = torch.tensor(c.log_probs, dtype=torch.float32)
+        worst = max(worst, float((got - recomputed[i, : len(got)]).abs().max()))
+    assert worst <= 1e-5
+
+
+def test_greedy_ignores_seed_and_top_k_1_is_greedy(engine, prompts):
+    greedy = SamplingParams(max_new_tokens=10, do_sample=False)
+    a = engine.generate(prompts, greedy, [1, 2, 3, 4, 5])
+    b = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0), [9, 9, 9, 9, 9])
+    c = engine.generate(prompts, SamplingParams(max_new_tokens=10, top_k=1), [5, 6, 7, 8, 9])
+    assert [x.token_ids for x in a] == [x.token_ids for x in b] == [x.token_ids for x in c]
+
+
+def test_stops_at_eos_and_includes_it(tiny_dir, prompts, engine):
+    first = engine.generate(prompts[:1], SamplingParams(max_new_tokens=4, do_sample=False), [0])[0].token_ids[
+        0
+    ]
+    stopper = HFRolloutEngine(tiny_dir, eos_token_id=first, progress=False)
+    out = stopper.generate(prompts[:1] * 2, SamplingParams(max_new_tokens=8, do_sample=False), [0, 1])
+    for c in out:
+        assert c.token_ids == [first] and c.finish_reason == "stop" and len(c.log_probs) == 1
+    long = engine.generate(prompts[:1], SamplingParams(max_new_tokens=3, do_sample=False), [0])[0]
+    assert long.finish_reason == "length" and len(long.token_ids) == 3
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(filter_logits(logits, top_k=2, top_p=1.0))
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = torch.isfinite(filter_logits(logits, top_k=-1, top_p=0.8))  # 0.5 + 0.3 reaches 0.8
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = torch.isfinite(filter_logits(logits, top_k=-1, top_p=0.81))
+    assert kept.tolist() == [[True, True, True, False]]
+    kept = torch.isfinite(filter_logits(logits, top_k=-1, top_p=0.1))  # the best token always stays
+    assert kept.tolist() == [[True, False, False, False]]
+
+
+def test_sampling_follows_the_distribution(engine, prompts):
+    # Empirical first-token frequencies over many seeds match softmax(logits / T) restricted to top-k.
+    sp = SamplingParams(max_new_tokens=1, temperature=2.0, top_k=3)
+    n = 600
+    out = engine.generate(prompts[:1] * n, sp, list(range(n)))
+    model = engine.model
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompts[0]])).logits[0, -1] / 2.0
+    top = torch.topk(logits, 3)
+    probs = torch.softmax(top.values, -1)
+    counts = torch.zeros(3)
+    for c in out:
+        tok = c.token_ids[0]
+        assert tok in top.indices.tolist()
+        counts[top.indices.tolist().index(tok)] += 1
+    assert torch.allclose(counts / n, probs, atol=0.07)
+
+
+def test_sync_weights_and_load_weights_from(tiny_dir, prompts, tmp_path):
+    eng = HFRolloutEngine(tiny_dir, progress=False)
+    sp = SamplingParams(max_new_tokens=6, do_sample=False)
+    before = eng.generate(prompts, sp, [0] * 5)
+    original = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    assert eng.weight_version == 0
+    eng.sync_weights((f"module.{k}", v * 1.5) for k, v in original.items())
+    assert eng.weight_version == 1
+    assert torch.equal(eng.model.state_dict()["model.norm.weight"], original["model.norm.weight"] * 1.5)
+    assert eng.generate(prompts, sp, [0] * 5) != before
+    eng.load_weights_from(tiny_dir, version=7)
+    assert eng.weight_version == 7
+    assert [c.token_ids for c in eng.generate(prompts, sp, [0] * 5)] == [c.token_ids for c in before]
+    with pytest.raises(KeyError, match="not_a_param"):
+        eng.sync_weights([("not_a_param", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        eng.sync_weights([("model.norm.weight", torch.zeros(3))])
+    with pytest.raises(FileNotFoundError):
+        eng.load_weights_from(tmp_path)
+
+
+def test_argument_errors(engine, prompts):
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(SamplingParamsError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="seeds"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=2), [1])
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], SamplingParams(max_new_tokens=2), [1])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.generate(prompts[:1], SamplingParams(max_new_tokens=1000), [1])
+    with pytest.raises(ValueError, match="rollout.name"):
+        make_rollout_engine("sglang", "/nonexistent")

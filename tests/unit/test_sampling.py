@@ -1,0 +1,143 @@
+"""Group filtering (reference §6.1 step 8, trap 1) and adaptive refill sizing."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dapo_core.sampling import KeepRateEstimator, filter_groups, group_keep_stats, next_gen_batch_size
+
+
+def _reference_loop(uids, values):
+    """The reference rule written as a plain loop with np.std (population)."""
+    groups: dict = {}
+    for u, v in zip(uids, values):
+        groups.setdefault(u, []).append(v)
+    kept = {u for u, vs in groups.items() if np.std(vs) > 0 or len(vs) == 1}
+    return np.array([u in kept for u in uids], dtype=bool)
+
+
+def test_filter_groups_example_order_preserved():
+    uids = ["b", "a", "b", "c", "a", "d", "d"]
+    values = [1.0, -1.0, -1.0, 1.0, -1.0, 0.5, -0.25]
+    # b varies, a constant, c singleton, d varies
+    assert filter_groups(uids, values).tolist() == [True, False, True, True, False, True, True]
+
+
+def test_filter_groups_bool_metric_and_ints():
+    assert filter_groups([1, 1, 2, 2], [True, False, True, True]).tolist() == [True, True, False, False]
+
+
+def test_filter_groups_nan_and_empty_and_errors():
+    assert filter_groups(["a", "a", "b"], [float("nan"), 1.0, float("nan")]).tolist() == [False, False, True]
+    assert filter_groups([], []).shape == (0,)
+    with pytest.raises(ValueError, match="uids has 2 entries but values has 1"):
+        filter_groups(["a", "b"], [1.0])
+
+
+def test_identical_decimal_values_are_constant():
+    # np.std([0.1]*3) is a tiny positive number; the group has no signal and is dropped
+    assert not filter_groups(["a"] * 3, [0.1] * 3).any()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(-2, 2)), max_size=40))
+def test_filter_groups_matches_reference_loop(pairs):
+    uids = [f"u{u}" for u, _ in pairs]
+    values = [float(v) for _, v in pairs]
+    assert filter_groups(uids, values).tolist() == _reference_loop(uids, values).tolist()
+    stats = group_keep_stats(uids, values)
+    assert stats["num_groups"] == len(set(uids))
+    assert stats["num_kept_rows"] == float(filter_groups(uids, values).sum())
+    assert stats["num_kept_groups"] + stats["num_constant_groups"] == stats["num_groups"]
+
+
+def test_group_keep_stats_example():
+    s = group_keep_stats(["a", "a", "b", "b", "c"], [1, 0, 1, 1, 1])
+    assert s == {
+        "num_groups": 3.0,
+        "num_kept_groups": 2.0,
+        "num_rows": 5.0,
+        "num_kept_rows": 3.0,
+        "num_singleton_groups": 1.0,
+        "num_constant_groups": 1.0,
+        "keep_rate": pytest.approx(2 / 3),
+    }
+    assert group_keep_stats([], [])["keep_rate"] == 0.0
+
+
+def test_next_gen_batch_size_rules():
+    assert next_gen_batch_size(512, None, base=1536) == 1536
+    assert next_gen_batch_size(0, 0.5, base=1536) == 0
+    assert next_gen_batch_size(-3, None, base=1536) == 0
+    assert next_gen_batch_size(100, 0.4, base=1536) == math.ceil(100 / 0.4 * 1.2)
+    assert next_gen_batch_size(100, 0.0, base=1536) == math.ceil(100 / 0.05 * 1.2)  # floored keep rate
+    assert next_gen_batch_size(1, 1.0, base=1536, min_size=64) == 64
+    assert next_gen_batch_size(500, 0.1, base=1536, max_size=2048) == 2048
+    assert next_gen_batch_size(512, None, base=4096, max_size=2048) == 2048
+    assert next_gen_batch_size(10, 0.5, base=8, safety=1.0) == 20
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"deficit_groups": 1.5, "keep_rate": 0.5, "base": 8}, "deficit_groups"),
+        ({"deficit_groups": 4, "keep_rate": 1.5, "base": 8}, "keep_rate"),
+        ({"deficit_groups": 4, "keep_rate": 0.5, "base": 0}, "base"),
+        ({"deficit_groups": 4, "keep_rate": 0.5, "base": 8, "min_size": 10, "max_size": 5}, "max_size"),
+        ({"deficit_groups": 4, "keep_rate": 0.5, "base": 8, "safety": 0.0}, "safety"),
+    ],
+)
+def test_next_gen_batch_size_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        next_gen_batch_size(**kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 2000), st.floats(0.0, 1.0), st.integers(1, 64), st.floats(1.0, 2.0))
+def test_next_gen_batch_size_expected_fill(deficit, rate, min_size, safety):
+    size = next_gen_batch_size(deficit, rate, base=1536, min_size=min_size, safety=safety)
+    assert size >= min_size
+    # the expected number of kept groups covers the deficit whenever the rate is above the floor
+    if rate >= 0.05:
+        assert size * rate >= deficit * safety - 1e-6 or size == min_size
+
+
+def test_keep_rate_estimator():
+    est = KeepRateEstimator(decay=1.0)
+    assert est.rate is None
+    est.update(30, 100)
+    est.update(50, 100)
+    assert est.rate == pytest.approx(0.4)
+    prior = KeepRateEstimator(prior_rate=0.5, prior_weight=100, decay=1.0)
+    assert prior.rate == 0.5
+    prior.update(0, 100)
+    assert prior.rate == pytest.approx(0.25)
+    decayed = KeepRateEstimator(decay=0.5)
+    decayed.update(100, 100)
+    decayed.update(0, 100)
+    assert decayed.rate == pytest.approx(50 / 150)
+    clone = KeepRateEstimator(decay=0.5)
+    clone.load_state_dict(decayed.state_dict())
+    assert clone.rate == decayed.rate
+    with pytest.raises(ValueError, match="num_kept_groups"):
+        est.update(5, 4)
+    with pytest.raises(ValueError, match="decay"):
+        KeepRateEstimator(decay=0.0)
+
+
+def test_bench_refill_adaptive_reduces_surplus():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "bench_refill.py"
+    spec = importlib.util.spec_from_file_location("bench_refill", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    kw = {"steps": 40, "train_batch_size": 512, "gen_batch_size": 1536, "min_size": 64, "safety": 1.2, "seed": 0}
+    fixed = mod.simulate(0.7, False, **kw)
+    adaptive = mod.simulate(0.7, True, **kw)
+    assert adaptive["surplus_groups"] < fixed["surplus_groups"] / 2
+    assert adaptive["prompts_per_step"] < fixed["prompts_per_step"]

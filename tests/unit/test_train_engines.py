@@ -1,0 +1,306 @@
+"""Tests for the training engines (torch, DeepSpeed ZeRO 1/2/3), LR schedule and the PPO update loop."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dapo_core.engines.train import (
+    OptimConfigError,
+    entropy_from_logits,
+    lr_lambda_for,
+    make_train_engine,
+    ppo_update,
+    response_log_probs,
+)
+from dapo_core.models import build_tiny_model, load_model, load_tokenizer
+
+torch.set_num_threads(1)
+
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": True,
+}
+OPTIM = {
+    "lr": 1e-2,
+    "betas": (0.9, 0.99),
+    "weight_decay": 0.1,
+    "lr_warmup_steps": 2,
+    "warmup_style": "constant",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), TINY, seed=1)
+
+
+def make_batch(n=8, prompt_len=5, resp_len=6, seed=0):
+    """Left-padded prompts, right-padded responses, random advantages and old log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 99, (n, prompt_len + resp_len), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(n):
+        mask[i, : i % 3] = 0  # left padding
+        mask[i, prompt_len + resp_len - (i % 4) :] = 0  # right padding (short responses)
+    ids = ids.masked_fill(mask == 0, 0)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": pos,
+        "response_mask": mask[:, prompt_len:].float(),
+        "advantages": torch.randn(n, resp_len, generator=g),
+        "old_log_probs": -4.6 + 0.1 * torch.randn(n, resp_len, generator=g),
+    }
+
+
+def token_mean_pg_loss(log_probs, entropy, micro, info):
+    """A clipped PPO token-mean loss normalised by the mini-batch token count (NEWEST global info)."""
+    mask = micro["response_mask"]
+    ratio = torch.exp(log_probs - micro["old_log_probs"])
+    adv = micro["advantages"]
+    losses = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28))
+    loss = (losses * mask).sum() / info["batch_num_tokens"] * info["dp_size"]
+    return loss, {
+        "actor/pg_loss": loss.detach(),
+        "actor/ppo_kl": ((micro["old_log_probs"] - log_probs) * mask).sum(),
+    }
+
+
+def params_of(engine):
+    return {k: v.detach().clone() for k, v in engine.state_dict_for_sync().items()}
+
+
+def max_param_diff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# --------------------------------------------------------------------------- shared numerics
+def test_response_log_probs_and_entropy_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7, dtype=torch.float64)
+    ids = torch.randint(0, 7, (2, 5))
+    lp, ent = response_log_probs(logits, ids, 3, temperature=0.5, calculate_entropy=True)
+    z = logits[:, 1:4] / 0.5
+    p = torch.softmax(z, -1)
+    ref_lp = torch.log(p).gather(-1, ids[:, 2:, None]).squeeze(-1)
+    ref_ent = -(p * torch.log(p)).sum(-1)
+    assert lp.dtype == torch.float64
+    assert torch.allclose(lp, ref_lp, atol=1e-12) and torch.allclose(ent, ref_ent, atol=1e-12)
+    assert torch.allclose(entropy_from_logits(torch.zeros(1, 4)), torch.tensor([math.log(4)]))
+    with pytest.raises(ValueError, match="response_length"):
+        response_log_probs(logits, ids, 5)
+
+
+def test_lr_schedule_warmup_constant_and_cosine():
+    const = lr_lambda_for({"lr_warmup_steps": 4, "warmup_style": "constant"}, total_steps=10)
+    assert [const(s) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    ratio = lr_lambda_for({"lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.2}, total_steps=10)
+    assert [ratio(s) for s in range(3)] == [0.0, 0.5, 1.0]
+    assert lr_lambda_for({}, total_steps=10)(0) == 1.0  # no warmup
+    cos = lr_lambda_for({"lr_warmup_steps": 2, "warmup_style": "cosine", "min_lr_ratio": 0.1}, total_steps=12)
+    assert cos(1) == 0.5 and cos(2) == 1.0
+    assert cos(7) == pytest.approx(0.55) and cos(12) == pytest.approx(0.1) and cos(20) == pytest.approx(0.1)
+    with pytest.raises(OptimConfigError, match="warmup_style"):
+        lr_lambda_for({"warmup_style": "linear"}, 10)
+
+
+def test_engine_lr_follows_lr_step(tiny_dir):
+    eng = make_train_engine("torch", tiny_dir, OPTIM, total_steps=10, grad_clip=1.0)
+    lrs = [eng.lr]
+    for _ in range(3):
+        eng.lr_step()
+        lrs.append(eng.lr)
+    assert lrs == pytest.approx([0.0, 5e-3, 1e-2, 1e-2])
+
+
+# --------------------------------------------------------------------------- torch engine
+def test_forward_grad_modes_and_float64(tiny_dir):
+    batch = make_batch()
+    eng = make_train_engine("torch", tiny_dir, OPTIM, total_steps=5, grad_clip=1.0, dtype=torch.float64)
+    eng.eval()
+    lp, ent = eng.forward(
+        batch["input_ids"], batch["attention_mask"], batch["position_ids"], 6, calculate_entropy=True
+    )
+    assert lp.shape == ent.shape == (8, 6) and lp.dtype == torch.float64 and not lp.requires_grad
+    eng.train()
+    lp2, none = eng.forward(batch["input_ids"], batch["attention_mask"], batch["position_ids"], 6)
+    assert lp2.requires_grad and none is None
+    assert torch.equal(lp, lp2.detach())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "lr", "epochs", "tol"), [(torch.float64, 1e-2, 2, 1e-10), (torch.float32, 1e-3, 1, 1e-6)]
+)
+def test_micro_batch_split_gives_same_update(tiny_dir, dtype, lr, epochs, tol):
+    batch = make_batch()
+    batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+    results = []
+    for micro in (4, 1, 3):
+        eng = make_train_engine(
+            "torch", tiny_dir, {**OPTIM, "lr": lr}, total_steps=5, grad_clip=1.0, dtype=dtype
+        )
+        eng.lr_step()
+        metrics = ppo_update(
+            eng,
+            batch,
+            loss_fn=token_mean_pg_loss,
+            mini_batch_size=4,
+            micro_batch_size=micro,
+            epochs=epochs,
+            shuffle=True,
+        )
+        results.append((params_of(eng), metrics))
+    (p0, m0), *rest = results
+    moved = max_param_diff(
+        p0, {k: v.to(dtype) for k, v in load_model(tiny_dir, dtype=dtype).state_dict().items()}
+    )
+    assert moved > 100 * tol  # the update did something
+    for p, m in rest:
+        assert max_param_diff(p0, p) <= tol
+        assert m["actor/pg_loss"] == pytest.approx(m0["actor/pg_loss"], abs=1e-6)  # summed over micro-batches
+        assert m["actor/grad_norm"] == pytest.approx(m0["actor/grad_norm"], rel=1e-5)
+    assert m0["actor/lr"] == pytest.approx(lr / 2)
+    assert set(m0) == {"actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/lr"}
+
+
+def test_ppo_update_global_batch_info_and_shuffle_seed(tiny_dir):
+    batch = make_batch(n=6)
+    seen = []
+
+    def spy(log_probs, entropy, micro, info):
+        seen.append((dict(info), micro["input_ids"][:, 0].tolist(), entropy is not None))
+        return token_mean_pg_loss(log_probs, entropy, micro, info)
+
+    eng = make_train_engine("torch", tiny_dir, OPTIM, total_steps=5, grad_clip=1.0)
+    ppo_update(eng, batch, loss_fn=spy, mini_batch_size=3, micro_batch_size=2, calculate_entropy=True)
+    assert [s[0]["global_batch_size"] for s in seen] == [3, 3, 3, 3]
+    assert seen[0][0]["batch_num_tokens"] == int(batch["response_mask"][:3].sum())
+    assert seen[2][0]["batch_num_tokens"] == int(batch["response_mask"][3:].sum())
+    assert seen[0][1] + seen[1][1] == batch["input_ids"][:3, 0].tolist() and all(s[2] for s in seen)
+    orders = []
+    for seed in (0, 0, 1):
+        seen.clear()
+        ppo_update(eng, batch, loss_fn=spy, mini_batch_size=6, micro_batch_size=6, shuffle=True, seed=seed)
+        orders.append(seen[0][1])
+    assert orders[0] == orders[1] != orders[2]
+    with pytest.raises(ValueError, match="mini_batch_size"):
+        ppo_update(eng, batch, loss_fn=spy, mini_batch_size=4, micro_batch_size=2)
+    with pytest.raises(KeyError, match="response_mask"):
+        ppo_update(
+            eng,
+            {k: v for k, v in batch.items() if k != "response_mask"},
+            loss_fn=spy,
+            mini_batch_size=6,
+            micro_batch_size=2,
+        )
+
+
+def test_grad_clip_and_nonfinite_step_is_skipped(tiny_dir):
+    batch = make_batch()
+    eng = make_train_engine("torch", tiny_dir, {"lr": 1e-2}, total_steps=5, grad_clip=1e-3)
+    before = params_of(eng)
+    lp, _ = eng.forward(batch["input_ids"], batch["attention_mask"], batch["position_ids"], 6)
+    eng.backward(lp.sum() * float("nan"))
+    assert math.isnan(eng.step())
+    assert eng.skipped_steps == 1 and max_param_diff(before, params_of(eng)) == 0.0
+    lp, _ = eng.forward(batch["input_ids"], batch["attention_mask"], batch["position_ids"], 6)
+    eng.backward(-lp.mean())
+    params = [p for p in eng.model.parameters()]
+    norm = eng.step()
+    assert math.isfinite(norm) and norm > 1e-3 and eng.skipped_steps == 1 and eng.optimizer_steps == 1
+    assert all(p.grad is None for p in params)
+
+
+def _train(eng, batch, steps):
+    losses = []
+    for _ in range(steps):
+        m = ppo_update(
+            eng, batch, loss_fn=token_mean_pg_loss, mini_batch_size=4, micro_batch_size=2, shuffle=True
+        )
+        eng.lr_step()
+        losses.append(m["actor/pg_loss"])
+    return losses
+
+
+def test_save_load_is_bitwise(tiny_dir, tmp_path):
+    batch = make_batch()
+    a = make_train_engine("torch", tiny_dir, OPTIM, total_steps=6, grad_clip=1.0)
+    _train(a, batch, 2)
+    a.save(tmp_path / "ckpt")
+    rand_after_save = torch.rand(4)
+    np_after_save = np.random.rand(2)
+    cont_a = _train(a, batch, 2)
+    b = make_train_engine("torch", tiny_dir, OPTIM, total_steps=6, grad_clip=1.0, seed=99)
+    b.load(tmp_path / "ckpt")
+    assert torch.equal(torch.rand(4), rand_after_save) and np.array_equal(np.random.rand(2), np_after_save)
+    cont_b = _train(b, batch, 2)
+    assert cont_a == cont_b and b.lr == a.lr and b.optimizer_steps == a.optimizer_steps
+    assert max_param_diff(params_of(a), params_of(b)) == 0.0
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
+    # The checkpoint folder is also a loadable HF model with the char tokenizer.
+    model = load_model(tmp_path / "ckpt")
+    assert (
+        load_tokenizer(tmp_path / "ckpt").decode(load_tokenizer(tmp_path / "ckpt").encode("a b\n")) == "a b\n"
+    )
+    assert model.config.vocab_size == a.model.config.vocab_size
+    with pytest.raises(FileNotFoundError):
+        b.load(tmp_path)
+
+
+def test_export_hf_matches_weights(tiny_dir, tmp_path):
+    eng = make_train_engine("torch", tiny_dir, OPTIM, total_steps=3, grad_clip=1.0)
+    eng.lr_step()
+    _train(eng, make_batch(), 1)
+    out = eng.export_hf(tmp_path / "hf")
+    reloaded = load_model(out)
+    assert max_param_diff(params_of(eng), dict(reloaded.state_dict())) == 0.0
+    assert (out / "tokenizer" / "tokenizer.json").is_file()
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_deepspeed_matches_torch_and_round_trips(tiny_dir, tmp_path, zero_stage):
+    pytest.importorskip("deepspeed")
+    batch = make_batch()
+    optim = {**OPTIM, "lr": 2e-3}
+    ref = make_train_engine("torch", tiny_dir, optim, total_steps=6, grad_clip=0.5)
+    ds = make_train_engine(
+        "deepspeed", tiny_dir, optim, total_steps=6, grad_clip=0.5, deepspeed_cfg={"zero_stage": zero_stage}
+    )
+    try:
+        for eng in (ref, ds):
+            eng.lr_step()
+        torch.manual_seed(5)
+        ref_losses = _train(ref, batch, 3)
+        torch.manual_seed(5)
+        ds_losses = _train(ds, batch, 3)
+        assert np.allclose(ref_losses, ds_losses, atol=1e-5, rtol=0)
+        assert ds.lr == ref.lr
+        assert max_param_diff(params_of(ref), params_of(ds)) <= 1e-5
+        # A non-finite gradient skips the step.
+        before = params_of(ds)
+        lp, _ = ds.forward(batch["input_ids"], batch["attention_mask"], batch["position_ids"], 6)
+        ds.backward(lp.sum() * float("inf"))
+        assert not math.isfinite(ds.step())
+        assert ds.skipped_steps == 1 and max_param_diff(before, params_of(ds)) == 0.0
+        ds.save(tmp_path / "ckpt")
+        cont = _train(ds, batch, 1)
+        after = params_of(ds)
+        ds.load(tmp_path / "ckpt")
+        assert _train(ds, batch, 1) == cont
+        assert max_param_diff(after, params_of(ds)) == 0.0
+        assert max_param_diff(after, dict(load_model(ds.export_hf(tmp_path / "hf")).state_dict())) == 0.0
+    finally:
+        ds.close()
