@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dapo_core.data import make_synthetic_splits, tokenize_prompt  # noqa: E402
 from dapo_core.models import build_tiny_model, load_tokenizer  # noqa: E402
-from dapo_core.sft import synthetic_solution, warmup_sft  # noqa: E402
+from dapo_core.sft import carry_slip_solution, synthetic_solution, warmup_sft  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ops", default="+")
     ap.add_argument("--num-train", type=int, default=4000)
     ap.add_argument("--num-val", type=int, default=200)
-    ap.add_argument("--solution", choices=["worked", "answer"], default="worked")
+    ap.add_argument("--solution", choices=["worked", "answer", "carry_slip"], default="worked")
     # model
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--ffn", type=int, default=512)
     # sft
+    ap.add_argument("--slip-prob", type=float, default=0.6, help="for --solution carry_slip")
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--sft-batch", type=int, default=64)
@@ -217,8 +218,11 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         build_tiny_model(model_dir, tiny, seed=args.seed)
         tok = load_tokenizer(model_dir)
-        sol = synthetic_solution if args.solution == "worked" else (
-            lambda r: f"Answer: {r['reward_model']['ground_truth']}")
+        sol = {
+            "worked": synthetic_solution,
+            "answer": lambda r: f"Answer: {r['reward_model']['ground_truth']}",
+            "carry_slip": lambda r: carry_slip_solution(r, slip_prob=args.slip_prob, seed=args.seed),
+        }[args.solution]
         sft = warmup_sft(model_dir, train_rows, tok, steps=args.sft_steps, lr=args.sft_lr,
                          batch_size=args.sft_batch, seed=args.seed, solution_fn=sol)
         shutil.copytree(model_dir, out / "sft_model")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from dapo_core.data import tokenize_prompt
 
-__all__ = ["SFTError", "synthetic_solution", "warmup_sft", "encode_sft_example"]
+__all__ = ["SFTError", "carry_slip_solution", "encode_sft_example", "synthetic_solution", "warmup_sft"]
 
 
 class SFTError(ValueError):
@@ -45,6 +45,36 @@ def synthetic_solution(row: dict[str, Any]) -> str:
     if expr:
         return f"{expr}={answer}\nAnswer: {answer}"
     return f"Answer: {answer}"
+
+
+def _no_carry_sum(a: int, b: int) -> int:
+    """``a + b`` computed digit by digit without carrying (a classic slip): 58+67 -> 15."""
+    out, place = 0, 1
+    while a or b:
+        out += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
+
+
+def carry_slip_solution(row: dict[str, Any], *, slip_prob: float = 0.6, seed: int = 0) -> str:
+    """Like :func:`synthetic_solution`, but a fixed fraction of sums is written *without carrying*.
+
+    Models a base model that learned arithmetic from imperfect text: it has the features for the correct
+    sum but also a systematic misconception. Which rows slip is a deterministic function of the expression
+    and ``seed`` (a stable hash, not Python's ``hash``), so the warm-up data is reproducible. Only
+    two-operand ``+`` problems with non-negative operands can slip; other rows get the correct solution.
+    """
+    import hashlib
+
+    expr = (row.get("extra_info") or {}).get("expression", "")
+    parts = expr.split("+")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        return synthetic_solution(row)
+    digest = hashlib.sha256(f"{seed}:{expr}".encode()).digest()
+    if int.from_bytes(digest[:8], "big") / 2**64 >= slip_prob:
+        return synthetic_solution(row)
+    wrong = _no_carry_sum(int(parts[0]), int(parts[1]))
+    return f"{expr}={wrong}\nAnswer: {wrong}"
 
 
 def encode_sft_example(tokenizer: Any, row: dict[str, Any], solution: str) -> tuple[list[int], int]:

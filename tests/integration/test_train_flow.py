@@ -1,0 +1,111 @@
+"""The real dapo-train flow (real Prefect, real Ray or in-process workers, real run store) on a tiny config."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from dapo_core.config import load_config, to_yaml
+from dapo_core.stages import DynamicSamplingExhausted
+from tests.integration.conftest import CONFIG, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(root, **extra):
+    return load_config(CONFIG, tiny_overrides(root, **extra))
+
+
+def test_flow_runs_steps_on_ray_and_commits_every_stage(tiny_assets):
+    from flows.dapo_train import dapo_train
+
+    cfg = _cfg(tiny_assets, **{"trainer.experiment_name": "ray2", "trainer.use_ray": "true",
+                               "trainer.total_training_steps": 2, "trainer.save_freq": 2, "trainer.test_freq": 2,
+                               "algorithm.filter_groups.enable": "false"})
+    out = dapo_train(to_yaml(cfg), "ray2")
+    assert out["train_step"] == 2 and out["gen_step"] == 2
+    run = Path(out["run_dir"])
+    for step in (1, 2):
+        for stage in ("prompts_g0", "generate_g0", "reward_g0", "batch", "old_log_prob", "advantage",
+                      "update_actor"):
+            assert (run / f"step_{step:06d}" / f"{stage}.manifest.json").exists(), (step, stage)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # validation before training, then two steps
+    assert "actor/pg_loss" in rows[1] and "critic/score/mean" in rows[1] and "actor/grad_norm" in rows[2]
+    assert any(k.startswith("val-core/synthetic_arith/acc/mean@") for k in rows[2])
+    assert (run / "ckpt" / "latest").read_text().strip() == "2"
+    assert (run / "curves.png").stat().st_size > 1000
+    # the sampled weights moved: trajectories of step 2 were generated after one update
+    from dapo_core.store import RunStore
+
+    store = RunStore(run)
+    assert set(store.read_stage(2, "generate_g0").column("weight_version").to_pylist()) == {1}
+    assert store.count("train", is_prompt=True, status="finished") == 2 * 8
+
+
+def test_dynamic_sampling_gives_up_with_the_reference_error(tiny_assets):
+    """A model whose groups never vary (random init: every answer wrong) exhausts max_num_gen_batches."""
+    from flows.dapo_train import dapo_train
+
+    from dapo_core.models import build_tiny_model
+
+    rand = build_tiny_model(tiny_assets / "models" / "random", {"hidden_size": 64, "intermediate_size": 128,
+                                                                  "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                                  "num_key_value_heads": 1, "head_dim": 32,
+                                                                  "max_position_embeddings": 128,
+                                                                  "tie_word_embeddings": True}, seed=3)
+    cfg = _cfg(tiny_assets, **{"trainer.experiment_name": "exhaust", "trainer.use_ray": "false",
+                               "actor_rollout_ref.model.path": str(rand), "trainer.val_before_train": "false",
+                               "algorithm.filter_groups.max_num_gen_batches": 2})
+    with pytest.raises(DynamicSamplingExhausted, match=r"num_gen_batches=2 >= max_num_gen_batches=2"):
+        dapo_train(to_yaml(cfg), "exhaust")
+    run = tiny_assets / "runs" / "exhaust"
+    # both generation batches were committed (nothing generated is lost) and no training stage ran
+    assert (run / "step_000001" / "reward_g1.manifest.json").exists()
+    assert not (run / "step_000001" / "update_actor.manifest.json").exists()
+
+
+def _weights(run: Path, step: int) -> dict:
+    return load_file(str(run / "ckpt" / f"step_{step}" / "actor" / "model.safetensors"))
+
+
+@pytest.mark.timeout(900)
+def test_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
+    """SIGKILL the training process inside step 3, start it again with the same run id: final weights are equal
+    bit for bit to an uninterrupted run (CPU, one thread)."""
+    common = {"trainer.total_training_steps": 3, "trainer.save_freq": 1, "trainer.test_freq": -1,
+              "trainer.val_before_train": "false", "trainer.use_ray": "false",
+              "algorithm.filter_groups.enable": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[2]
+
+    def cmd(name):
+        ov = tiny_overrides(tiny_assets, **common, **{"trainer.experiment_name": name})
+        return [sys.executable, "-m", "dapo_core.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
+
+    subprocess.run(cmd("straight"), check=True, env=env, cwd=root, capture_output=True)
+    victim = subprocess.Popen(cmd("resumed"), env=env, cwd=root, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = tiny_assets / "runs" / "resumed" / "step_000003" / "generate_g0.manifest.json"
+    deadline = time.time() + 600
+    while not marker.exists():
+        assert victim.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    run = tiny_assets / "runs" / "resumed"
+    assert (run / "ckpt" / "latest").read_text().strip() == "2"
+    done = subprocess.run(cmd("resumed"), env=env, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = _weights(tiny_assets / "runs" / "straight", 3), _weights(run, 3)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]).all(), k
