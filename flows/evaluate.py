@@ -17,6 +17,7 @@ from dapo_core import batch as B
 from dapo_core.config import load_config_text, resolve_device
 from dapo_core.evaluation import validation_summary
 from dapo_core.models import load_tokenizer
+from dapo_core.seeding import uid_factory
 from dapo_core.workers import RewardWorker, RolloutWorker
 
 
@@ -58,7 +59,7 @@ def evaluate_model(cfg_yaml: str, model_dir: str) -> dict:
                           num_workers=int(cfg.reward_model.num_workers), timeout_s=float(cfg.reward_model.timeout_s))
     try:
         t0 = time.perf_counter()
-        table = B.repeat_interleave_prompts(prompts, int(ev.n))
+        table = B.repeat_interleave_prompts(prompts, int(ev.n), uid_fn=uid_factory(cfg.trainer.seed, "eval"))
         out = rollout.generate(table, gen_step=0, validate=True)
         out, _ = reward.score(out)
         summary = validation_summary(out)

@@ -129,7 +129,8 @@ def launch_generation(run_id: str, step: int, tag: str, gen_step: int, prompts_u
     if not todo:
         return 0
     table = _rows_of(table, todo) if len(todo) < len(uids) else table
-    buffer(rt).mark_running(todo)
+    # the gen_step tag lets a re-issued prompt be regenerated with the same seeds (regenerate_reissued)
+    rt.store.update_tags(todo, status="running", gen_step=int(gen_step))
     ref = rt.worker("rollout").submit("generate", table, gen_step)
     rt.extras.setdefault(_INFLIGHT, {})[(step, tag)] = {"ref": ref, "uids": todo}
     return len(todo)
@@ -183,28 +184,31 @@ def collect_generation(run_id: str, step: int, tag: str) -> dict[str, float]:
 
 
 @task(name="replay_regenerate_reissued", task_run_name="regenerate_reissued-step{step}", **_OPTS)
-def regenerate_reissued(run_id: str, step: int, gen_step: int) -> int:
+def regenerate_reissued(run_id: str, step: int, fallback_gen_step: int) -> int:
     """Regenerate the prompts left pending/running in the ledger that no generation of this process owns (the
-    ones `RunStore.reissue_inflight` re-issued at resume), from their payloads; returns how many groups."""
+    ones `RunStore.reissue_inflight` re-issued at resume) from their payloads, each with the `gen_step` it was
+    launched with (same seeds; `fallback_gen_step` if it never was). Returns the number of groups."""
     rt = runtime.get(run_id)
     owned = {u for e in rt.extras.get(_INFLIGHT, {}).values() for u in e["uids"]}
     items = [(k, t) for k, t in rt.store.items("train", is_prompt=True)
              if t.get("status") in ("pending", "running") and k not in owned]
     if not items:
         return 0
-    for stage in ("prompts_gr", "generate_gr", "reward_gr"):  # left by an earlier attempt at this step
-        rt.store.delete_stage(step, stage)
-    tables = []
-    for key, _ in items:
+    for stage in rt.store.committed_stages(step):  # left by an earlier attempt at this step
+        if stage.startswith(("prompts_gr", "generate_gr", "reward_gr")):
+            rt.store.delete_stage(step, stage)
+    by_gen_step: dict[int, list[pa.Table]] = {}
+    for key, tags in items:
         _, payload = rt.store.get(key)
         if payload is None:
             raise RuntimeError(f"prompt {key} of run {run_id} is in flight in the ledger but has no payload to "
                                f"regenerate it from; register prompts with ReplayBuffer.register_prompts(payloads=)")
-        tables.append(_from_ipc(payload))
-    table = pa.concat_tables(tables, promote_options="default")
-    uri, _ = run_stage(rt, step, "prompts_gr", lambda: (table, {}))
-    launch_generation.fn(run_id, step, "gr", gen_step, uri)
-    collect_generation.fn(run_id, step, "gr")
+        by_gen_step.setdefault(int(tags.get("gen_step", fallback_gen_step)), []).append(_from_ipc(payload))
+    for j, (gen_step, tables) in enumerate(sorted(by_gen_step.items())):
+        table = pa.concat_tables(tables, promote_options="default")
+        uri, _ = run_stage(rt, step, f"prompts_gr{j}", lambda table=table: (table, {}))
+        launch_generation.fn(run_id, step, f"gr{j}", gen_step, uri)
+        collect_generation.fn(run_id, step, f"gr{j}")
     return len(items)
 
 

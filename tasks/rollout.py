@@ -6,6 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from dapo_core import batch as B
+from dapo_core.seeding import uid_factory
 from dapo_core.stages import apply_group_filter, truncate_to_groups
 from tasks import runtime
 from tasks.common import StageResult, run_stage
@@ -27,7 +28,8 @@ def sample_prompts(run_id: str, step: int, gen_idx: int, num_prompts: int) -> St
         sampler.load_state_dict(meta["sampler_state"])
         return rt.store.stage_uri(step, stage), dict(meta.get("metrics", {}))
     prompts = sampler.next_batch(num_prompts)
-    table = B.repeat_interleave_prompts(prompts, rt.n)
+    uid_fn = uid_factory(rt.cfg.trainer.seed, "train", step, gen_idx)
+    table = B.repeat_interleave_prompts(prompts, rt.n, uid_fn=uid_fn)
     uids = sorted(set(table.column("uid").to_pylist()))
     rt.store.put_many([(u, {"is_prompt": True, "status": "pending", "global_steps": step}) for u in uids])
     return run_stage(rt, step, stage, lambda: (table, {"train/epoch": float(sampler.epoch)}),

@@ -7,6 +7,7 @@ from prefect.cache_policies import NO_CACHE
 
 from dapo_core import batch as B
 from dapo_core.evaluation import validation_summary
+from dapo_core.seeding import uid_factory
 from tasks import runtime
 from tasks.common import StageResult, run_stage
 
@@ -19,7 +20,7 @@ def validate(run_id: str, step: int, gen_step: int) -> StageResult:
 
     def compute():
         prompts = rt.extras["val_table"]
-        table = B.repeat_interleave_prompts(prompts, int(vk.n))
+        table = B.repeat_interleave_prompts(prompts, int(vk.n), uid_fn=uid_factory(rt.cfg.trainer.seed, "val", step))
         out = rt.worker("rollout").call("generate", table, gen_step, True)
         out, _ = rt.worker("reward").call("score", out)
         return out, validation_summary(out)
