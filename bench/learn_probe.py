@@ -34,9 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dapo_core.data import make_synthetic_splits, tokenize_prompt  # noqa: E402
-from dapo_core.models import build_tiny_model, load_tokenizer  # noqa: E402
-from dapo_core.sft import carry_slip_solution, synthetic_solution, warmup_sft  # noqa: E402
+from dapo_core.data import make_synthetic_splits, tokenize_prompt
+from dapo_core.models import build_tiny_model, load_tokenizer
+from dapo_core.sft import carry_slip_solution, synthetic_solution, warmup_sft
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -51,7 +51,7 @@ def _local_score(solution: str, ground_truth: str) -> dict:
 
 try:  # the shared scorer when it has landed
     from dapo_core.rewards.math_dapo import compute_score as _score  # type: ignore
-except Exception:  # pragma: no cover - fallback while teammates build it
+except ImportError:  # pragma: no cover - fallback while teammates build it
     _score = _local_score
 
 

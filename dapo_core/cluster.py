@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Self
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "dapo"
-_LOCAL_REGISTRY: dict[tuple[str, str], "Handle"] = {}
+_LOCAL_REGISTRY: dict[tuple[str, str], Handle] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -224,7 +225,7 @@ class Cluster:
             ray.shutdown()
             self._started_ray = False
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

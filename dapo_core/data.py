@@ -35,8 +35,8 @@ __all__ = [
     "make_synthetic_math",
     "make_synthetic_splits",
     "problem_key",
-    "tokenize_prompt",
     "read_parquet",
+    "tokenize_prompt",
     "write_parquet",
 ]
 

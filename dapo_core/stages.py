@@ -5,8 +5,9 @@ Pure functions over Arrow tables; the Prefect tasks in `tasks/` call them and co
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 
 def _clean(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -51,8 +51,8 @@ def evaluate_model(cfg_yaml: str, model_dir: str) -> dict:
     cfg_val = cfg.copy()
     cfg_val.data.val_files = files
     prompts = val_prompts(cfg_val, load_tokenizer(tok_path))
-    sampling = dict(temperature=float(ev.temperature), top_p=float(ev.top_p), top_k=int(ev.top_k),
-                    max_new_tokens=int(cfg.data.max_response_length), do_sample=float(ev.temperature) > 0)
+    sampling = {"temperature": float(ev.temperature), "top_p": float(ev.top_p), "top_k": int(ev.top_k),
+                    "max_new_tokens": int(cfg.data.max_response_length), "do_sample": float(ev.temperature) > 0}
     rollout = RolloutWorker(model_dir, engine=str(cfg.actor_rollout_ref.rollout.name), device=resolve_device(cfg),
                             seed=int(cfg.trainer.seed), train_sampling=sampling, val_sampling=sampling)
     reward = RewardWorker(tok_path, max_resp_len=int(cfg.data.max_response_length), overlong_buffer=None,

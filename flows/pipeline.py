@@ -44,8 +44,8 @@ def pipeline(cfg_yaml: str, run_id: str) -> dict:
     lines = [
         "",
         "=" * 72,
-        f"DAPO run {run_id} finished in {wall / 60:.1f} min (training {train_s / 60:.1f} min, "
-        f"{result['train_step']} train steps, {result['gen_step']} generation batches)",
+        (f"DAPO run {run_id} finished in {wall / 60:.1f} min (training {train_s / 60:.1f} min, "
+        f"{result['train_step']} train steps, {result['gen_step']} generation batches)"),
         f"held-out accuracy (mean@{int(cfg.eval.n)}): before {_pct(acc0)}  ->  after {_pct(acc1)}"
         + (f"   ({(acc1 - acc0) * 100:+.1f} points)" if acc0 is not None and acc1 is not None else ""),
         f"data:        {', '.join(st['path'] for st in stats.values())}",

@@ -31,9 +31,22 @@ from dapo_core.sampling import KeepRateEstimator, next_gen_batch_size
 from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
 from flows.run_setup import DriverState, step_metrics
 from tasks import runtime
-from tasks.replay import (advantage_part, collect_generation, draw_prompts, join_parts, launch_generation,
-                          old_log_prob_part, pending_launches, ref_part, regenerate_reissued, sample_batch,
-                          split_batch, update_actor_part, update_critic_part, values_part)
+from tasks.replay import (
+    advantage_part,
+    collect_generation,
+    draw_prompts,
+    join_parts,
+    launch_generation,
+    old_log_prob_part,
+    pending_launches,
+    ref_part,
+    regenerate_reissued,
+    sample_batch,
+    split_batch,
+    update_actor_part,
+    update_critic_part,
+    values_part,
+)
 from tasks.update import sync_weights
 
 _PART = re.compile(r"_p\d+$")

@@ -16,9 +16,15 @@ import pyarrow as pa
 from omegaconf import OmegaConf
 
 from dapo_core import batch as B
-from dapo_core.config import (gen_batch_size, load_config_text, need_reference_policy, resolve_device, to_yaml,
-                              use_critic)
 from dapo_core.cluster import Cluster
+from dapo_core.config import (
+    gen_batch_size,
+    load_config_text,
+    need_reference_policy,
+    resolve_device,
+    to_yaml,
+    use_critic,
+)
 from dapo_core.data import PromptSampler, read_parquet
 from dapo_core.kl import get_kl_controller
 from dapo_core.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
@@ -91,15 +97,15 @@ def _create_workers(cfg, cluster: Cluster, model_path: str, tokenizer_path: str,
     ro = arr.rollout
     gpu = 1.0 if device == "cuda" else 0.0
     max_new = int(cfg.data.max_response_length)
-    train_sampling = dict(temperature=float(ro.temperature), top_p=float(ro.top_p), top_k=int(ro.top_k),
-                          max_new_tokens=max_new, do_sample=bool(ro.do_sample))
+    train_sampling = {"temperature": float(ro.temperature), "top_p": float(ro.top_p), "top_k": int(ro.top_k),
+                          "max_new_tokens": max_new, "do_sample": bool(ro.do_sample)}
     vk = ro.val_kwargs
-    val_sampling = dict(temperature=float(vk.temperature), top_p=float(vk.top_p), top_k=int(vk.top_k),
-                        max_new_tokens=max_new, do_sample=bool(vk.do_sample))
+    val_sampling = {"temperature": float(vk.temperature), "top_p": float(vk.top_p), "top_k": int(vk.top_k),
+                        "max_new_tokens": max_new, "do_sample": bool(vk.do_sample)}
     engine_opts = {}
     if str(ro.name) == "vllm":
-        engine_opts = dict(gpu_memory_utilization=float(ro.gpu_memory_utilization),
-                           tensor_parallel_size=int(ro.tensor_model_parallel_size), enforce_eager=bool(ro.enforce_eager))
+        engine_opts = {"gpu_memory_utilization": float(ro.gpu_memory_utilization),
+                           "tensor_parallel_size": int(ro.tensor_model_parallel_size), "enforce_eager": bool(ro.enforce_eager)}
     seed = int(cfg.trainer.seed)
     cluster.create("rollout", functools.partial(RolloutWorker, model_path, engine=str(ro.name), device=device,
                                                 seed=seed, train_sampling=train_sampling, val_sampling=val_sampling,

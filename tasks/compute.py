@@ -10,7 +10,7 @@ from dapo_core.stages import compute_advantage_table
 from tasks import runtime
 from tasks.common import StageResult, run_stage
 
-_OPTS = dict(retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+_OPTS = {"retries": 2, "retry_delay_seconds": 1, "cache_policy": NO_CACHE}
 
 
 @task(name="old_log_prob", task_run_name="old_log_prob-step{step}", **_OPTS)

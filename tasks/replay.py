@@ -35,7 +35,7 @@ from dapo_core.stages import apply_group_filter, compute_advantage_table
 from tasks import runtime
 from tasks.common import StageResult, run_stage
 
-_OPTS = dict(retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+_OPTS = {"retries": 2, "retry_delay_seconds": 1, "cache_policy": NO_CACHE}
 _BUFFER = "replay_buffer"
 _INFLIGHT = "replay_inflight"  # {(step, tag): {"ref": ObjectRef | table, "uids": [...]}}
 _DAPO_COUNTS = "_dapo_filtered_reward_counts"

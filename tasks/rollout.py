@@ -11,7 +11,7 @@ from dapo_core.stages import apply_group_filter, truncate_to_groups
 from tasks import runtime
 from tasks.common import StageResult, run_stage
 
-_OPTS = dict(retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+_OPTS = {"retries": 2, "retry_delay_seconds": 1, "cache_policy": NO_CACHE}
 
 
 @task(name="sample_prompts", task_run_name="sample_prompts-step{step}-g{gen_idx}", **_OPTS)

@@ -12,7 +12,7 @@ from typing import Any
 from dapo_core.cluster import Cluster
 from dapo_core.store import RunStore
 
-_RUNTIMES: dict[str, "Runtime"] = {}
+_RUNTIMES: dict[str, Runtime] = {}
 _LOCK = threading.Lock()
 
 

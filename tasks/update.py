@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks import runtime
 from tasks.common import StageResult, run_stage
 
-_OPTS = dict(cache_policy=NO_CACHE)
+_OPTS = {"cache_policy": NO_CACHE}
 
 
 def _marker(step: int) -> pa.Table:

@@ -15,11 +15,11 @@ into micro-batches of `max_batch_size` rows.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import inspect
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache

@@ -7,4 +7,4 @@ from dapo_core.workers.critic import CriticWorker
 from dapo_core.workers.reward import RewardWorker
 from dapo_core.workers.rollout import RolloutWorker
 
-__all__ = ["ActorWorker", "RefWorker", "CriticWorker", "RewardWorker", "RolloutWorker"]
+__all__ = ["ActorWorker", "CriticWorker", "RefWorker", "RewardWorker", "RolloutWorker"]

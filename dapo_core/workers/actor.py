@@ -8,7 +8,8 @@ weights for the rollout engine. The objective is reference §1.4:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import pyarrow as pa
 import torch

@@ -7,7 +7,8 @@ the actor (micro-batch split invariant).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import pyarrow as pa
 import torch
@@ -97,7 +98,7 @@ class CriticWorker:
                     self.optimizer.step()
                 norms.append(float(norm))
                 losses.append(total)
-        mean = lambda xs: float(sum(xs) / max(len(xs), 1))  # noqa: E731
+        mean = lambda xs: float(sum(xs) / max(len(xs), 1))
         return {"critic/vf_loss": mean(losses), "critic/vf_clipfrac": mean(clipfracs),
                 "critic/grad_norm": mean(norms), "critic/lr": float(self.optimizer.param_groups[0]["lr"])}
 

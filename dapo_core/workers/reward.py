@@ -6,7 +6,8 @@ their uid by the reward manager (never a silent zero).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import pyarrow as pa
 

@@ -6,7 +6,8 @@ after a crash gives the same tokens where the engine is deterministic (HF on CPU
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import pyarrow as pa
 

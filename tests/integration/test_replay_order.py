@@ -15,17 +15,18 @@ import os
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="dapo-prefect-home-"))
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+_PREFECT_HOME = tempfile.mkdtemp(prefix="dapo-prefect-home-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "90"
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from dapo_core.config import load_config, to_yaml  # noqa: E402
-from dapo_core.store import RunStore  # noqa: E402
+from dapo_core.config import load_config, to_yaml
+from dapo_core.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -54,8 +55,23 @@ def _overrides(tmp: Path, *, use_ray: bool, run: str) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _prefect_home():
+    """A throw-away Prefect home and ephemeral API, also when another test module imported prefect first."""
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_HOME,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+        temporary_settings,
+    )
+
+    with temporary_settings(updates={PREFECT_HOME: _PREFECT_HOME,
+                                     PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 90, PREFECT_API_URL: None}):
+        yield
+
+
 @pytest.fixture(scope="module")
-def assets():
+def assets(_prefect_home):
     """Data and the tiny base model, built once by their Prefect flows."""
     from flows.base_model import base_model_flow
     from flows.prepare_data import prepare_data_flow

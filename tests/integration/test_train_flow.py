@@ -52,9 +52,8 @@ def test_flow_runs_steps_on_ray_and_commits_every_stage(tiny_assets):
 
 def test_dynamic_sampling_gives_up_with_the_reference_error(tiny_assets):
     """A model whose groups never vary (random init: every answer wrong) exhausts max_num_gen_batches."""
-    from flows.dapo_train import dapo_train
-
     from dapo_core.models import build_tiny_model
+    from flows.dapo_train import dapo_train
 
     rand = build_tiny_model(tiny_assets / "models" / "random", {"hidden_size": 64, "intermediate_size": 128,
                                                                   "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -103,7 +102,7 @@ def test_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
     victim.wait()
     run = tiny_assets / "runs" / "resumed"
     assert (run / "ckpt" / "latest").read_text().strip() == "2"
-    done = subprocess.run(cmd("resumed"), env=env, cwd=root, capture_output=True, text=True)
+    done = subprocess.run(cmd("resumed"), env=env, cwd=root, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = _weights(tiny_assets / "runs" / "straight", 3), _weights(run, 3)
     assert a.keys() == b.keys()

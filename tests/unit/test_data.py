@@ -168,7 +168,7 @@ def test_sampler_deterministic_and_epoch_wrap(tokenizer):
     ids_a = [a.next_batch()["prompt_id"].to_pylist() for _ in range(9)]
     ids_b = [b.next_batch()["prompt_id"].to_pylist() for _ in range(9)]
     assert ids_a == ids_b
-    epoch0 = sum(ids_a[:4], [])
+    epoch0 = [p for batch in ids_a[:4] for p in batch]
     assert len(set(epoch0)) == 20  # no repeats inside an epoch
     assert ids_a[4:8] != ids_a[:4]  # a new permutation after the wrap
     assert a.epoch == 2  # batches 0-3 epoch 0, 4-7 epoch 1, 8 epoch 2

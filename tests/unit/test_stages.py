@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from dapo_core import batch as B
-from dapo_core.stages import (apply_group_filter, compute_advantage_table, exhausted_message,
-                              filter_metric_values, place_scalar_at_last_token, truncate_to_groups)
+from dapo_core.stages import (
+    apply_group_filter,
+    compute_advantage_table,
+    exhausted_message,
+    filter_metric_values,
+    place_scalar_at_last_token,
+    truncate_to_groups,
+)
 
 
 def _table(groups: list[list[float]], lengths=None) -> pa.Table:

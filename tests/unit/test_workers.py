@@ -33,7 +33,7 @@ def _prompts(n_prompts: int = 2, n: int = 4) -> pa.Table:
 
 
 def _rollout(model_dir):
-    s = dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=6, do_sample=True)
+    s = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "do_sample": True}
     return RolloutWorker(model_dir, seed=3, train_sampling=s, val_sampling={**s, "do_sample": False})
 
 

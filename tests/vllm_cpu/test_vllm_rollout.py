@@ -10,7 +10,6 @@ training engine recomputes. Tolerance achieved on CPU in float32: < 1e-4 (observ
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
