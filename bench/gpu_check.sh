@@ -78,7 +78,7 @@ rc=$?
 echo "=== pytest exit code: $rc"
 
 echo "=== results JSON"
-cat "$OUT/gpu_results.json" 2>/dev/null || echo "(none written)"
+{ cat "$OUT/gpu_results.json" && echo; } 2>/dev/null || echo "(none written)"
 echo "=== done $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 exit $rc
 } 2>&1 | tee "$LOG"

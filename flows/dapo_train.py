@@ -24,6 +24,7 @@ from prefect import flow, get_run_logger
 from dapo_core.config import gen_batch_size, need_reference_policy, use_critic
 from dapo_core.sampling import KeepRateEstimator, next_gen_batch_size
 from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
+from flows.replay_order import replay_train_step
 from flows.run_setup import DriverState, close_run, load_cfg, open_run, restore, step_metrics
 from tasks.compute import advantage, old_log_prob, ref, values
 from tasks.rollout import assemble_batch, filter_groups, generate, reward, sample_prompts
@@ -128,7 +129,8 @@ def dapo_train(config_yaml: str, run_id: str) -> dict:
         while state.train_step < total:
             step = state.train_step + 1
             progress.begin_step(step, total)
-            metrics = train_step(run_id, cfg, step, state, progress)
+            step_fn = replay_train_step if str(cfg.trainer.step_order) == "replay_buffer" else train_step
+            metrics = step_fn(run_id, cfg, step, state, progress)
             state.train_step = step
             last = step == total
             if int(cfg.trainer.save_freq) > 0 and (step % int(cfg.trainer.save_freq) == 0 or last):

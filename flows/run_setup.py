@@ -36,7 +36,7 @@ from flows.progress import StepProgress
 from tasks import runtime
 
 # Stages of a step that depend only on the weights the step started from: kept on resume and replayed.
-ROLLOUT_STAGES = ("prompts_g", "generate_g", "reward_g", "kept_g", "batch")
+ROLLOUT_STAGES = ("prompts_g", "generate_g", "reward_g", "kept_g", "batch", "replay_add_")
 
 
 def load_cfg(config_yaml: str):
@@ -91,6 +91,12 @@ def _plain(node) -> Any:
     return OmegaConf.to_container(node, resolve=True)
 
 
+def _scheduler_steps(cfg) -> int:
+    """Optimizer-schedule length: one lr step per actor update (`parameter_sync_step` per step in replay order)."""
+    per_step = int(cfg.trainer.parameter_sync_step) if str(cfg.trainer.step_order) == "replay_buffer" else 1
+    return max(int(cfg.trainer.total_training_steps or 1), 1) * per_step
+
+
 def _create_workers(cfg, cluster: Cluster, model_path: str, tokenizer_path: str, device: str) -> int:
     """Create the run's workers; returns the number of model-holding processes."""
     arr = cfg.actor_rollout_ref
@@ -118,7 +124,7 @@ def _create_workers(cfg, cluster: Cluster, model_path: str, tokenizer_path: str,
         actor_cfg.setdefault("policy_loss", {})["loss_mode"] = "bypass_mode"
     cluster.create("actor", functools.partial(
         ActorWorker, model_path, actor_cfg, pad_token_id=pad, temperature=float(ro.temperature),
-        rollout_n=int(ro.n), total_steps=int(cfg.trainer.total_training_steps or 1), device=device, seed=seed,
+        rollout_n=int(ro.n), total_steps=_scheduler_steps(cfg), device=device, seed=seed,
         log_prob_micro_batch_size=ro.get("log_prob_micro_batch_size_per_gpu"), rollout_correction=rc), num_gpus=gpu)
     cluster.create("reward", functools.partial(
         RewardWorker, tokenizer_path, max_resp_len=max_new, overlong_buffer=_plain(cfg.reward_model.overlong_buffer),

@@ -31,6 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from dapo_core import batch as B
 from dapo_core.losses import agg_loss
 from dapo_core.replay import ReplayBuffer
+from dapo_core.seeding import uid_factory
 from dapo_core.stages import apply_group_filter, compute_advantage_table
 from tasks import runtime
 from tasks.common import StageResult, run_stage
@@ -104,7 +105,8 @@ def draw_prompts(run_id: str, step: int, tag: str, num_prompts: int) -> StageRes
         sampler.load_state_dict(meta["sampler_state"])
         uri, metrics = rt.store.stage_uri(step, stage), dict(meta.get("metrics", {}))
     else:
-        table = B.repeat_interleave_prompts(sampler.next_batch(int(num_prompts)), rt.n)
+        uid_fn = uid_factory(rt.cfg.trainer.seed, "train", step, tag)  # reproducible: same uids, same seeds
+        table = B.repeat_interleave_prompts(sampler.next_batch(int(num_prompts)), rt.n, uid_fn=uid_fn)
         uri, metrics = run_stage(rt, step, stage, lambda: (table, {"train/epoch": float(sampler.epoch)}),
                                  meta={"sampler_state": sampler.state_dict()})
     table = rt.store.read_uri(uri)

@@ -370,7 +370,7 @@ def ppo_update(
             sums: dict[str, float] = {}
             means: dict[str, list[float]] = {}
             for m0 in range(0, idx.numel(), micro_batch_size):
-                micro = {k: v[m0 : m0 + micro_batch_size] for k, v in mini.items()}
+                micro = {k: v[m0 : m0 + micro_batch_size].to(engine.device) for k, v in mini.items()}
                 log_probs, entropy = engine.forward(
                     micro["input_ids"],
                     micro["attention_mask"],

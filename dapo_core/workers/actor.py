@@ -45,7 +45,7 @@ def _to_list_column(chunks: list[torch.Tensor], lengths: torch.Tensor) -> pa.Arr
     out, pos = [], 0
     for c in chunks:
         ln = lengths[pos:pos + c.shape[0]]
-        out.extend(B.from_padded(c.float(), ln.tolist()).to_pylist())
+        out.extend(B.from_padded(c.float().cpu(), ln.tolist()).to_pylist())
         pos += c.shape[0]
     return pa.array(out, type=pa.list_(pa.float32()))
 

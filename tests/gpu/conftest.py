@@ -2,7 +2,8 @@
 
 The GPU tests run on `cuda` when it is available and are skipped otherwise. For a dry run of the test
 logic on a CPU-only machine set `DAPO_GPU_TESTS_ON_CPU=1`: the same tests then run with `cpu` standing
-in for `cuda` (cuda-vs-cpu comparisons become cpu-vs-cpu; the DeepSpeed test still needs cuda + nccl).
+in for `cuda` (cuda-vs-cpu comparisons become cpu-vs-cpu; the DeepSpeed test runs on gloo when deepspeed
+is installed).
 
 Everything imported here and in `test_gpu_engines.py` exists on the GPU machine's stock image (torch,
 transformers, tokenizers, safetensors, numpy, pyarrow, tqdm, pytest): only `dapo_core.engines`,
@@ -11,7 +12,7 @@ are imported, never the CLI / flows / config modules (omegaconf, pandera, prefec
 DeepSpeed is imported lazily inside its test and skipped when missing.
 
 Results (worst log-prob gaps, loss trajectories, throughput) are collected by the `record` fixture and
-written as JSON to `$DAPO_GPU_RESULTS` (when set) at the end of the session.
+written as JSON to `$DAPO_GPU_RESULTS` (when set) after each result and at the end of the session.
 """
 
 from __future__ import annotations
@@ -56,15 +57,13 @@ _RESULTS: dict[str, object] = {}
 
 
 def _pin_fp32_matmul() -> None:
-    """Keep float32 matmuls in IEEE float32 (no TF32) so cuda and cpu numerics are comparable."""
-    if not torch.cuda.is_available():
-        return
-    try:  # torch >= 2.9 API
-        torch.backends.cuda.matmul.fp32_precision = "ieee"
-        torch.backends.cudnn.fp32_precision = "ieee"
-    except (AttributeError, RuntimeError, ValueError):
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    """Keep float32 matmuls in IEEE float32 (no TF32) so cuda and cpu numerics are comparable.
+
+    PyTorch's default already is "highest"; only the stable `set_float32_matmul_precision` API is used
+    (mixing the legacy `allow_tf32` flags with torch >= 2.9's `fp32_precision` ones can raise).
+    """
+    if torch.get_float32_matmul_precision() != "highest":
+        torch.set_float32_matmul_precision("highest")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -91,22 +90,33 @@ def bigger_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("gpu_bigger"), BIGGER, seed=4)
 
 
+def _write_results() -> None:
+    out = os.environ.get("DAPO_GPU_RESULTS")
+    if not out or not _RESULTS:
+        return
+    meta: dict[str, object] = {
+        "torch": torch.__version__,
+        "device": DEVICE,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    if torch.cuda.is_available():
+        meta["gpu"] = torch.cuda.get_device_name(0)
+        meta["cuda"] = torch.version.cuda
+    Path(out).write_text(json.dumps({"meta": meta, **_RESULTS}, indent=2, sort_keys=True))
+
+
 @pytest.fixture(scope="session")
 def record():
-    """`record(key, value)` stores a JSON-serialisable result; all are written at session end."""
+    """`record(key, value)` stores a JSON-serialisable result and rewrites `$DAPO_GPU_RESULTS` at once
+    (so results survive a test that has to be killed by pytest-timeout's thread method)."""
 
     def _record(key: str, value: object) -> None:
         _RESULTS[key] = value
         print(f"[gpu-result] {key} = {json.dumps(value)}")
+        _write_results()
 
     return _record
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    out = os.environ.get("DAPO_GPU_RESULTS")
-    if out and _RESULTS:
-        meta: dict[str, object] = {"torch": torch.__version__, "device": DEVICE}
-        if torch.cuda.is_available():
-            meta["gpu"] = torch.cuda.get_device_name(0)
-            meta["cuda"] = torch.version.cuda
-        Path(out).write_text(json.dumps({"meta": meta, **_RESULTS}, indent=2, sort_keys=True))
+    _write_results()

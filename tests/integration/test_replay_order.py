@@ -24,6 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dapo_core.config import load_config, to_yaml
 from dapo_core.store import RunStore
@@ -71,13 +72,13 @@ def _prefect_home():
 
 
 @pytest.fixture(scope="module")
-def assets(_prefect_home):
+def assets(_prefect_home, tmp_path_factory):
     """Data and the tiny base model, built once by their Prefect flows."""
     from flows.base_model import base_model_flow
     from flows.prepare_data import prepare_data_flow
 
     torch.set_num_threads(1)
-    tmp = Path(tempfile.mkdtemp(prefix="dapo-replay-"))
+    tmp = tmp_path_factory.mktemp("replay")
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", _overrides(tmp, use_ray=False, run="setup"))
     prepare_data_flow(to_yaml(cfg))
     base_model_flow(to_yaml(cfg))
@@ -86,11 +87,8 @@ def assets(_prefect_home):
 
 def _train(tmp: Path, monkeypatch, *, use_ray: bool, run: str) -> tuple[dict, dict[int, dict], RunStore]:
     import flows.dapo_train as dt
-    from flows.replay_order import replay_train_step
 
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", _overrides(tmp, use_ray=use_ray, run=run))
-    if "replay_train_step" not in Path(dt.__file__).read_text():  # until dapo_train dispatches on step_order
-        monkeypatch.setattr(dt, "train_step", replay_train_step)
     out = dt.dapo_train(to_yaml(cfg), run)
     root = Path(out["run_dir"])
     metrics = {}
@@ -143,7 +141,9 @@ def _check_run(out: dict, metrics: dict[int, dict], store: RunStore) -> None:
     assert store.checkpoints.latest_step() == STEPS
 
 
-def test_replay_order_in_process(assets, monkeypatch):
+@pytest.fixture(scope="module")
+def local_run(assets):
+    """The uninterrupted in-process run, with every ActorWorker.update_actor call recorded."""
     from dapo_core.workers import actor as actor_mod
 
     calls: list[int] = []
@@ -153,13 +153,17 @@ def test_replay_order_in_process(assets, monkeypatch):
         calls.append(int(global_steps))
         return original(self, table, global_steps)
 
-    monkeypatch.setattr(actor_mod.ActorWorker, "update_actor", counting)
-    out, metrics, store = _train(assets, monkeypatch, use_ray=False, run="replay-local")
-    try:
-        assert calls == [k for k in range(1, STEPS + 1) for _ in range(PARTS)]
-        _check_run(out, metrics, store)
-    finally:
-        store.close()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(actor_mod.ActorWorker, "update_actor", counting)
+        out, metrics, store = _train(assets, mp, use_ray=False, run="replay-local")
+    yield out, metrics, store, calls
+    store.close()
+
+
+def test_replay_order_in_process(local_run):
+    out, metrics, store, calls = local_run
+    assert calls == [k for k in range(1, STEPS + 1) for _ in range(PARTS)]
+    _check_run(out, metrics, store)
 
 
 def test_replay_order_on_ray(assets, monkeypatch):
@@ -171,10 +175,11 @@ def test_replay_order_on_ray(assets, monkeypatch):
         store.close()
 
 
-def test_replay_order_resumes_after_crash(assets, monkeypatch):
+def test_replay_order_resumes_after_crash(assets, local_run, monkeypatch):
     """Crash in step 2's first local update (the rollouts for step 3 are in flight, checkpoint at step 1), resume:
     the in-flight prompts are re-issued and regenerated from their payloads with their original gen_step, the
-    committed batch of step 2 is replayed, nothing is lost or trained twice."""
+    committed batch of step 2 is replayed, nothing is lost or trained twice, and the final weights are bitwise
+    those of the uninterrupted run (same seeds, same uids)."""
     import flows.dapo_train as dt
     import flows.replay_order as ro
 
@@ -188,8 +193,6 @@ def test_replay_order_resumes_after_crash(assets, monkeypatch):
     run = "replay-crash"
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml",
                       _overrides(assets, use_ray=False, run=run) + ["trainer.save_freq=1"])
-    if "replay_train_step" not in Path(dt.__file__).read_text():
-        monkeypatch.setattr(dt, "train_step", ro.replay_train_step)
     monkeypatch.setattr(ro, "update_actor_part", crash_at_step_2)
     with pytest.raises(Exception, match="injected crash"):
         dt.dapo_train(to_yaml(cfg), run)
@@ -219,3 +222,9 @@ def test_replay_order_resumes_after_crash(assets, monkeypatch):
             store.read_uri(t["uri"])
         for k in range(1, STEPS + 1):
             assert {f"update_actor_p{i}" for i in range(PARTS)} <= set(store.committed_stages(k))
+            assert store.read_stage(k, "batch").equals(local_run[2].read_stage(k, "batch")), f"step {k} differs"
+        resumed = load_file(Path(store.checkpoints.load(STEPS)) / "actor" / "model.safetensors")
+    uninterrupted = load_file(Path(local_run[2].checkpoints.load(STEPS)) / "actor" / "model.safetensors")
+    assert resumed.keys() == uninterrupted.keys()
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(resumed[name], tensor), name
