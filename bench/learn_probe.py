@@ -14,8 +14,9 @@ GRPO advantages (unbiased std, ε=1e-6); old log-probs by a teacher-forced forwa
 No KL, no entropy bonus, no overlong shaping (responses are short). Evaluation is greedy (``--eval-greedy``,
 default) and/or sampled mean@k at temperature 1.
 
-Example (the recommended setting, see docs/LEARNING.md):
-  OMP_NUM_THREADS=1 .venv/bin/python bench/learn_probe.py --out /tmp/learn_probe
+Example:
+  OMP_NUM_THREADS=1 .venv/bin/python bench/learn_probe.py --out /tmp/learn_probe --eval-every 20 --lr-warmup-steps 15
+(defaults = run 6 of docs/LEARNING.md; the goal of +30 points is not yet met, see there)
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ffn", type=int, default=512)
     # sft
     ap.add_argument("--slip-prob", type=float, default=0.6, help="for --solution carry_slip")
-    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--sft-steps", type=int, default=500)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--sft-batch", type=int, default=64)
     ap.add_argument("--init-from", default="", help="copy this already warmed-up model folder instead of "
@@ -181,12 +182,13 @@ def main(argv: list[str] | None = None) -> dict:
     # dapo
     ap.add_argument("--rl-steps", type=int, default=100)
     ap.add_argument("--rl-minutes", type=float, default=8.0, help="stop RL after this many minutes")
-    ap.add_argument("--train-batch", type=int, default=32, help="prompts (groups) per training step")
-    ap.add_argument("--gen-batch", type=int, default=32, help="prompts per generation batch")
-    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--train-batch", type=int, default=16, help="prompts (groups) per training step")
+    ap.add_argument("--gen-batch", type=int, default=16, help="prompts per generation batch")
+    ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--max-gen-batches", type=int, default=4)
     ap.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per training step")
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr-warmup-steps", type=int, default=0, help="linear lr warm-up over this many optimizer steps")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-response-length", type=int, default=24)
     ap.add_argument("--clip-low", type=float, default=0.2)
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[probe] before RL: greedy acc {acc_before:.3f} sampled {samp_before} (eval {t_eval:.1f}s)", flush=True)
 
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda k: min(1.0, (k + 1) / args.lr_warmup_steps) if args.lr_warmup_steps > 0 else 1.0)
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     order, cursor = rng.permutation(len(train_rows)), 0
@@ -302,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             optim.step()
+            sched.step()
             clipfracs.append(cf)
             losses.append(float(loss.detach()))
         msg = (f"[probe] step {step} train_acc {np.mean(accs):.3f} kept {n_kept}/{args.train_batch} "

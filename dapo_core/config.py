@@ -178,6 +178,9 @@ class SftConfig:
     """Examples per warm-up step."""
     seed: int = 0
     """Seed of the warm-up data order."""
+    answer_line_prob: float = 1.0
+    """Share of warm-up solutions that end with the `Answer: <n>` line the verifier needs (the rest stop after
+    the worked line): below 1 the base model often forgets the answer line, which RL can learn to fix."""
 
 
 @dataclass

@@ -20,7 +20,17 @@ def validation_summary(table: pa.Table, *, seed: int = 42) -> dict[str, float]:
     nested = process_validation_metrics(sources, uids, infos, seed=seed)
     out = dict(val_metrics_to_keys(nested))
     out.update(pass_at_k_by_source(sources, uids, infos["acc"]))
+    out.update(answer_line_rate_by_source(sources, table.column("pred").to_pylist()))
     return out
+
+
+def answer_line_rate_by_source(sources, preds) -> dict[str, float]:
+    """`val-aux/<source>/format/answer_line_rate`: share of responses with a parseable final answer (pred not
+    `[INVALID]`) — separates "forgot the Answer: line" from "wrong number" when reading accuracy curves."""
+    by: dict[str, list[float]] = defaultdict(list)
+    for s, p in zip(sources, preds):
+        by[s].append(0.0 if p in (None, "[INVALID]") else 1.0)
+    return {f"val-aux/{s}/format/answer_line_rate": float(np.mean(v)) for s, v in by.items()}
 
 
 def pass_at_k_by_source(sources, uids, acc) -> dict[str, float]:

@@ -12,6 +12,7 @@ deliberately short so the held-out accuracy stays low (10–35 %) and RL has roo
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,23 @@ def synthetic_solution(row: dict[str, Any]) -> str:
     if expr:
         return f"{expr}={answer}\nAnswer: {answer}"
     return f"Answer: {answer}"
+
+
+def answer_line_solution(row: dict[str, Any], *, answer_line_prob: float = 1.0, seed: int = 0) -> str:
+    """A worked solution that ends with the ``Answer: <n>`` line only for a share ``answer_line_prob`` of rows.
+
+    The rest stop after the worked line (``47+38=85``), which ``math_dapo`` scores −1 (no ``Answer:`` line): a
+    base model warmed up on this mix computes the sums but often forgets the final line, as instruction-following
+    models do. Which rows keep the line is a pure function of (problem, seed).
+    """
+    full = synthetic_solution(row)
+    if answer_line_prob >= 1.0:
+        return full
+    key = f"{seed}|{(row.get('extra_info') or {}).get('expression')}|{row['reward_model']['ground_truth']}"
+    u = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2.0**64
+    if u < answer_line_prob:
+        return full
+    return full.split("\n", 1)[0]
 
 
 def _no_carry_sum(a: int, b: int) -> int:

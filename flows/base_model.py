@@ -14,7 +14,9 @@ from prefect import flow, get_run_logger, task
 from dapo_core.config import load_config_text
 from dapo_core.data import read_parquet
 from dapo_core.models import build_tiny_model, load_tokenizer
-from dapo_core.sft import synthetic_solution, warmup_sft
+import functools
+
+from dapo_core.sft import answer_line_solution, warmup_sft
 
 
 @task(name="build_tiny_model")
@@ -33,7 +35,9 @@ def sft(cfg_yaml: str, model_dir: str) -> dict:
     files = cfg.data.train_files
     rows = read_parquet(files if isinstance(files, str) else files[0]).to_pylist()
     return warmup_sft(model_dir, rows, load_tokenizer(model_dir), steps=int(s.steps), lr=float(s.lr),
-                      batch_size=int(s.batch_size), seed=int(s.seed), solution_fn=synthetic_solution)
+                      batch_size=int(s.batch_size), seed=int(s.seed),
+                      solution_fn=functools.partial(answer_line_solution, answer_line_prob=float(s.answer_line_prob),
+                                                    seed=int(s.seed)))
 
 
 @flow(name="dapo-base-model", log_prints=True)
