@@ -3,9 +3,15 @@
 A randomly initialised model scores nothing and gives DAPO no signal (every group has zero reward spread and
 dynamic sampling drops it), so the CPU default starts from a model fine-tuned for a few hundred steps on worked
 solutions of the synthetic training problems. The result is an ordinary HF folder (`models/tiny_base/`).
+
+`actor_rollout_ref.model.sft.answer_line_prob` < 1 makes the warm-up imitate a common failure of instruction
+models: the worked line is right but the final `Answer: <n>` line the verifier needs is often left out. The
+base model then scores low although it can add, and DAPO has to discover from the reward alone that the answer
+line pays (the `val-aux/<source>/format/answer_line_rate` metric shows that part of the gain separately).
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -14,8 +20,6 @@ from prefect import flow, get_run_logger, task
 from dapo_core.config import load_config_text
 from dapo_core.data import read_parquet
 from dapo_core.models import build_tiny_model, load_tokenizer
-import functools
-
 from dapo_core.sft import answer_line_solution, warmup_sft
 
 
