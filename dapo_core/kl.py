@@ -167,7 +167,10 @@ def apply_kl_in_reward(
         )
     with torch.no_grad():
         mask = response_mask.to(token_level_scores.dtype)
-        kld = kl_penalty(old_log_probs, ref_log_probs, kind).to(token_level_scores.dtype) * mask
+        kld = kl_penalty(old_log_probs, ref_log_probs, kind).to(token_level_scores.dtype)
+        # masked entries are replaced by 0 *before* multiplying (reference masked_sum convention), so a NaN from
+        # padded log-probs (e.g. −inf − −inf) cannot reach the rewards, whose row sums are the GRPO scores
+        kld = torch.where(mask != 0, kld * mask, torch.zeros((), dtype=kld.dtype))
         beta = kl_ctrl.value
         token_level_rewards = token_level_scores - beta * kld
         per_seq = masked_mean(kld, mask, axis=-1)

@@ -378,7 +378,9 @@ def compute_rollout_correction_weights(
         seq_log_ratio = _masked_sum(log_ratio, response_mask, axis=-1).unsqueeze(-1)
         log_ratio_for_metrics = seq_log_ratio
         raw = torch.exp(torch.clamp(seq_log_ratio, -SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
-    raw = raw * mask_f
+    # ``w · mask``, but with masked entries replaced by 0 first (reference masked_sum convention): a NaN log-prob
+    # in padding must not become a NaN weight, whose product with the loss would put NaN into the gradient.
+    raw = torch.where(response_mask.bool(), raw * mask_f, torch.zeros((), dtype=raw.dtype))
 
     if icepop:
         keep = (raw >= lower) & (raw <= upper)

@@ -5,6 +5,7 @@ accuracy before and after DAPO, the wall time, and where every artefact went.
 """
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -35,10 +36,12 @@ def pipeline(cfg_yaml: str, run_id: str) -> dict:
     t_train = time.perf_counter()
     result = dapo_train(cfg_yaml, run_id)
     train_s = time.perf_counter() - t_train
-    after = evaluate_flow(cfg_yaml, str(run_dir), output=str(cfg.eval.output))
+    final = export_final(run_dir, Path(cfg.trainer.models_dir) / "dapo_final")
+    after = evaluate_flow(cfg_yaml, str(final), output=str(cfg.eval.output))
     acc0, acc1 = headline_accuracy(before), headline_accuracy(after)
     wall = time.perf_counter() - t0
-    summary = {"run_id": run_id, "run_dir": str(run_dir), "base_model": model_path, "data": stats,
+    summary = {"run_id": run_id, "run_dir": str(run_dir), "base_model": model_path, "final_model": str(final),
+               "data": stats,
                "accuracy_before": acc0, "accuracy_after": acc1, "train_steps": result["train_step"],
                "gen_steps": result["gen_step"], "train_wall_s": train_s, "total_wall_s": wall}
     lines = [
@@ -51,11 +54,29 @@ def pipeline(cfg_yaml: str, run_id: str) -> dict:
         f"data:        {', '.join(st['path'] for st in stats.values())}",
         f"base model:  {model_path}",
         f"run store:   {run_dir}  (metrics.jsonl, tensorboard/, curves.png, ckpt/)",
+        f"final model: {final}  (HF folder; `dvc repro evaluate` scores it)",
         f"evaluation:  {run_dir / 'eval_before.json'}  and  {cfg.eval.output}",
         "=" * 72,
     ]
     print("\n".join(lines))
     return summary
+
+
+def export_final(run_dir: Path, out: Path) -> Path:
+    """Copy the latest checkpoint's policy (HF weights, config, tokenizer; no optimizer state) to `out`."""
+    from dapo_core.checkpoint import CheckpointDir
+
+    ckpts = CheckpointDir(run_dir)
+    step = ckpts.latest_step()
+    if step is None:
+        raise RuntimeError(f"{run_dir} has no checkpoint: set trainer.save_freq > 0 so the final step is saved")
+    src = Path(ckpts.load(step)) / "actor"
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("optim.pt", "extra_state.pt", "deepspeed"))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
 
 
 def _pct(x: float | None) -> str:

@@ -159,7 +159,9 @@ def is_correct_strict_box(
 ) -> tuple[int, str | None]:
     """Strict box check: +1 if the last ``\\boxed{}`` in the final 100 characters equals the *raw* ``gt``, else −1.
 
-    With ``pause_tokens_index`` (exactly 4 indices) the window is the 100 characters before the last index.
+    With ``pause_tokens_index`` (exactly 4 indices) the window starts 100 characters before the last index and
+    runs to the end of the string (as the reference). Deliberate difference: the start is clamped at 0, whereas the
+    reference slices ``[idx − 100:]`` and so, for ``idx < 100``, wraps to the last ``100 − idx`` characters.
     Returns ``(±1, extracted or None)``.
     """
     if pause_tokens_index is not None:

@@ -150,3 +150,27 @@ def test_apply_kl_in_reward_fixed_and_empty_row():
     assert torch.allclose(rewards, torch.tensor([[-0.5, -0.5], [0.0, 0.0]]))
     assert metrics["actor/reward_kl_penalty"] == pytest.approx(0.5)  # empty row counts as 0
     assert rewards.dtype == torch.float32
+
+
+def test_apply_kl_in_reward_nonfinite_padding_does_not_leak():
+    # −inf − −inf = NaN on padding must not reach the rewards (their row sums are the GRPO scores)
+    scores = torch.tensor([[0.0, 1.0, 0.0]])
+    old = torch.tensor([[-1.0, -1.0, float("-inf")]])
+    ref = torch.tensor([[-1.5, -2.0, float("-inf")]])
+    mask = torch.tensor([[1, 1, 0]])
+    rewards, metrics = apply_kl_in_reward(scores, old, ref, mask, FixedKLController(0.1), "kl")
+    assert rewards.tolist() == [[pytest.approx(-0.05), pytest.approx(1.0 - 0.1), 0.0]]
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx(0.75)
+
+
+def test_low_var_kl_inner_clamp_keeps_float32_gradient_finite():
+    # x = ref − logp = 100: without the inner ±20 clamp exp(x) overflows float32 to inf and the clamped
+    # branch's zero gradient times inf is NaN; with it the gradient is exactly 0 (outer clamp active)
+    logp = torch.tensor([-100.0, -1.0], requires_grad=True)
+    ref = torch.tensor([0.0, -1.5])
+    out = kl_penalty(logp, ref, "low_var_kl")
+    assert out[0].item() == 10.0
+    out.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    assert logp.grad[0].item() == 0.0
+    assert logp.grad[1].item() == pytest.approx(1 - math.exp(-0.5))  # d/dlogp (e^x − x − 1), x = ref − logp

@@ -133,12 +133,35 @@ def test_clip_ratio_c_must_exceed_one():
 
 
 def test_log_ratio_clamped_at_20():
-    old = torch.zeros(1, 2, dtype=torch.float64)
-    lp = torch.tensor([[100.0, -100.0]], dtype=torch.float64)
-    adv = torch.tensor([[-1.0, 1.0]], dtype=torch.float64)
+    # asymmetric so the metric tells clamped (−(20 + 0)/2) from unclamped (−(100 + 0)/2) apart
+    old = torch.zeros(1, 2, dtype=torch.float32)
+    lp = torch.tensor([[100.0, 0.0]], dtype=torch.float32, requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0]], dtype=torch.float32)
     loss, m = compute_policy_loss(old, lp, adv, torch.ones(1, 2), clip_ratio_c=3.0, **DAPO)
-    assert math.isfinite(loss.item())
-    assert m["actor/ppo_kl"] == pytest.approx(0.0)  # (−20 + 20)/2
+    assert m["actor/ppo_kl"] == pytest.approx(-10.0)
+    # token 0: A > 0, ratio clipped at 1 + ε_high; token 1: ratio 1 → (−1.28 + 1)/2
+    assert loss.item() == pytest.approx((-1.28 + 1.0) / 2)
+    loss.backward()
+    # unclamped, exp(100) overflows float32 and the clipped branch's 0 gradient times inf is NaN
+    assert torch.isfinite(lp.grad).all() and lp.grad[0, 0].item() == 0.0
+
+
+def test_clipfrac_is_strict_and_masked():
+    # tokens: [A=0 at ratio 2 (L1 == L2: not clipped, strict >), A=+1 at ratio 1.1 (inside),
+    #          A=+1 at ratio 2 (clipped high), A=−1 at ratio 5 (dual clip), A=−1 at ratio 2 (no dual clip),
+    #          A=+1 at ratio 2 but masked out]
+    ratios = [2.0, 1.1, 2.0, 5.0, 2.0, 2.0]
+    adv = torch.tensor([[0.0, 1.0, 1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
+    lp = torch.log(torch.tensor([ratios], dtype=torch.float64))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    loss, m = compute_policy_loss(torch.zeros(1, 6, dtype=torch.float64), lp, adv, mask, clip_ratio_c=3.0, **DAPO)
+    # L2 > L1 only for token 2 (−1.28 > −2); token 0 has L1 == L2 == 0, tokens 3/4 have L1 > L2 (A < 0),
+    # token 5 is masked → 1 of the 5 valid tokens
+    assert m["actor/pg_clipfrac"] == pytest.approx(1 / 5)
+    # dual clip: Lclip = 5 > 3 for token 3 only (token 4: Lclip = 2 < 3; token 2 has A > 0)
+    assert m["actor/pg_clipfrac_lower"] == pytest.approx(1 / 5)
+    # per-token losses: 0, −1.1, −1.28, 3 (= −A·c), 2 → mean over 5 valid tokens
+    assert loss.item() == pytest.approx((0.0 - 1.1 - 1.28 + 3.0 + 2.0) / 5)
 
 
 def test_masked_tokens_and_is_weights():

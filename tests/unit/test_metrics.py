@@ -131,6 +131,18 @@ def test_variance_proxy():
     assert m2["variance_proxy/proxy3_pure_noise"] == 0.0
 
 
+def _reference_bootstrap(data, subset_size, reduce_fns, n_bootstrap=1000, seed=42):
+    """The reference's loop: global seed, one np.random.choice per resample, reduce a plain list."""
+    np.random.seed(seed)
+    lists = [[] for _ in reduce_fns]
+    for _ in range(n_bootstrap):
+        idx = np.random.choice(len(data), size=subset_size, replace=True)
+        sample = [data[i] for i in idx]
+        for lst, fn in zip(lists, reduce_fns):
+            lst.append(fn(sample))
+    return [(float(np.mean(lst)), float(np.std(lst))) for lst in lists]
+
+
 def test_validation_fixture_mean_at_2():
     out = M.process_validation_metrics(
         ["source1", "source1", "source2"], ["uid1", "uid1", "uid2"],
@@ -140,7 +152,12 @@ def test_validation_fixture_mean_at_2():
     assert s1["mean@2"] == pytest.approx(0.85)
     assert s1["std@2"] == pytest.approx(0.05)
     assert "maj@2/mean" in s1 and "best@2/mean" in s1 and "worst@2/std" in s1
-    assert s1["maj@2/mean"] == pytest.approx(0.8, abs=0.1)
+    votes = [{"val": 0.8, "pred": "A"}, {"val": 0.9, "pred": "A"}]
+    [(maj_mean, maj_std)] = _reference_bootstrap(votes, 2, [lambda d: M.calc_maj_val(d, "pred", "val")])
+    assert (s1["maj@2/mean"], s1["maj@2/std"]) == (pytest.approx(maj_mean), pytest.approx(maj_std))
+    (best, worst) = _reference_bootstrap([0.8, 0.9], 2, [np.max, np.min])
+    assert (s1["best@2/mean"], s1["best@2/std"]) == (pytest.approx(best[0]), pytest.approx(best[1]))
+    assert (s1["worst@2/mean"], s1["worst@2/std"]) == (pytest.approx(worst[0]), pytest.approx(worst[1]))
     assert out["source2"]["score"] == {"mean@1": pytest.approx(0.7)}
     assert "pred" not in out["source1"]
 
@@ -167,10 +184,14 @@ def test_validation_ns_and_keys():
 def test_bootstrap_matches_global_seed_stream():
     data = [0.1, 0.5, 0.9, 0.3]
     res = M.bootstrap_metric(data, 2, [np.max, np.min], n_bootstrap=50, seed=7)
-    np.random.seed(7)
-    idx = np.random.choice(4, size=(50, 2), replace=True)
-    mx = np.asarray(data)[idx].max(1)
-    assert res[0] == (pytest.approx(mx.mean()), pytest.approx(mx.std()))
+    expected = _reference_bootstrap(data, 2, [np.max, np.min], n_bootstrap=50, seed=7)
+    for got, want in zip(res, expected, strict=True):
+        assert got == (pytest.approx(want[0], abs=1e-15), pytest.approx(want[1], abs=1e-15))
+    # a subset size that does not divide the draw evenly, and more categories (the stream must still match)
+    data = [float(i) for i in range(37)]
+    res = M.bootstrap_metric(data, 5, [np.max, np.min, np.mean], n_bootstrap=300, seed=3)
+    assert res == [(pytest.approx(a), pytest.approx(b)) for a, b in _reference_bootstrap(
+        data, 5, [np.max, np.min, np.mean], n_bootstrap=300, seed=3)]
     before = np.random.get_state()[1][:5].copy()
     M.bootstrap_metric(data, 2, [np.max], seed=1)
     assert np.array_equal(np.random.get_state()[1][:5], before)  # global RNG untouched

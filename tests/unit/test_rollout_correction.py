@@ -318,3 +318,23 @@ def test_apply_rollout_correction_decoupled_and_bypass():
     assert wb is None and mb is mask and "rollout_corr/kl" in mtb
     wd, md, _ = apply_rollout_correction(old, rollout, mask, None)
     assert wd is None and md is mask
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_nonfinite_padding_gives_zero_weights_and_finite_loss_gradient(level):
+    # padding may hold NaN/inf log-probs (e.g. −inf − −inf); the weight there must be 0, not NaN, otherwise
+    # loss·w puts NaN into the gradient even though the forward loss masks the position out
+    from dapo_core.losses import compute_policy_loss
+
+    lr = torch.tensor([[0.1, float("nan"), float("inf")]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64)
+    w, m = compute_rollout_correction_weights(lr, mask, level, 2.0)
+    assert w.tolist() == [[pytest.approx(math.exp(0.1)), 0.0, 0.0]]
+    assert all(math.isfinite(v) for v in m.values())
+    log_prob = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64)
+    loss, _ = compute_policy_loss(torch.zeros(1, 3, dtype=torch.float64), log_prob, adv, mask,
+                                  clip_ratio_low=0.2, clip_ratio_high=0.28, rollout_is_weights=w)
+    loss.backward()
+    assert torch.isfinite(log_prob.grad).all()
+    assert log_prob.grad[0, 0].item() == pytest.approx(-math.exp(0.1))  # d(−A·w·r)/dlogp at ratio 1
