@@ -316,7 +316,7 @@ def test_tiny_cpu_is_dapo_on_small_batches():
     assert (fg.enable, fg.metric, fg.max_num_gen_batches) == (True, "acc", 10)
     ob = c.reward_model.overlong_buffer
     assert (ob.enable, ob.len, ob.penalty_factor) == (True, 8, 1.0)
-    assert (c.trainer.total_training_steps, c.trainer.test_freq, c.trainer.save_freq) == (40, 10, 20)
+    assert (c.trainer.total_training_steps, c.trainer.test_freq, c.trainer.save_freq) == (100, 20, 20)
 
 
 COMMON_32B = {
