@@ -12,6 +12,7 @@ line pays (the `val-aux/<source>/format/answer_line_rate` metric shows that part
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -53,8 +54,26 @@ def base_model_flow(cfg_yaml: str) -> str:
         logger.info("using the model at %s", cfg.actor_rollout_ref.model.path)
         return str(cfg.actor_rollout_ref.model.path)
     out = Path(cfg.trainer.models_dir) / "tiny_base"
+    recipe = _recipe(cfg)
+    stamp = out / "base_model_recipe.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe:
+        logger.info("reusing %s (built from the same tiny/sft/data settings)", out)
+        return str(out)
+    stamp.unlink(missing_ok=True)
     path = build(cfg_yaml, str(out))
     if cfg.actor_rollout_ref.model.sft.enable:
         metrics = sft(cfg_yaml, path)
-        logger.info("SFT warm-up: %s", metrics)
+        logger.info("SFT warm-up: loss %.3f -> %.3f in %.0fs", metrics["loss_first"], metrics["loss_last"],
+                    metrics["wall_s"])
+    stamp.write_text(json.dumps(recipe, sort_keys=True))  # written last: a crashed build is rebuilt
     return path
+
+
+def _recipe(cfg) -> dict:
+    """Everything the base model depends on (model sizes, warm-up settings, training data)."""
+    files = cfg.data.train_files
+    files = [files] if isinstance(files, str) else list(files)
+    data = {f: (Path(f).stat().st_size if Path(f).exists() else None) for f in files}
+    return {"tiny": OmegaConf.to_container(cfg.actor_rollout_ref.model.tiny, resolve=True),
+            "sft": OmegaConf.to_container(cfg.actor_rollout_ref.model.sft, resolve=True),
+            "synthetic": OmegaConf.to_container(cfg.data.synthetic, resolve=True), "train_files": data}

@@ -22,10 +22,11 @@ import time
 from prefect import flow, get_run_logger
 
 from dapo_core.config import gen_batch_size, need_reference_policy, use_critic
-from dapo_core.sampling import KeepRateEstimator, next_gen_batch_size
+from dapo_core.sampling import next_gen_batch_size
 from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
 from flows.replay_order import replay_train_step
 from flows.run_setup import DriverState, close_run, load_cfg, open_run, restore, step_metrics
+from tasks import runtime
 from tasks.compute import advantage, old_log_prob, ref, values
 from tasks.rollout import assemble_batch, filter_groups, generate, reward, sample_prompts
 from tasks.update import checkpoint, sync_weights, update_actor, update_critic
@@ -37,12 +38,12 @@ def collect_batch(run_id: str, cfg, step: int, state: DriverState, progress) -> 
     fg = cfg.algorithm.filter_groups
     need = int(cfg.data.train_batch_size)
     base = gen_batch_size(cfg)
-    keep_rate = KeepRateEstimator()
+    keep_rate = runtime.get(run_id).extras["keep_rate"]  # run-wide: the first batch of a step adapts too
     kept_uris: list[str] = []
     kept_groups, k, metrics = 0, 0, {}
     while True:
         size = base
-        if fg.enable and str(fg.refill) == "adaptive" and k > 0:
+        if fg.enable and str(fg.refill) == "adaptive":  # sized to the deficit and the observed keep rate
             size = next_gen_batch_size(need - kept_groups, keep_rate.rate, base=base)
         progress.stage(f"generate g{k} ({size} prompts)")
         prompts_uri, _ = sample_prompts(run_id, step, k, size)

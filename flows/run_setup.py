@@ -29,6 +29,7 @@ from dapo_core.data import PromptSampler, read_parquet
 from dapo_core.kl import get_kl_controller
 from dapo_core.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
 from dapo_core.models import load_tokenizer
+from dapo_core.sampling import KeepRateEstimator
 from dapo_core.store import RunStore
 from dapo_core.tracking import Tracker
 from dapo_core.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
@@ -147,9 +148,10 @@ def open_run(cfg, run_id: str) -> runtime.Runtime:
     """Open (or create) `runs/<run_id>/`, start the workers, build samplers and register the runtime for tasks."""
     root = Path(cfg.trainer.runs_dir) / run_id
     store = RunStore(root)
-    if str(cfg.trainer.resume_mode) == "disable" and store.checkpoints.latest_step() is not None:
-        raise RuntimeError(f"run {run_id} already has checkpoints in {root} and trainer.resume_mode=disable: "
-                           f"choose a new trainer.experiment_name or set trainer.resume_mode=auto")
+    if str(cfg.trainer.resume_mode) == "disable" and (store.checkpoints.latest_step() is not None or store.steps()):
+        store.close()
+        raise RuntimeError(f"run {run_id} already has outputs in {root} and trainer.resume_mode=disable: "
+                           f"choose a new trainer.experiment_name, delete the folder, or set trainer.resume_mode=auto")
     (root / "config.yaml").write_text(to_yaml(cfg))
     model_path = default_model_path(cfg)
     tokenizer_path = str(cfg.actor_rollout_ref.model.tokenizer_path or model_path)
@@ -173,6 +175,7 @@ def open_run(cfg, run_id: str) -> runtime.Runtime:
     rt = runtime.Runtime(run_id=run_id, cfg=cfg, store=store, cluster=cluster, pad_token_id=int(tokenizer.pad_token_id),
                          vocab_size=len(tokenizer), extras={
                              "sampler": sampler, "val_table": val_prompts(cfg, tokenizer), "kl_ctrl": kl_ctrl,
+                             "keep_rate": KeepRateEstimator(),
                              "checkpoints": store.checkpoints, "model_path": model_path,
                              "tracker": Tracker(root, list(cfg.trainer.logger)),
                              "progress": StepProgress(run_id, enabled=sys.stdout.isatty() or "console" in cfg.trainer.logger),
@@ -195,6 +198,7 @@ class DriverState:
         d = asdict(self)
         d["kl_coef"] = float(getattr(rt.extras["kl_ctrl"], "value", 0.0))
         d["sampler_state"] = rt.extras["sampler"].state_dict()
+        d["keep_rate_state"] = rt.extras["keep_rate"].state_dict()
         return d
 
 
@@ -229,6 +233,8 @@ def restore(rt: runtime.Runtime) -> DriverState:
         state.train_step, state.gen_step = int(saved["train_step"]), int(saved["gen_step"])
         state.weight_version = int(saved["weight_version"])
         rt.extras["sampler"].load_state_dict(saved["sampler_state"])
+        if "keep_rate_state" in saved:
+            rt.extras["keep_rate"].load_state_dict(saved["keep_rate_state"])
         if hasattr(rt.extras["kl_ctrl"], "value"):
             rt.extras["kl_ctrl"].value = float(saved["kl_coef"])
         rt.cluster.sync_weights("actor", "rollout")
