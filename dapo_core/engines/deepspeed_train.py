@@ -22,7 +22,6 @@ import contextlib
 import math
 import os
 import socket
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -180,12 +179,6 @@ class DeepSpeedTrainEngine(TrainEngine):
             if math.isfinite(norm):
                 norm = float("inf")
         return norm
-
-    def lr_step(self) -> None:
-        """One scheduler step (call once per TRAIN step)."""
-        with warnings.catch_warnings():  # stepping before the first optimizer step is intended (warmup)
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            self.scheduler.step()
 
     @property
     def lr(self) -> float:

@@ -8,7 +8,6 @@ Checkpoint layout written by `save(dir)`:
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -98,12 +97,6 @@ class TorchTrainEngine(TrainEngine):
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         return norm
-
-    def lr_step(self) -> None:
-        """One scheduler step (call once per TRAIN step)."""
-        with warnings.catch_warnings():  # stepping before the first optimizer step is intended (warmup)
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            self.scheduler.step()
 
     @property
     def lr(self) -> float:

@@ -20,6 +20,7 @@ import abc
 import importlib
 import math
 import random
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -222,9 +223,14 @@ class TrainEngine(abc.ABC):
         A non-finite norm skips the update (gradients are dropped) and increments `skipped_steps`.
         """
 
-    @abc.abstractmethod
+    scheduler: Any
+    """The LR scheduler (a LambdaLR over `lr_lambda_for`), stepped once per train step."""
+
     def lr_step(self) -> None:
         """Advance the LR scheduler by one TRAIN step."""
+        with warnings.catch_warnings():  # stepping before the first optimizer step is intended (warmup)
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
 
     @property
     @abc.abstractmethod
