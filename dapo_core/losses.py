@@ -317,12 +317,13 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The `vanilla` (PPO / DAPO) policy loss with keyword hyper-parameters.
 
-    Returns `(loss, metrics)`; metrics are Python floats `actor/pg_clipfrac` (fraction of tokens where
-    the clipped term is strictly larger), `actor/ppo_kl` (masked mean of `log π_old − log π_θ`, after the
-    ±20 clamp) and `actor/pg_clipfrac_lower` (dual-clip hits among A < 0). Unlike the deprecated
-    verl `compute_policy_loss` this does not return a 4-tuple and does take global batch info.
+    Returns `(loss, metrics)`; metrics are Python floats `pg_clipfrac` (fraction of tokens where the clipped
+    term is strictly larger), `ppo_kl` (masked mean of `log π_old − log π_θ`, after the ±20 clamp) and
+    `pg_clipfrac_lower` (dual-clip hits among A < 0). The registered losses (`get_policy_loss("vanilla")`)
+    return the same values under verl's logged names `actor/pg_clipfrac`, … . Unlike the deprecated verl
+    `compute_policy_loss` this does not return a 4-tuple and does take global batch info.
     """
-    return _vanilla(
+    loss, metrics = _vanilla(
         old_log_prob,
         log_prob,
         advantages,
@@ -334,6 +335,7 @@ def compute_policy_loss(
         rollout_is_weights=rollout_is_weights,
         global_batch_info=global_batch_info,
     )
+    return loss, {k.removeprefix("actor/"): v for k, v in metrics.items()}
 
 
 @register_policy_loss("vanilla")

@@ -79,9 +79,9 @@ def test_worked_example_dual_clip_negative_advantage():
     old, lp, adv, mask = _one_token(5.0, -1.0)
     loss, metrics = compute_policy_loss(old, lp, adv, mask, clip_ratio_c=3.0, **DAPO)
     assert loss.item() == pytest.approx(3.0)
-    assert metrics["actor/pg_clipfrac"] == 0.0
-    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(1.0)
-    assert metrics["actor/ppo_kl"] == pytest.approx(-math.log(5.0))
+    assert metrics["pg_clipfrac"] == 0.0
+    assert metrics["pg_clipfrac_lower"] == pytest.approx(1.0)
+    assert metrics["ppo_kl"] == pytest.approx(-math.log(5.0))
     assert all(type(v) is float for v in metrics.values())
     loss.backward()
     assert lp.grad.abs().max().item() == 0.0  # A < 0, ratio > c: constant −A·c
@@ -91,8 +91,8 @@ def test_worked_example_clip_high_positive_advantage():
     old, lp, adv, mask = _one_token(1.5, 1.0)
     loss, metrics = compute_policy_loss(old, lp, adv, mask, clip_ratio_c=3.0, **DAPO)
     assert loss.item() == pytest.approx(-1.28)
-    assert metrics["actor/pg_clipfrac"] == pytest.approx(1.0)
-    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+    assert metrics["pg_clipfrac"] == pytest.approx(1.0)
+    assert metrics["pg_clipfrac_lower"] == 0.0
     loss.backward()
     assert lp.grad.abs().max().item() == 0.0  # A > 0, ratio > 1 + ε_high
 
@@ -123,7 +123,7 @@ def test_dual_clip_only_for_negative_advantages():
     old, lp, adv, mask = _one_token(10.0, 2.0)
     loss, m = compute_policy_loss(old, lp, adv, mask, clip_ratio_c=3.0, **DAPO)
     assert loss.item() == pytest.approx(-2.0 * 1.28)
-    assert m["actor/pg_clipfrac_lower"] == 0.0
+    assert m["pg_clipfrac_lower"] == 0.0
 
 
 def test_clip_ratio_c_must_exceed_one():
@@ -138,7 +138,7 @@ def test_log_ratio_clamped_at_20():
     lp = torch.tensor([[100.0, 0.0]], dtype=torch.float32, requires_grad=True)
     adv = torch.tensor([[1.0, -1.0]], dtype=torch.float32)
     loss, m = compute_policy_loss(old, lp, adv, torch.ones(1, 2), clip_ratio_c=3.0, **DAPO)
-    assert m["actor/ppo_kl"] == pytest.approx(-10.0)
+    assert m["ppo_kl"] == pytest.approx(-10.0)
     # token 0: A > 0, ratio clipped at 1 + ε_high; token 1: ratio 1 → (−1.28 + 1)/2
     assert loss.item() == pytest.approx((-1.28 + 1.0) / 2)
     loss.backward()
@@ -157,9 +157,9 @@ def test_clipfrac_is_strict_and_masked():
     loss, m = compute_policy_loss(torch.zeros(1, 6, dtype=torch.float64), lp, adv, mask, clip_ratio_c=3.0, **DAPO)
     # L2 > L1 only for token 2 (−1.28 > −2); token 0 has L1 == L2 == 0, tokens 3/4 have L1 > L2 (A < 0),
     # token 5 is masked → 1 of the 5 valid tokens
-    assert m["actor/pg_clipfrac"] == pytest.approx(1 / 5)
+    assert m["pg_clipfrac"] == pytest.approx(1 / 5)
     # dual clip: Lclip = 5 > 3 for token 3 only (token 4: Lclip = 2 < 3; token 2 has A > 0)
-    assert m["actor/pg_clipfrac_lower"] == pytest.approx(1 / 5)
+    assert m["pg_clipfrac_lower"] == pytest.approx(1 / 5)
     # per-token losses: 0, −1.1, −1.28, 3 (= −A·c), 2 → mean over 5 valid tokens
     assert loss.item() == pytest.approx((0.0 - 1.1 - 1.28 + 3.0 + 2.0) / 5)
 
@@ -200,7 +200,7 @@ def test_registered_vanilla_matches_compute_policy_loss():
     params = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
     a = get_policy_loss("vanilla")(old, lp, adv, mask, loss_agg_mode="token-mean", params=params)
     b = compute_policy_loss(old, lp, adv, mask, clip_ratio_c=10.0, **DAPO)
-    assert a[0].item() == b[0].item() and a[1] == b[1]
+    assert a[0].item() == b[0].item() and a[1] == {f"actor/{k}": v for k, v in b[1].items()}
     c = get_policy_loss("vanilla")(old, lp, adv, mask, loss_agg_mode="token-mean", cfg=params)
     assert c[0].item() == a[0].item()
 
