@@ -42,20 +42,20 @@ def _group_keep(uid_arr: np.ndarray, val_arr: np.ndarray) -> tuple[np.ndarray, n
     order = np.argsort(inverse, kind="stable")
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     ordered = val_arr[order]
-    gmin = np.minimum.reduceat(ordered, starts)  # NaN propagates, so a group with NaN never "varies"
-    gmax = np.maximum.reduceat(ordered, starts)
-    keep = (gmax > gmin) | (counts == 1)
+    ends = starts + counts
+    # np.std per group, exactly as the reference (population std; NaN > 0 is False, so a NaN group is dropped)
+    std = np.array([np.std(ordered[a:b]) for a, b in zip(starts, ends)], dtype=np.float64)
+    keep = (std > 0) | (counts == 1)
     return keep, inverse, counts
 
 
 def filter_groups(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np.ndarray) -> np.ndarray:
     """Row mask of dynamic sampling: ``True`` for every row of a kept group, order preserved.
 
-    A group (same ``uid``) is kept iff its values are not all equal — i.e. population std > 0 — or it has exactly
-    one row (reference §6.1 step 8, trap 1). Bools (``acc``) and floats are accepted. Deliberate difference: we
-    test ``max > min`` instead of ``np.std(values) > 0``; they agree mathematically, but ``np.std`` of identical
-    values such as ``[0.1, 0.1, 0.1]`` can round to a tiny positive number and keep a group with no signal.
-    A group containing NaN is dropped (unless it is a singleton), as ``np.std`` would give NaN.
+    A group (same ``uid``) is kept iff ``np.std(values) > 0`` (population std) or it has exactly one row
+    (reference §6.1 step 8, trap 1), computed with ``np.std`` per group so the decision is the reference's to the
+    bit — including its quirk that identical values such as ``[0.1, 0.1, 0.1]`` can have a std of ~1e-17 and be
+    kept. Bools (``acc``) and floats are accepted. A group containing NaN is dropped (unless it is a singleton).
     """
     uid_arr, val_arr = _group_arrays(uids, values)
     if uid_arr.shape[0] == 0:

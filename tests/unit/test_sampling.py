@@ -37,9 +37,11 @@ def test_filter_groups_nan_and_empty_and_errors():
         filter_groups(["a", "b"], [1.0])
 
 
-def test_identical_decimal_values_are_constant():
-    # np.std([0.1]*3) is a tiny positive number; the group has no signal and is dropped
-    assert not filter_groups(["a"] * 3, [0.1] * 3).any()
+def test_filter_follows_np_std_exactly_even_for_rounding_noise():
+    # np.std([0.1]*3) is ~1.4e-17 > 0, so the reference keeps this group; we match it bit for bit
+    assert np.std([0.1] * 3) > 0
+    assert filter_groups(["a"] * 3, [0.1] * 3).all()
+    assert not filter_groups(["a"] * 3, [0.5] * 3).any()  # exactly representable: std 0, dropped
 
 
 @settings(max_examples=80, deadline=None)
