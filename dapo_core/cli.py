@@ -87,6 +87,17 @@ def _resolve_flow(module: str, attr: str) -> Callable | None:
     return getattr(mod, attr, None)
 
 
+def _quiet_task_run_logs() -> None:
+    """Keep the console readable: one line per finished task run is Prefect's default (hundreds per run).
+    Task runs stay fully visible in the Prefect UI; `PREFECT_LOGGING_LEVEL=DEBUG` or `DAPO_TASK_LOGS=1` restores
+    them on the console."""
+    import logging
+    import os
+
+    if os.environ.get("DAPO_TASK_LOGS") != "1":
+        logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `dapo` command line; returns the exit status (0, 2 config error, 3 not available)."""
     args = build_parser().parse_args(argv)
@@ -127,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_NOT_AVAILABLE
+    _quiet_task_run_logs()
     if args.command in ("prepare", "base"):
         fn(cfg_yaml)
     elif args.command == "train":
