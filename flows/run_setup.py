@@ -138,7 +138,11 @@ def _create_workers(cfg, cluster: Cluster, model_path: str, tokenizer_path: str,
                        num_gpus=gpu)
         procs += 1
     if use_critic(cfg):
-        cluster.create("critic", functools.partial(CriticWorker, model_path, _plain(cfg.critic), pad_token_id=pad,
+        critic_cfg = _plain(cfg.critic)
+        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "shuffle"):
+            if critic_cfg.get(key) is None:  # verl: unset critic batch settings follow the actor's
+                critic_cfg[key] = actor_cfg.get(key)
+        cluster.create("critic", functools.partial(CriticWorker, model_path, critic_cfg, pad_token_id=pad,
                                                    rollout_n=int(ro.n), device=device, seed=seed), num_gpus=gpu)
         procs += 1
     return procs

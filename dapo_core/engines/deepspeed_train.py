@@ -42,7 +42,7 @@ __all__ = ["DeepSpeedTrainEngine", "build_deepspeed_config", "ensure_single_proc
 EXTRA_FILE = "extra_state.pt"
 DS_SUBDIR = "deepspeed"
 DS_TAG = "state"
-_DS_KEYS = ("zero_stage", "offload_optimizer", "bf16", "config")
+_DS_KEYS = ("zero_stage", "offload_optimizer", "offload_param", "bf16", "config")
 
 
 def _free_port() -> int:
@@ -72,7 +72,8 @@ def build_deepspeed_config(
     """DeepSpeed JSON config from our `actor_rollout_ref.actor.deepspeed` block.
 
     Keys: `zero_stage` (0-3, default 1), `offload_optimizer` (bool; CPU AdamW offload — JIT-compiles
-    cpu_adam), `bf16` (bool), `config` (a raw DeepSpeed dict merged last, for anything else).
+    cpu_adam), `offload_param` (bool; parameters on the CPU, ZeRO-3 only), `bf16` (bool), `config` (a raw
+    DeepSpeed dict merged last, for anything else).
     """
     cfg = dict(deepspeed_cfg or {})
     unknown = sorted(set(cfg) - set(_DS_KEYS))
@@ -87,6 +88,10 @@ def build_deepspeed_config(
     zero: dict[str, Any] = {"stage": stage}
     if cfg.get("offload_optimizer"):
         zero["offload_optimizer"] = {"device": "cpu"}
+    if cfg.get("offload_param"):
+        if stage != 3:
+            raise ValueError(f"actor_rollout_ref.actor.deepspeed.offload_param needs zero_stage=3 (got {stage}).")
+        zero["offload_param"] = {"device": "cpu"}
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,

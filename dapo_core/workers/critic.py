@@ -70,13 +70,13 @@ class CriticWorker:
         self.model.train()
         t = B.to_padded(table, self.pad_token_id, columns=["values", "returns"])
         rows = table.num_rows
-        mini = min(int(self.cfg.get("ppo_mini_batch_size", rows // self.n or 1)) * self.n, rows)
+        mini = min(int(self.cfg.get("ppo_mini_batch_size") or max(rows // self.n, 1)) * self.n, rows)
         micro = int(self.cfg.get("ppo_micro_batch_size_per_gpu") or mini)
-        mode = self.cfg.get("loss_agg_mode", "token-mean")
-        clip = float(self.cfg.get("cliprange_value", 0.5))
+        mode = self.cfg.get("loss_agg_mode") or "token-mean"
+        clip = float(self.cfg.get("cliprange_value") or 0.5)
         gen = torch.Generator().manual_seed(self.seed + int(global_steps))
         losses, clipfracs, norms = [], [], []
-        for _ in range(int(self.cfg.get("ppo_epochs", 1))):
+        for _ in range(int(self.cfg.get("ppo_epochs") or 1)):
             order = torch.randperm(rows, generator=gen) if self.cfg.get("shuffle") else torch.arange(rows)
             for ms in range(0, rows, mini):
                 idx = order[ms:ms + mini]
@@ -93,7 +93,7 @@ class CriticWorker:
                     loss.backward()
                     total += float(loss.detach())
                     clipfracs.append(float(cf))
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.cfg.get("grad_clip", 1.0)))
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.cfg.get("grad_clip") or 1.0))
                 if torch.isfinite(norm):
                     self.optimizer.step()
                 norms.append(float(norm))

@@ -108,3 +108,41 @@ def test_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
     assert a.keys() == b.keys()
     for k in a:
         assert (a[k] == b[k]).all(), k
+
+
+def test_every_optional_stage_runs_gae_critic_kl_and_rollout_correction(tiny_assets):
+    """ref, values, update_critic, KL in reward (adaptive controller), KL loss and IS + rejection sampling."""
+    from flows.dapo_train import dapo_train
+
+    cfg = _cfg(tiny_assets, **{"trainer.experiment_name": "full", "trainer.use_ray": "false",
+                               "trainer.total_training_steps": 2, "trainer.save_freq": 2, "trainer.test_freq": -1,
+                               "trainer.val_before_train": "false", "algorithm.filter_groups.enable": "false",
+                               "algorithm.adv_estimator": "gae", "actor_rollout_ref.actor.use_kl_loss": "true",
+                               "actor_rollout_ref.actor.kl_loss_coef": 0.01, "algorithm.use_kl_in_reward": "true",
+                               "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.01,
+                               "algorithm.rollout_correction.rollout_is": "token",
+                               "algorithm.rollout_correction.rollout_rs": "token_k1",
+                               "algorithm.rollout_correction.rollout_rs_threshold": "0.5_2.0"})
+    out = dapo_train(to_yaml(cfg), "full")
+    run = Path(out["run_dir"])
+    for stage in ("ref", "values", "update_critic", "advantage", "update_actor"):
+        assert (run / "step_000002" / f"{stage}.manifest.json").exists(), stage
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.01)
+    assert rows[1]["actor/reward_kl_penalty_coeff"] != pytest.approx(0.01)  # the adaptive controller moved
+    assert "critic/vf_loss" in rows[1] and "actor/kl_loss" in rows[1] and "critic/vf_explained_var" in rows[1]
+    assert "rollout_corr/rollout_is_mean" in rows[1] and "rollout_corr/rollout_rs_masked_fraction" in rows[1]
+    assert (run / "ckpt" / "step_2" / "critic" / "critic.pt").exists()
+
+
+def test_deepspeed_strategy_trains_in_a_ray_actor(tiny_assets):
+    from flows.dapo_train import dapo_train
+
+    cfg = _cfg(tiny_assets, **{"trainer.experiment_name": "ds", "trainer.use_ray": "true",
+                               "trainer.total_training_steps": 1, "trainer.save_freq": 1, "trainer.test_freq": -1,
+                               "trainer.val_before_train": "false", "algorithm.filter_groups.enable": "false",
+                               "actor_rollout_ref.actor.strategy": "deepspeed",
+                               "actor_rollout_ref.actor.deepspeed.zero_stage": 2})
+    out = dapo_train(to_yaml(cfg), "ds")
+    ckpt = Path(out["run_dir"]) / "ckpt" / "step_1" / "actor"
+    assert (ckpt / "deepspeed").is_dir() and (ckpt / "model.safetensors").exists()
