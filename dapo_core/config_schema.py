@@ -505,7 +505,7 @@ class RewardModelConfig:
     reward_manager: str = "dapo"
     """Reward manager name."""
     num_workers: int = 1
-    """Processes scoring responses in parallel (1 = in-process)."""
+    """Worker processes scoring responses in parallel (each sample under its own timeout; >= 1)."""
     timeout_s: float = 10.0
     """Seconds before one scoring call is abandoned (scored as a failure)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
