@@ -134,14 +134,15 @@ def dapo_train(config_yaml: str, run_id: str) -> dict:
             metrics = step_fn(run_id, cfg, step, state, progress)
             state.train_step = step
             last = step == total
-            if int(cfg.trainer.save_freq) > 0 and (step % int(cfg.trainer.save_freq) == 0 or last):
-                progress.stage("checkpoint")
-                checkpoint(run_id, step, state.to_json(rt))
             if int(cfg.trainer.test_freq) > 0 and (step % int(cfg.trainer.test_freq) == 0 or last):
                 progress.stage("validate")
                 metrics.update(validate(run_id, step, state.gen_step)[1])
-            metrics.update({"training/global_step": step, "training/gen_step": state.gen_step})
-            tracker.log(step, metrics)
+            metrics.update({"training/global_step": step, "training/gen_step": state.gen_step,
+                            "training/epoch": rt.extras["sampler"].epoch})
+            tracker.log(step, metrics)  # before the checkpoint: a resumed run never misses a step's row
+            if int(cfg.trainer.save_freq) > 0 and (step % int(cfg.trainer.save_freq) == 0 or last):
+                progress.stage("checkpoint")
+                checkpoint(run_id, step, state.to_json(rt))
             progress.end_step(metrics)
             logger.info("step %d (gen_step %d) done in %.1fs", step, state.gen_step, metrics["timing_s/step"])
         return {"run_id": run_id, "train_step": state.train_step, "gen_step": state.gen_step,

@@ -53,7 +53,8 @@ _PART = re.compile(r"_p\d+$")
 
 
 def _keep_rate(run_id: str) -> KeepRateEstimator:
-    return runtime.get(run_id).extras.setdefault("replay_keep_rate", KeepRateEstimator())
+    # the run-wide estimator that DriverState checkpoints and `restore` reloads (as the sync order uses)
+    return runtime.get(run_id).extras.setdefault("keep_rate", KeepRateEstimator())
 
 
 def _add(metrics: dict, new: dict, run_id: str) -> None:
@@ -160,6 +161,13 @@ def replay_train_step(run_id: str, cfg, step: int, state: DriverState, progress)
             else sum(vals) / len(vals)
     metrics["training/local_updates"] = float(parts if step > int(cfg.trainer.critic_warmup) else 0)
 
+    save_freq = int(cfg.trainer.save_freq)
+    if save_freq > 0 and (step % save_freq == 0 or step == state.total_steps):
+        # This step ends with a checkpoint: nothing may stay in flight across it, or a run resumed from it would
+        # regenerate those prompts with newer weights than the uninterrupted run used (not bitwise equal).
+        for launch_step, tag in pending_launches(run_id):
+            progress.stage(f"collect rollouts of step {launch_step} ({tag}) before the checkpoint")
+            _add(metrics, collect_generation(run_id, launch_step, tag), run_id)
     if step > int(cfg.trainer.critic_warmup):
         progress.stage("sync weights")
         state.weight_version += 1

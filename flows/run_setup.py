@@ -159,31 +159,40 @@ def open_run(cfg, run_id: str) -> runtime.Runtime:
     (root / "config.yaml").write_text(to_yaml(cfg))
     model_path = default_model_path(cfg)
     tokenizer_path = str(cfg.actor_rollout_ref.model.tokenizer_path or model_path)
-    tokenizer = load_tokenizer(tokenizer_path)
     device = resolve_device(cfg)
     use_ray = bool(cfg.trainer.use_ray)
-    cluster = Cluster(run_id, use_ray=use_ray, address=cfg.trainer.get("ray_address"), device=device,
-                      num_threads=int(os.environ.get("DAPO_WORKER_THREADS", "1")))
+    cluster = tracker = None
     try:
+        tokenizer = load_tokenizer(tokenizer_path)
+        # Data first (cheap, and a wrong path should fail before workers spend minutes loading models).
+        sampler = ChunkSampler(PromptSampler(read_table(cfg.data.train_files), tokenizer, batch_size=1,
+                                             seed=int(cfg.data.seed), shuffle=bool(cfg.data.shuffle),
+                                             max_prompt_length=int(cfg.data.max_prompt_length),
+                                             truncation=str(cfg.data.truncation)))
+        val_table = val_prompts(cfg, tokenizer)
+        alg = cfg.algorithm
+        kl_ctrl = get_kl_controller(str(alg.kl_ctrl.type), float(alg.kl_ctrl.kl_coef), int(alg.kl_ctrl.horizon),
+                                    float(alg.kl_ctrl.target_kl))
+        tracker = Tracker(root, list(cfg.trainer.logger))
+        cluster = Cluster(run_id, use_ray=use_ray, address=cfg.trainer.get("ray_address"), device=device,
+                          num_threads=int(os.environ.get("DAPO_WORKER_THREADS", "1")))
         _create_workers(cfg, cluster, model_path, tokenizer_path, device)
-    except BaseException:
-        cluster.shutdown()
+        rt = runtime.Runtime(run_id=run_id, cfg=cfg, store=store, cluster=cluster,
+                             pad_token_id=int(tokenizer.pad_token_id), vocab_size=len(tokenizer), extras={
+                                 "sampler": sampler, "val_table": val_table, "kl_ctrl": kl_ctrl,
+                                 "keep_rate": KeepRateEstimator(),
+                                 "checkpoints": store.checkpoints, "model_path": model_path,
+                                 "tracker": tracker,
+                                 "progress": StepProgress(run_id, enabled=sys.stdout.isatty()
+                                                          or "console" in cfg.trainer.logger),
+                             })
+    except BaseException:  # nothing of a half-opened run may outlive it (Ray actors, a Ray we started, the store)
+        if cluster is not None:
+            cluster.shutdown()
+        if tracker is not None:
+            tracker.close()
+        store.close()
         raise
-    sampler = ChunkSampler(PromptSampler(read_table(cfg.data.train_files), tokenizer, batch_size=1,
-                                         seed=int(cfg.data.seed), shuffle=bool(cfg.data.shuffle),
-                                         max_prompt_length=int(cfg.data.max_prompt_length),
-                                         truncation=str(cfg.data.truncation)))
-    alg = cfg.algorithm
-    kl_ctrl = get_kl_controller(str(alg.kl_ctrl.type), float(alg.kl_ctrl.kl_coef), int(alg.kl_ctrl.horizon),
-                                float(alg.kl_ctrl.target_kl))
-    rt = runtime.Runtime(run_id=run_id, cfg=cfg, store=store, cluster=cluster, pad_token_id=int(tokenizer.pad_token_id),
-                         vocab_size=len(tokenizer), extras={
-                             "sampler": sampler, "val_table": val_prompts(cfg, tokenizer), "kl_ctrl": kl_ctrl,
-                             "keep_rate": KeepRateEstimator(),
-                             "checkpoints": store.checkpoints, "model_path": model_path,
-                             "tracker": Tracker(root, list(cfg.trainer.logger)),
-                             "progress": StepProgress(run_id, enabled=sys.stdout.isatty() or "console" in cfg.trainer.logger),
-                         })
     runtime.register(rt)
     return rt
 
@@ -214,6 +223,20 @@ def total_training_steps(cfg, rt: runtime.Runtime) -> int:
     return per_epoch * int(cfg.trainer.total_epochs)
 
 
+def _resume_path_dir(given: Path, ckpts, step: int) -> Path:
+    """The checkpoint folder `trainer.resume_from_path` names: this run's `ckpt/step_<n>` (verified) or another
+    run's, which must be a complete checkpoint (manifest and driver state present)."""
+    if given.absolute().resolve() == ckpts.path(step).resolve():
+        return ckpts.load(step)
+    from dapo_core.checkpoint import MANIFEST_NAME
+
+    for name in (MANIFEST_NAME, "driver_state.json", "actor"):
+        if not (given / name).exists():
+            raise ValueError(f"trainer.resume_from_path={str(given)!r} is not a complete checkpoint ({name} is "
+                             f"missing): point it at a ckpt/step_<n> folder written by dapo-train")
+    return given
+
+
 def restore(rt: runtime.Runtime) -> DriverState:
     """Load the latest checkpoint (resume_mode auto / resume_path) and prepare later steps for replay."""
     cfg = rt.cfg
@@ -229,7 +252,10 @@ def restore(rt: runtime.Runtime) -> DriverState:
             raise ValueError(f"trainer.resume_from_path={path!r} must point at a ckpt/step_<n> folder")
         step = int(path.rstrip("/").rsplit("step_", 1)[1])
     if step is not None:
-        path = ckpts.load(step)
+        if mode == "resume_path":  # the folder named, which may belong to another run
+            path = _resume_path_dir(Path(str(cfg.trainer.resume_from_path)), ckpts, step)
+        else:
+            path = ckpts.load(step)
         rt.worker("actor").call("load_checkpoint", str(Path(path) / "actor"))
         if rt.cluster.has("critic"):
             rt.worker("critic").call("load_checkpoint", str(Path(path) / "critic"))
@@ -267,7 +293,9 @@ def step_metrics(run_id: str, step: int, adv_uri: str, metrics: dict) -> dict:
                                                          B.response_lengths(table), t["responses"].shape[1])
     out = dict(compute_data_metrics(t, use_critic="values" in table.column_names))
     timing = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("timing_s/")}
-    timing.setdefault("gen", timing.get("generate", 0.0))
+    timing.setdefault("gen", timing.get("generate", 0.0))  # the reference's timer names (§7.2) for our stages
+    if "advantage" in timing:
+        timing.setdefault("adv", timing["advantage"])
     out.update(compute_timing_metrics(t, timing))
     out.update(compute_throughput_metrics(t, timing, n_gpus=1))
     out["critic/acc/mean"] = float(sum(bool(a) for a in table.column("acc").to_pylist()) / max(table.num_rows, 1))
@@ -282,7 +310,10 @@ def close_run(rt: runtime.Runtime) -> None:
         rt.extras["tracker"].close()
         jsonl = rt.store.root / "metrics.jsonl"
         if jsonl.exists():
-            plot_run(jsonl, rt.store.root / "curves.png")
+            try:
+                plot_run(jsonl, rt.store.root / "curves.png")
+            except Exception as exc:  # noqa: BLE001 - a plot must never mask the run's own error
+                print(f"could not draw {rt.store.root / 'curves.png'}: {exc!r}")
     finally:
         rt.extras["progress"].close()
         rt.cluster.shutdown()

@@ -68,6 +68,13 @@ def advantage(run_id: str, step: int, in_uri: str) -> StageResult:
             kl_penalty_kind=str(alg.kl_penalty), rollout_correction=rc if enabled else None)
         return out, metrics
 
-    return run_stage(rt, step, "advantage", compute, schema="advantage", n=rt.n)
+    kl_ctrl = rt.extras.get("kl_ctrl")
+    value_before = getattr(kl_ctrl, "value", None)
+    try:
+        return run_stage(rt, step, "advantage", compute, schema="advantage", n=rt.n)
+    except BaseException:
+        if value_before is not None:  # a retried attempt must not update the adaptive KL coefficient twice
+            kl_ctrl.value = value_before
+        raise
 
 

@@ -106,9 +106,14 @@ def draw_prompts(run_id: str, step: int, tag: str, num_prompts: int) -> StageRes
         uri, metrics = rt.store.stage_uri(step, stage), dict(meta.get("metrics", {}))
     else:
         uid_fn = uid_factory(rt.cfg.trainer.seed, "train", step, tag)  # reproducible: same uids, same seeds
-        table = B.repeat_interleave_prompts(sampler.next_batch(int(num_prompts)), rt.n, uid_fn=uid_fn)
-        uri, metrics = run_stage(rt, step, stage, lambda: (table, {"train/epoch": float(sampler.epoch)}),
-                                 meta={"sampler_state": sampler.state_dict()})
+        before = sampler.state_dict()
+        try:
+            table = B.repeat_interleave_prompts(sampler.next_batch(int(num_prompts)), rt.n, uid_fn=uid_fn)
+            uri, metrics = run_stage(rt, step, stage, lambda: (table, {"train/epoch": float(sampler.epoch)}),
+                                     meta={"sampler_state": sampler.state_dict()})
+        except BaseException:
+            sampler.load_state_dict(before)  # a retry draws the same prompts (none skipped)
+            raise
     table = rt.store.read_uri(uri)
     known = rt.store.get_many(_uids(table))
     new = [u for u in _uids(table) if u not in known]

@@ -27,13 +27,18 @@ def sample_prompts(run_id: str, step: int, gen_idx: int, num_prompts: int) -> St
         meta = rt.store.meta(step, stage) or {}
         sampler.load_state_dict(meta["sampler_state"])
         return rt.store.stage_uri(step, stage), dict(meta.get("metrics", {}))
-    prompts = sampler.next_batch(num_prompts)
-    uid_fn = uid_factory(rt.cfg.trainer.seed, "train", step, gen_idx)
-    table = B.repeat_interleave_prompts(prompts, rt.n, uid_fn=uid_fn)
-    uids = sorted(set(table.column("uid").to_pylist()))
-    rt.store.put_many([(u, {"is_prompt": True, "status": "pending", "global_steps": step}) for u in uids])
-    return run_stage(rt, step, stage, lambda: (table, {"train/epoch": float(sampler.epoch)}),
-                     meta={"sampler_state": sampler.state_dict()})
+    before = sampler.state_dict()
+    try:
+        prompts = sampler.next_batch(num_prompts)
+        uid_fn = uid_factory(rt.cfg.trainer.seed, "train", step, gen_idx)
+        table = B.repeat_interleave_prompts(prompts, rt.n, uid_fn=uid_fn)
+        uids = sorted(set(table.column("uid").to_pylist()))
+        rt.store.put_many([(u, {"is_prompt": True, "status": "pending", "global_steps": step}) for u in uids])
+        return run_stage(rt, step, stage, lambda: (table, {"train/epoch": float(sampler.epoch)}),
+                         meta={"sampler_state": sampler.state_dict()})
+    except BaseException:
+        sampler.load_state_dict(before)  # a retry draws the same prompts (none skipped)
+        raise
 
 
 @task(name="generate", task_run_name="generate-step{step}-g{gen_idx}", **_OPTS)

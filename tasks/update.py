@@ -57,7 +57,9 @@ def checkpoint(run_id: str, step: int, driver_state: dict) -> str:
         with open(os.path.join(tmp_dir, "driver_state.json"), "w") as f:
             json.dump(driver_state, f, indent=1, sort_keys=True)
 
-    path = ckpts.save(step, write, {"step": step, "run_id": run_id})
+    # overwrite: a retry after a save that completed, or a run resumed (resume_path) from before its latest
+    # checkpoint, writes this step again; the state being saved is the driver's current one either way
+    path = ckpts.save(step, write, {"step": step, "run_id": run_id}, overwrite=True)
     keep = rt.cfg.trainer.get("max_actor_ckpt_to_keep")
     if keep:
         ckpts.keep_last(int(keep))

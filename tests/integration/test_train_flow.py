@@ -39,6 +39,7 @@ def test_flow_runs_steps_on_ray_and_commits_every_stage(tiny_assets):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # validation before training, then two steps
     assert "actor/pg_loss" in rows[1] and "critic/score/mean" in rows[1] and "actor/grad_norm" in rows[2]
+    assert "timing_s/adv" in rows[1] and "timing_per_token_ms/adv" in rows[1]  # reference timer names (§7.2)
     assert any(k.startswith("val-core/synthetic_arith/acc/mean@") for k in rows[2])
     assert (run / "ckpt" / "latest").read_text().strip() == "2"
     assert (run / "curves.png").stat().st_size > 1000
@@ -146,3 +147,77 @@ def test_deepspeed_strategy_trains_in_a_ray_actor(tiny_assets):
     out = dapo_train(to_yaml(cfg), "ds")
     ckpt = Path(out["run_dir"]) / "ckpt" / "step_1" / "actor"
     assert (ckpt / "deepspeed").is_dir() and (ckpt / "model.safetensors").exists()
+
+
+def test_failed_open_run_leaves_no_workers_and_retried_draw_skips_no_prompt(tiny_assets, monkeypatch):
+    """open_run failing after the workers started shuts them down; a prompt draw that fails after the sampler
+    moved (ledger write) is retried with the same prompts."""
+    import flows.run_setup as rs
+    from dapo_core.cluster import _LOCAL_REGISTRY
+    from tasks.rollout import sample_prompts
+
+    cfg = _cfg(tiny_assets, **{"trainer.experiment_name": "openfail", "trainer.use_ray": "false"})
+
+    class Boom(RuntimeError):
+        pass
+
+    def boom(*a, **k):
+        raise Boom("progress display failed")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(rs, "StepProgress", boom)
+        with pytest.raises(Boom):
+            rs.open_run(cfg, "openfail")
+    assert not [key for key in _LOCAL_REGISTRY if key[0] == "openfail"]  # every in-process worker was closed
+
+    rt = rs.open_run(cfg, "openfail")
+    try:
+        fresh = rs.ChunkSampler(rt.extras["sampler"].sampler.__class__(
+            rs.read_table(cfg.data.train_files), rs.load_tokenizer(rs.default_model_path(cfg)), batch_size=1,
+            seed=int(cfg.data.seed), shuffle=bool(cfg.data.shuffle),
+            max_prompt_length=int(cfg.data.max_prompt_length), truncation=str(cfg.data.truncation)))
+        expected = fresh.next_batch(3).column("prompt_id").to_pylist()
+        original = rt.store.put_many
+        calls = []
+
+        def flaky(items):
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError("disk hiccup")
+            return original(items)
+
+        monkeypatch.setattr(rt.store, "put_many", flaky)
+        with pytest.raises(OSError):
+            sample_prompts.fn("openfail", 1, 0, 3)
+        uri, _ = sample_prompts.fn("openfail", 1, 0, 3)
+        got = rt.store.read_uri(uri).column("prompt_id").to_pylist()
+        assert list(dict.fromkeys(got)) == expected
+    finally:
+        rs.close_run(rt)
+
+
+def test_resume_path_loads_the_named_checkpoint_and_may_rewrite_the_latest(tiny_assets):
+    """resume_from_path of another run loads that run's checkpoint; resuming a run from before its latest
+    checkpoint re-saves the later steps (no 'exists and is the latest' error); both end bitwise equal."""
+    from flows.dapo_train import dapo_train
+
+    common = {"trainer.total_training_steps": 2, "trainer.save_freq": 1, "trainer.test_freq": -1,
+              "trainer.val_before_train": "false", "trainer.use_ray": "false",
+              "algorithm.filter_groups.enable": "false"}
+    src = _cfg(tiny_assets, **common, **{"trainer.experiment_name": "rp_src"})
+    dapo_train(to_yaml(src), "rp_src")
+    src_run = tiny_assets / "runs" / "rp_src"
+    step1 = src_run / "ckpt" / "step_1"
+    again = _cfg(tiny_assets, **common, **{"trainer.experiment_name": "rp_src", "trainer.resume_mode": "resume_path",
+                                           "trainer.resume_from_path": str(step1)})
+    out = dapo_train(to_yaml(again), "rp_src")
+    assert out["train_step"] == 2 and out["gen_step"] == 2
+    other = _cfg(tiny_assets, **common, **{"trainer.experiment_name": "rp_dst", "trainer.resume_mode": "resume_path",
+                                           "trainer.resume_from_path": str(step1)})
+    out = dapo_train(to_yaml(other), "rp_dst")
+    assert out["train_step"] == 2 and out["gen_step"] == 2
+    dst_run = tiny_assets / "runs" / "rp_dst"
+    assert not (dst_run / "step_000001").exists()  # started from the other run's step 1
+    a, b = _weights(src_run, 2), _weights(dst_run, 2)
+    for k in a:
+        assert (a[k] == b[k]).all(), k

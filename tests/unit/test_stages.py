@@ -99,3 +99,26 @@ def test_padded_round_trip_used_by_the_stage():
     p = B.to_padded(t, 0, columns=["old_log_probs"])
     assert p["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
     assert torch.equal(p["old_log_probs"][1], torch.full((3,), -0.5))
+
+
+def test_replay_order_keep_rate_is_the_checkpointed_one():
+    """The replay-buffer order feeds the run-wide keep-rate estimator that DriverState saves and restore() loads,
+    so adaptive refill sizes survive a resume."""
+    from types import SimpleNamespace
+
+    import flows.replay_order as ro
+    from dapo_core.sampling import KeepRateEstimator
+    from flows.run_setup import DriverState
+    from tasks import runtime
+
+    est = KeepRateEstimator()
+    rt = runtime.Runtime(run_id="keeprate", cfg=None, store=None, cluster=None, pad_token_id=0, vocab_size=1,
+                         extras={"keep_rate": est, "kl_ctrl": object(),
+                                 "sampler": SimpleNamespace(state_dict=dict)})
+    runtime.register(rt)
+    try:
+        ro._add({}, {"train/num_groups": 4.0, "train/num_kept_groups": 1.0}, "keeprate")
+        assert est.state_dict() == {"kept": 1.0, "seen": 4.0}
+        assert DriverState().to_json(rt)["keep_rate_state"] == {"kept": 1.0, "seen": 4.0}
+    finally:
+        runtime.unregister("keeprate")
