@@ -31,23 +31,18 @@ from dapo_core.sampling import KeepRateEstimator, next_gen_batch_size
 from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
 from flows.run_setup import DriverState, step_metrics
 from tasks import runtime
+from tasks.compute import advantage, old_log_prob, ref, values
 from tasks.replay import (
-    advantage_part,
     collect_generation,
     draw_prompts,
     join_parts,
     launch_generation,
-    old_log_prob_part,
     pending_launches,
-    ref_part,
     regenerate_reissued,
     sample_batch,
     split_batch,
-    update_actor_part,
-    update_critic_part,
-    values_part,
 )
-from tasks.update import sync_weights
+from tasks.update import sync_weights, update_actor, update_critic
 
 _PART = re.compile(r"_p\d+$")
 
@@ -139,22 +134,22 @@ def replay_train_step(run_id: str, cfg, step: int, state: DriverState, progress)
     adv_uris = []
     for i, uri in enumerate(split_batch(run_id, step, batch_uri, parts)):
         progress.stage(f"local update {i + 1}/{parts}")
-        stages = [old_log_prob_part]
+        stages = [old_log_prob]
         if need_reference_policy(cfg):
-            stages.append(ref_part)
+            stages.append(ref)
         if use_critic(cfg):
-            stages.append(values_part)
-        stages.append(advantage_part)
+            stages.append(values)
+        stages.append(advantage)
         for stage in stages:
-            uri, m = stage(run_id, step, i, uri)
+            uri, m = stage(run_id, step, uri, part=i)
             for key, v in m.items():
                 per_part[_PART.sub("", key)].append(v)
         adv_uris.append(uri)
         if use_critic(cfg):
-            for key, v in update_critic_part(run_id, step, i, uri)[1].items():
+            for key, v in update_critic(run_id, step, uri, part=i)[1].items():
                 per_part[_PART.sub("", key)].append(v)
         if step > int(cfg.trainer.critic_warmup):
-            for key, v in update_actor_part(run_id, step, i, uri)[1].items():
+            for key, v in update_actor(run_id, step, uri, part=i)[1].items():
                 per_part[_PART.sub("", key)].append(v)
     for key, vals in per_part.items():  # times add up over the parts, the last lr holds, other metrics average
         metrics[key] = sum(vals) if key.startswith("timing_s/") else vals[-1] if key.endswith("lr") \

@@ -34,3 +34,21 @@ def run_stage(rt: Runtime, step: int, stage: str, compute: Callable[[], tuple[pa
         time.perf_counter() - t0
     uri = rt.store.write_stage(step, stage, table, meta={**(meta or {}), "metrics": metrics})
     return uri, metrics
+
+
+def stage_name(stage: str, part: int | None) -> str:
+    """Run-store stage name: `stage`, or `stage_p<part>` for a local update's part (replay-buffer order)."""
+    return stage if part is None else f"{stage}_p{part}"
+
+
+def run_name(stage: str):
+    """A Prefect `task_run_name` callable: `<stage>-step<step>[-p<part>]`, so the UI shows a step's timeline."""
+
+    def name() -> str:
+        from prefect.runtime import task_run
+
+        params = task_run.parameters
+        part = params.get("part")
+        return f"{stage}-step{params.get('step')}" + ("" if part is None else f"-p{part}")
+
+    return name

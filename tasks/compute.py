@@ -8,13 +8,13 @@ from dapo_core import batch as B
 from dapo_core.losses import agg_loss
 from dapo_core.stages import compute_advantage_table
 from tasks import runtime
-from tasks.common import StageResult, run_stage
+from tasks.common import StageResult, run_name, run_stage, stage_name
 
 _OPTS = {"retries": 2, "retry_delay_seconds": 1, "cache_policy": NO_CACHE}
 
 
-@task(name="old_log_prob", task_run_name="old_log_prob-step{step}", **_OPTS)
-def old_log_prob(run_id: str, step: int, batch_uri: str) -> StageResult:
+@task(name="old_log_prob", task_run_name=run_name("old_log_prob"), **_OPTS)
+def old_log_prob(run_id: str, step: int, batch_uri: str, part: int | None = None) -> StageResult:
     """π_old log-probs recomputed by the actor (decoupled mode), or the rollout's own (bypass mode)."""
     rt = runtime.get(run_id)
     cfg = rt.cfg
@@ -28,29 +28,29 @@ def old_log_prob(run_id: str, step: int, batch_uri: str) -> StageResult:
         ent = agg_loss(t["entropy"], t["response_mask"].float(), str(cfg.actor_rollout_ref.actor.loss_agg_mode))
         return out, {"actor/entropy": float(ent)}
 
-    return run_stage(rt, step, "old_log_prob", compute, schema="old_log_prob", n=rt.n)
+    return run_stage(rt, step, stage_name("old_log_prob", part), compute, schema="old_log_prob", n=rt.n)
 
 
-@task(name="ref", task_run_name="ref-step{step}", **_OPTS)
-def ref(run_id: str, step: int, in_uri: str) -> StageResult:
+@task(name="ref", task_run_name=run_name("ref"), **_OPTS)
+def ref(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Reference-policy log-probs (only when a KL term is used)."""
     rt = runtime.get(run_id)
-    return run_stage(rt, step, "ref", lambda: (rt.worker("ref").call("compute_ref_log_prob",
+    return run_stage(rt, step, stage_name("ref", part), lambda: (rt.worker("ref").call("compute_ref_log_prob",
                                                                       rt.store.read_uri(in_uri)), {}),
                      schema="ref", n=rt.n)
 
 
-@task(name="values", task_run_name="values-step{step}", **_OPTS)
-def values(run_id: str, step: int, in_uri: str) -> StageResult:
+@task(name="values", task_run_name=run_name("values"), **_OPTS)
+def values(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Critic values per response token (only for GAE-style estimators)."""
     rt = runtime.get(run_id)
-    return run_stage(rt, step, "values", lambda: (rt.worker("critic").call("compute_values",
+    return run_stage(rt, step, stage_name("values", part), lambda: (rt.worker("critic").call("compute_values",
                                                                             rt.store.read_uri(in_uri)), {}),
                      schema="values", n=rt.n)
 
 
-@task(name="advantage", task_run_name="advantage-step{step}", **_OPTS)
-def advantage(run_id: str, step: int, in_uri: str) -> StageResult:
+@task(name="advantage", task_run_name=run_name("advantage"), **_OPTS)
+def advantage(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Token rewards (KL in reward), rollout correction, and advantages by the configured estimator."""
     rt = runtime.get(run_id)
     alg = rt.cfg.algorithm
@@ -71,7 +71,7 @@ def advantage(run_id: str, step: int, in_uri: str) -> StageResult:
     kl_ctrl = rt.extras.get("kl_ctrl")
     value_before = getattr(kl_ctrl, "value", None)
     try:
-        return run_stage(rt, step, "advantage", compute, schema="advantage", n=rt.n)
+        return run_stage(rt, step, stage_name("advantage", part), compute, schema="advantage", n=rt.n)
     except BaseException:
         if value_before is not None:  # a retried attempt must not update the adaptive KL coefficient twice
             kl_ctrl.value = value_before

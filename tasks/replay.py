@@ -10,9 +10,8 @@ Rollouts enter a `dapo_core.replay.ReplayBuffer` over the run store instead of g
 - `regenerate_reissued` regenerates prompts the ledger still holds as pending/running that no generation of this
   process owns (re-issued by `RunStore.reissue_inflight` at resume).
 - `sample_batch` (stage `batch`) samples `train_batch_size` groups oldest-first; `split_batch` (`batch_p<i>`) cuts
-  it into `parameter_sync_step` equal parts; `old_log_prob_part`, `ref_part`, `values_part`, `advantage_part`,
-  `update_critic_part`, `update_actor_part` are the compute/update stages of one local update (stage `<name>_p<i>`);
-  `join_parts` commits the step's `advantage` table (for step metrics).
+  it into `parameter_sync_step` equal parts; each part goes through the ordinary stage tasks of `tasks.compute` and
+  `tasks.update` called with `part=i` (stage `<name>_p<i>`); `join_parts` commits the step's `advantage` table.
 
 Every stage commits through `tasks.common.run_stage`, so a committed (step, stage) is skipped on retry or resume.
 Ledger writes come after the stage they describe is committed, and each is idempotent (only uids the ledger does
@@ -24,15 +23,13 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from omegaconf import OmegaConf
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from dapo_core import batch as B
-from dapo_core.losses import agg_loss
 from dapo_core.replay import ReplayBuffer
 from dapo_core.seeding import uid_factory
-from dapo_core.stages import apply_group_filter, compute_advantage_table
+from dapo_core.stages import apply_group_filter
 from tasks import runtime
 from tasks.common import StageResult, run_stage
 
@@ -254,80 +251,6 @@ def split_batch(run_id: str, step: int, batch_uri: str, parts: int) -> list[str]
             part = B.balance_batch(part, dp_size=int(rt.extras.get("dp_size", 1)))
         uris.append(run_stage(rt, step, f"batch_p{i}", lambda part=part: (part, {}), schema="reward", n=rt.n)[0])
     return uris
-
-
-@task(name="replay_old_log_prob", task_run_name="old_log_prob-step{step}-p{part}", **_OPTS)
-def old_log_prob_part(run_id: str, step: int, part: int, in_uri: str) -> StageResult:
-    """π_old log-probs of one part under the actor's weights before this local update (or the rollout's own)."""
-    rt = runtime.get(run_id)
-    cfg = rt.cfg
-
-    def compute():
-        table = rt.store.read_uri(in_uri)
-        if bool(cfg.algorithm.rollout_correction.bypass_mode):
-            return table.append_column("old_log_probs", table.column("rollout_log_probs")), {}
-        out = rt.worker("actor").call("compute_log_prob", table, True)
-        t = B.to_padded(out, rt.pad_token_id, columns=["entropy"])
-        ent = agg_loss(t["entropy"], t["response_mask"].float(), str(cfg.actor_rollout_ref.actor.loss_agg_mode))
-        return out, {"actor/entropy": float(ent)}
-
-    return run_stage(rt, step, f"old_log_prob_p{part}", compute, schema="old_log_prob", n=rt.n)
-
-
-@task(name="replay_ref", task_run_name="ref-step{step}-p{part}", **_OPTS)
-def ref_part(run_id: str, step: int, part: int, in_uri: str) -> StageResult:
-    """Reference-policy log-probs of one part."""
-    rt = runtime.get(run_id)
-    return run_stage(rt, step, f"ref_p{part}",
-                     lambda: (rt.worker("ref").call("compute_ref_log_prob", rt.store.read_uri(in_uri)), {}),
-                     schema="ref", n=rt.n)
-
-
-@task(name="replay_values", task_run_name="values-step{step}-p{part}", **_OPTS)
-def values_part(run_id: str, step: int, part: int, in_uri: str) -> StageResult:
-    """Critic values of one part."""
-    rt = runtime.get(run_id)
-    return run_stage(rt, step, f"values_p{part}",
-                     lambda: (rt.worker("critic").call("compute_values", rt.store.read_uri(in_uri)), {}),
-                     schema="values", n=rt.n)
-
-
-@task(name="replay_advantage", task_run_name="advantage-step{step}-p{part}", **_OPTS)
-def advantage_part(run_id: str, step: int, part: int, in_uri: str) -> StageResult:
-    """Token rewards, rollout correction and advantages of one part (groups are whole, so GRPO is unchanged)."""
-    rt = runtime.get(run_id)
-    alg = rt.cfg.algorithm
-
-    def compute():
-        rc = OmegaConf.to_container(alg.rollout_correction, resolve=True)
-        enabled = rc.get("rollout_is") is not None or rc.get("rollout_rs") is not None
-        return compute_advantage_table(
-            rt.store.read_uri(in_uri), pad_token_id=rt.pad_token_id, adv_estimator=str(alg.adv_estimator),
-            gamma=float(alg.gamma), lam=float(alg.lam), norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo),
-            use_kl_in_reward=bool(alg.use_kl_in_reward), kl_ctrl=rt.extras.get("kl_ctrl"),
-            kl_penalty_kind=str(alg.kl_penalty), rollout_correction=rc if enabled else None)
-
-    return run_stage(rt, step, f"advantage_p{part}", compute, schema="advantage", n=rt.n)
-
-
-def _marker(step: int, part: int) -> pa.Table:
-    return pa.table({"step": pa.array([step], pa.int64()), "part": pa.array([part], pa.int64())})
-
-
-@task(name="replay_update_critic", task_run_name="update_critic-step{step}-p{part}", cache_policy=NO_CACHE)
-def update_critic_part(run_id: str, step: int, part: int, in_uri: str) -> StageResult:
-    """Value-loss updates of the critic on one part."""
-    rt = runtime.get(run_id)
-    return run_stage(rt, step, f"update_critic_p{part}", lambda: (
-        _marker(step, part), rt.worker("critic").call("update_critic", rt.store.read_uri(in_uri), step)))
-
-
-@task(name="replay_update_actor", task_run_name="update_actor-step{step}-p{part}", cache_policy=NO_CACHE)
-def update_actor_part(run_id: str, step: int, part: int, in_uri: str) -> StageResult:
-    """One local policy update on one part (not retried: a half-applied update cannot be undone)."""
-    rt = runtime.get(run_id)
-    return run_stage(rt, step, f"update_actor_p{part}", lambda: (
-        _marker(step, part), rt.worker("actor").call("update_actor", rt.store.read_uri(in_uri), step)))
 
 
 @task(name="replay_join_parts", task_run_name="join_parts-step{step}", **_OPTS)

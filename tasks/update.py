@@ -9,30 +9,30 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks import runtime
-from tasks.common import StageResult, run_stage
+from tasks.common import StageResult, run_name, run_stage, stage_name
 
 _OPTS = {"cache_policy": NO_CACHE}
 
 
-def _marker(step: int) -> pa.Table:
-    return pa.table({"step": pa.array([step], type=pa.int64())})
+def _marker(step: int, part: int | None) -> pa.Table:
+    return pa.table({"step": pa.array([step], type=pa.int64()), "part": pa.array([part], type=pa.int64())})
 
 
-@task(name="update_critic", task_run_name="update_critic-step{step}", **_OPTS)
-def update_critic(run_id: str, step: int, in_uri: str) -> StageResult:
+@task(name="update_critic", task_run_name=run_name("update_critic"), **_OPTS)
+def update_critic(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Clipped value-loss updates of the critic."""
     rt = runtime.get(run_id)
-    return run_stage(rt, step, "update_critic",
-                     lambda: (_marker(step), rt.worker("critic").call("update_critic", rt.store.read_uri(in_uri), step)))
+    return run_stage(rt, step, stage_name("update_critic", part),
+                     lambda: (_marker(step, part), rt.worker("critic").call("update_critic", rt.store.read_uri(in_uri), step)))
 
 
-@task(name="update_actor", task_run_name="update_actor-step{step}", **_OPTS)
-def update_actor(run_id: str, step: int, in_uri: str) -> StageResult:
+@task(name="update_actor", task_run_name=run_name("update_actor"), **_OPTS)
+def update_actor(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """The DAPO policy update (PPO mini-batches/epochs with the configured loss); not retried automatically,
     since a half-applied update cannot be undone — the flow resumes from the last checkpoint instead."""
     rt = runtime.get(run_id)
-    return run_stage(rt, step, "update_actor",
-                     lambda: (_marker(step), rt.worker("actor").call("update_actor", rt.store.read_uri(in_uri), step)))
+    return run_stage(rt, step, stage_name("update_actor", part),
+                     lambda: (_marker(step, part), rt.worker("actor").call("update_actor", rt.store.read_uri(in_uri), step)))
 
 
 @task(name="sync_weights", task_run_name="sync_weights-step{step}", cache_policy=NO_CACHE, retries=2)

@@ -183,17 +183,17 @@ def test_replay_order_resumes_after_crash(assets, local_run, monkeypatch):
     import flows.dapo_train as dt
     import flows.replay_order as ro
 
-    original = ro.update_actor_part
+    original = ro.update_actor
 
-    def crash_at_step_2(run_id, step, part, uri):
+    def crash_at_step_2(run_id, step, uri, part=None):
         if step == 2:
             raise RuntimeError("injected crash")
-        return original(run_id, step, part, uri)
+        return original(run_id, step, uri, part=part)
 
     run = "replay-crash"
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml",
                       _overrides(assets, use_ray=False, run=run) + ["trainer.save_freq=1"])
-    monkeypatch.setattr(ro, "update_actor_part", crash_at_step_2)
+    monkeypatch.setattr(ro, "update_actor", crash_at_step_2)
     with pytest.raises(Exception, match="injected crash"):
         dt.dapo_train(to_yaml(cfg), run)
     root = assets / "runs" / run
@@ -204,7 +204,7 @@ def test_replay_order_resumes_after_crash(assets, local_run, monkeypatch):
         tags = store.get_many(sorted(ahead_uids))
         assert {t["status"] for t in tags.values()} == {"running"}  # generated, never collected
         batch2 = store.read_stage(2, "batch")
-    monkeypatch.setattr(ro, "update_actor_part", original)
+    monkeypatch.setattr(ro, "update_actor", original)
     out = dt.dapo_train(to_yaml(cfg), run)
     assert out["train_step"] == STEPS and out["gen_step"] == 1 + (STEPS - 1)
     with RunStore(root) as store:
