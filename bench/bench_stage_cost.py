@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dapo_core.engines.train import make_train_engine  # noqa: E402
-from dapo_core.models import build_tiny_model  # noqa: E402
+from dapo_core.engines.train import make_train_engine
+from dapo_core.models import build_tiny_model
 
 TINY = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 2560, "tie_word_embeddings": True}
