@@ -211,6 +211,27 @@ class CheckpointDir:
         self.verify(step, checksum=checksum)
         return self.path(step)
 
+    def rewind(self, step: int) -> list[int]:
+        """Make ``step`` the newest checkpoint of this run (resuming from an earlier step starts a new branch).
+
+        Checkpoints after ``step`` are moved to ``ckpt/abandoned-<id>/step_<n>`` (kept for inspection, never
+        loaded), then ``latest`` is pointed at ``step`` (or removed if this run has no ``step_<step>``, e.g. when
+        resuming from another run's folder). Returns the moved steps. Without this, ``latest`` — which otherwise
+        only moves forward — would still name the abandoned branch after a crash.
+        """
+        _check_step(step)
+        later = [s for s in self.steps() if s > step]
+        if later:
+            dest = self.dir / f"abandoned-{uuid.uuid4().hex[:8]}"
+            dest.mkdir()
+            self._write_latest(step if step in self.steps() else None)  # pointer first: never names a moved one
+            for s in later:
+                os.replace(self.path(s), dest / f"step_{s}")
+            fsync_dir(self.dir)
+        elif (self.latest_step() or -1) > step:
+            self._write_latest(step if step in self.steps() else None)
+        return later
+
     def keep_last(self, k: int) -> list[int]:
         """Delete all but the ``k`` newest checkpoints (never the ``latest`` one); returns the deleted steps."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:

@@ -254,6 +254,9 @@ def restore(rt: runtime.Runtime) -> DriverState:
     if step is not None:
         if mode == "resume_path":  # the folder named, which may belong to another run
             path = _resume_path_dir(Path(str(cfg.trainer.resume_from_path)), ckpts, step)
+            moved = ckpts.rewind(step)  # later checkpoints of this run belong to the branch we leave
+            if moved:
+                print(f"resuming from step {step}: later checkpoints {moved} moved under ckpt/abandoned-*")
         else:
             path = ckpts.load(step)
         rt.worker("actor").call("load_checkpoint", str(Path(path) / "actor"))

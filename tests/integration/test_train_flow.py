@@ -212,6 +212,8 @@ def test_resume_path_loads_the_named_checkpoint_and_may_rewrite_the_latest(tiny_
                                            "trainer.resume_from_path": str(step1)})
     out = dapo_train(to_yaml(again), "rp_src")
     assert out["train_step"] == 2 and out["gen_step"] == 2
+    assert list((src_run / "ckpt").glob("abandoned-*/step_2"))  # the left branch is kept aside, never loaded
+    assert (src_run / "ckpt" / "latest").read_text().strip() == "2"
     other = _cfg(tiny_assets, **common, **{"trainer.experiment_name": "rp_dst", "trainer.resume_mode": "resume_path",
                                            "trainer.resume_from_path": str(step1)})
     out = dapo_train(to_yaml(other), "rp_dst")

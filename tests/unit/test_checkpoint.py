@@ -123,3 +123,19 @@ def test_run_store_exposes_checkpoints(tmp_path):
     assert store.checkpoints.latest_step() == 7
     assert (tmp_path / "run" / "ckpt" / "step_7" / "MANIFEST.json").exists()
     store.close()
+
+
+def test_rewind_makes_an_earlier_step_the_latest_and_keeps_the_abandoned_branch(tmp_path):
+    from dapo_core.checkpoint import CheckpointDir
+
+    ckpts = CheckpointDir(tmp_path)
+    for step in (1, 2, 3):
+        ckpts.save(step, lambda d, s=step: (d / "w.txt").write_text(str(s)))
+    assert ckpts.latest_step() == 3
+    assert ckpts.rewind(1) == [2, 3]
+    assert ckpts.latest_step() == 1 and ckpts.steps() == [1]
+    assert sorted(p.name for p in next(tmp_path.joinpath("ckpt").glob("abandoned-*")).iterdir()) == ["step_2",
+                                                                                                      "step_3"]
+    ckpts.save(2, lambda d: (d / "w.txt").write_text("new 2"))  # the new branch saves step 2 again
+    assert ckpts.latest_step() == 2 and (ckpts.load(2) / "w.txt").read_text() == "new 2"
+    assert ckpts.rewind(0) == [1, 2] and ckpts.latest_step() is None  # no step_0 here: no pointer
