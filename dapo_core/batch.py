@@ -47,6 +47,7 @@ __all__ = [
     "repeat_interleave_prompts",
     "response_lengths",
     "select",
+    "set_column",
     "to_packed",
     "to_padded",
     "union",
@@ -370,7 +371,8 @@ def from_packed(
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
 
 
-def _set_column(table: pa.Table, name: str, arr: pa.Array | pa.ChunkedArray) -> pa.Table:
+def set_column(table: pa.Table, name: str, arr: pa.Array | pa.ChunkedArray) -> pa.Table:
+    """Add column ``name``, or replace it in place if the table already has one."""
     if name in table.column_names:
         return table.set_column(table.column_names.index(name), name, arr)
     return table.append_column(name, arr)
@@ -392,7 +394,7 @@ def add_token_column(
             f"response ({int(lengths.max())}); compute it over the full padded response"
         )
     arr = from_padded(tensor, lengths, dtype=dtype)
-    return _set_column(table, name, arr)
+    return set_column(table, name, arr)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -494,8 +496,8 @@ def repeat_interleave_prompts(
         raise BatchError("repeat_interleave_prompts: uid_fn returned duplicate uids")
     uid_col = pa.array(np.repeat(np.array(uids, dtype=object), n), pa.string())
     sample_col = pa.array(np.tile(np.arange(n, dtype=np.int32), rows), pa.int32())
-    out = _set_column(out, "uid", uid_col)
-    return _set_column(out, "sample_idx", sample_col)
+    out = set_column(out, "uid", uid_col)
+    return set_column(out, "sample_idx", sample_col)
 
 
 def group_sizes(table: pa.Table) -> dict[str, int]:

@@ -127,13 +127,6 @@ def compute_advantage_table(table: pa.Table, *, pad_token_id: int, adv_estimator
     if weights is not None:
         new_cols["rollout_is_weights"] = weights
     for name, tensor in new_cols.items():
-        out = _replace(out, name, B.from_padded(tensor.float(), lengths).cast(pa.list_(pa.float32())))
-    mask_col = B.from_padded(mask.to(torch.int8), lengths).cast(pa.list_(pa.int8()))
-    out = _replace(out, "response_mask", mask_col)
+        out = B.add_token_column(out, name, tensor, "float32")
+    out = B.add_token_column(out, "response_mask", mask.to(torch.int8), "int8")
     return out, metrics
-
-
-def _replace(table: pa.Table, name: str, col: pa.Array) -> pa.Table:
-    if name in table.column_names:
-        table = table.drop_columns([name])
-    return table.append_column(name, col)

@@ -22,7 +22,6 @@ In-process workers (`trainer.use_ray=false`) run the same order but generate at 
 """
 from __future__ import annotations
 
-import re
 import time
 from collections import defaultdict
 
@@ -43,8 +42,6 @@ from tasks.replay import (
     split_batch,
 )
 from tasks.update import sync_weights, update_actor, update_critic
-
-_PART = re.compile(r"_p\d+$")
 
 
 def _keep_rate(run_id: str) -> KeepRateEstimator:
@@ -143,14 +140,14 @@ def replay_train_step(run_id: str, cfg, step: int, state: DriverState, progress)
         for stage in stages:
             uri, m = stage(run_id, step, uri, part=i)
             for key, v in m.items():
-                per_part[_PART.sub("", key)].append(v)
+                per_part[key].append(v)
         adv_uris.append(uri)
         if use_critic(cfg):
             for key, v in update_critic(run_id, step, uri, part=i)[1].items():
-                per_part[_PART.sub("", key)].append(v)
+                per_part[key].append(v)
         if step > int(cfg.trainer.critic_warmup):
             for key, v in update_actor(run_id, step, uri, part=i)[1].items():
-                per_part[_PART.sub("", key)].append(v)
+                per_part[key].append(v)
     for key, vals in per_part.items():  # times add up over the parts, the last lr holds, other metrics average
         metrics[key] = sum(vals) if key.startswith("timing_s/") else vals[-1] if key.endswith("lr") \
             else sum(vals) / len(vals)

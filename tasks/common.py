@@ -1,6 +1,7 @@
 """The commit discipline shared by every stage task: skip if committed, else compute → validate → commit."""
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -10,6 +11,9 @@ from dapo_core.schemas import validate_stage
 from tasks.runtime import Runtime
 
 StageResult = tuple[str, dict[str, float]]
+
+# Generation-batch (`_g0`, `_ga`, `_gr1`) and local-update (`_p0`) suffixes: one timer name per stage kind.
+_STAGE_SUFFIX = re.compile(r"_(?:g[a-z]?\d*|p\d+)$")
 
 
 def run_stage(rt: Runtime, step: int, stage: str, compute: Callable[[], tuple[pa.Table, dict[str, float]]], *,
@@ -30,8 +34,7 @@ def run_stage(rt: Runtime, step: int, stage: str, compute: Callable[[], tuple[pa
                        max_prompt_length=int(cfg.data.max_prompt_length),
                        max_response_length=int(cfg.data.max_response_length))
     metrics = dict(metrics)
-    metrics[f"timing_s/{stage.split('_g')[0] if stage.startswith(('generate_g', 'reward_g')) else stage}"] = \
-        time.perf_counter() - t0
+    metrics[f"timing_s/{_STAGE_SUFFIX.sub('', stage)}"] = time.perf_counter() - t0
     uri = rt.store.write_stage(step, stage, table, meta={**(meta or {}), "metrics": metrics})
     return uri, metrics
 

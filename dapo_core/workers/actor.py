@@ -42,18 +42,12 @@ def _log_prob_table(engine, table: pa.Table, *, pad_token_id: int, temperature: 
 
 
 def _to_list_column(chunks: list[torch.Tensor], lengths: torch.Tensor) -> pa.Array:
+    """One list<float32> column from micro-batch chunks of different padded widths (no Python round trip)."""
     out, pos = [], 0
     for c in chunks:
-        ln = lengths[pos:pos + c.shape[0]]
-        out.extend(B.from_padded(c.float().cpu(), ln.tolist()).to_pylist())
+        out.append(B.from_padded(c, lengths[pos:pos + c.shape[0]], dtype="float32"))
         pos += c.shape[0]
-    return pa.array(out, type=pa.list_(pa.float32()))
-
-
-def _set_column(table: pa.Table, name: str, col: pa.Array) -> pa.Table:
-    if name in table.column_names:
-        table = table.drop_columns([name])
-    return table.append_column(name, col)
+    return pa.concat_arrays(out)
 
 
 class ActorWorker:
@@ -92,9 +86,9 @@ class ActorWorker:
         logps, ents, lengths = _log_prob_table(self.engine, table, pad_token_id=self.pad_token_id,
                                                temperature=self.temperature, micro_batch_size=self.log_prob_mbs,
                                                calculate_entropy=calculate_entropy)
-        table = _set_column(table, "old_log_probs", _to_list_column(logps, lengths))
+        table = B.set_column(table, "old_log_probs", _to_list_column(logps, lengths))
         if ents is not None:
-            table = _set_column(table, "entropy", _to_list_column(ents, lengths))
+            table = B.set_column(table, "entropy", _to_list_column(ents, lengths))
         return table
 
     # -- update ------------------------------------------------------------------------------------------------
@@ -182,4 +176,4 @@ class RefWorker:
         logps, _, lengths = _log_prob_table(self.engine, table, pad_token_id=self.pad_token_id,
                                             temperature=self.temperature, micro_batch_size=self.mbs,
                                             calculate_entropy=False)
-        return _set_column(table, "ref_log_probs", _to_list_column(logps, lengths))
+        return B.set_column(table, "ref_log_probs", _to_list_column(logps, lengths))

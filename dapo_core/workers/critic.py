@@ -60,10 +60,7 @@ class CriticWorker:
         with torch.no_grad():
             t = B.to_padded(table, self.pad_token_id)
             v = self._forward(t) * t["response_mask"].to(self.device)
-        col = B.from_padded(v.float().cpu(), B.response_lengths(table))
-        if "values" in table.column_names:
-            table = table.drop_columns(["values"])
-        return table.append_column("values", col.cast(pa.list_(pa.float32())))
+        return B.add_token_column(table, "values", v, "float32")
 
     def update_critic(self, table: pa.Table, global_steps: int) -> dict[str, float]:
         """PPO value updates; returns `critic/vf_loss`, `critic/vf_clipfrac`, `critic/grad_norm`, `critic/lr`."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from dapo_core import batch as B
 from dapo_core.models import load_tokenizer
 from dapo_core.rewards import default_compute_score
 from dapo_core.rewards.manager import RewardManager
@@ -49,9 +50,7 @@ class RewardWorker:
             "reward": pa.array(res.reward, type=pa.float32()),
         }
         for name, col in cols.items():
-            if name in table.column_names:
-                table = table.drop_columns([name])
-            table = table.append_column(name, col)
+            table = B.set_column(table, name, col)
         return table, dict(res.metrics)
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from dapo_core import batch as B
 from dapo_core.engines.rollout import SamplingParams, make_rollout_engine
 from dapo_core.seeding import request_seed
 
@@ -45,9 +46,7 @@ class RolloutWorker:
             "gen_step": pa.array([int(gen_step)] * n, type=pa.int64()),
         }
         for name, col in cols.items():
-            if name in table.column_names:
-                table = table.drop_columns([name])
-            table = table.append_column(name, col)
+            table = B.set_column(table, name, col)
         return table
 
     def sync_weights(self, named_tensors: Mapping[str, Any] | Iterable) -> int:
