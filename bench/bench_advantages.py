@@ -17,7 +17,7 @@ import uuid
 
 import torch
 
-from dapo_core.advantages import compute_advantage
+from dapo_core.algo.advantages import compute_advantage
 
 
 def make_batch(

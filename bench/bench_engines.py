@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from dapo_core.engines.rollout import SamplingParams, make_rollout_engine
-from dapo_core.engines.train import make_train_engine, ppo_update
-from dapo_core.models import build_tiny_model
+from dapo_core.compute.engines.rollout import SamplingParams, make_rollout_engine
+from dapo_core.compute.engines.train import make_train_engine, ppo_update
+from dapo_core.compute.models import build_tiny_model
 
 TINY = {
     "hidden_size": 64,

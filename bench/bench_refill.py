@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dapo_core.sampling import KeepRateEstimator, next_gen_batch_size
+from dapo_core.algo.dynamic_sampling import KeepRateEstimator, next_gen_batch_size
 
 
 def simulate(

@@ -3,7 +3,7 @@
 Batch: 512 prompts × n=16 = 8192 trajectories, responses of 2048 tokens (random ids / log-probs),
 prompts of 256 tokens. For every stage we time ``validate_stage`` (median of 5, one thread) and compare
 with the cost of the data movement the stage's worker must do anyway on the same rows: turning the
-Arrow rows into padded tensors with ``dapo_core.batch.to_padded`` (prompts, responses, masks,
+Arrow rows into padded tensors with ``dapo_core.data.batch.to_padded`` (prompts, responses, masks,
 positions + the stage's per-token columns). A log-softmax over a (8192, 2048, vocab) slab is far too
 big for this machine, so it is not the yardstick.
 
@@ -29,8 +29,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dapo_core import batch as B
-from dapo_core import schemas as S
+from dapo_core.data import batch as B
+from dapo_core.data import schemas as S
 
 VOCAB = 151_936
 

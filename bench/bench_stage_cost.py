@@ -1,7 +1,7 @@
 """What a guarded stage costs at the schema benchmark's size, to put validation time in proportion.
 
 Times the cheapest real work of the `old_log_prob` stage — a teacher-forced forward of the CPU default's tiny
-policy (hidden 128, 2 layers; `dapo_core.engines.train` forward with log-probs and entropy) — on slices of
+policy (hidden 128, 2 layers; `dapo_core.compute.engines.train` forward with log-probs and entropy) — on slices of
 256-token prompts + 2,048-token responses, and extrapolates linearly to the 512 × 16 = 8,192 trajectories of
 `bench_schemas.py`. Any real model (e.g. Qwen2.5-32B on GPUs) costs far more per token, so this is a lower bound
 on the stage cost and an upper bound on validation's share.
@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dapo_core.engines.train import make_train_engine
-from dapo_core.models import build_tiny_model
+from dapo_core.compute.engines.train import make_train_engine
+from dapo_core.compute.models import build_tiny_model
 
 TINY = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 2560, "tie_word_embeddings": True}

@@ -31,8 +31,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch
 
-from dapo_core.engines.rollout import SamplingParams, make_rollout_engine
-from dapo_core.models import build_tiny_model
+from dapo_core.compute.engines.rollout import SamplingParams, make_rollout_engine
+from dapo_core.compute.models import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,7 +92,7 @@ def bench_engine(name: str, model: Path, args: argparse.Namespace) -> dict:
 
 def bench_model_generate(model_path: Path, args: argparse.Namespace) -> dict:
     """tokens/s of transformers' `model.generate` (left-padded batch, sampling at T=1)."""
-    from dapo_core.models import load_model
+    from dapo_core.compute.models import load_model
 
     model = load_model(model_path)
     prompts = make_prompts(args.rows, args.prompt_len)

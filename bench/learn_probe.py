@@ -1,7 +1,7 @@
 """Learning probe: does DAPO visibly raise held-out accuracy of the tiny CPU model within ~10 minutes?
 
 End to end, in one process with one torch thread:
-  build a tiny Qwen2 model + char tokenizer (dapo_core.models) → supervised warm-up (dapo_core.sft)
+  build a tiny Qwen2 model + char tokenizer (dapo_core.compute.models) → supervised warm-up (dapo_core.compute.sft)
   → held-out evaluation → DAPO steps → held-out evaluation, printing accuracy before/after and wall time.
 
 The DAPO step here is deliberately self-contained and small (it is a benchmark of *learnability*, not the
@@ -10,7 +10,7 @@ product's training loop): sample n responses per prompt with HF ``generate``; sc
 dynamic sampling (keep groups whose ``acc`` has non-zero spread, refill up to ``--max-gen-batches``);
 GRPO advantages (unbiased std, ε=1e-6); old log-probs by a teacher-forced forward; clipped loss with
 ε_low/ε_high and dual clip c, token-mean over each mini-batch; AdamW. It uses
-``dapo_core.losses.compute_policy_loss`` / ``dapo_core.advantages`` when they exist.
+``dapo_core.algo.losses.core.compute_policy_loss`` / ``dapo_core.algo.advantages`` when they exist.
 No KL, no entropy bonus, no overlong shaping (responses are short). Evaluation is greedy (``--eval-greedy``,
 default) and/or sampled mean@k at temperature 1.
 
@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dapo_core.data import make_synthetic_splits, tokenize_prompt
-from dapo_core.models import build_tiny_model, load_tokenizer
-from dapo_core.sft import carry_slip_solution, synthetic_solution, warmup_sft
+from dapo_core.data.datasets import make_synthetic_splits, tokenize_prompt
+from dapo_core.compute.models import build_tiny_model, load_tokenizer
+from dapo_core.compute.sft import carry_slip_solution, synthetic_solution, warmup_sft
 
 
 # ------------------------------------------------------------------------------------------ scoring

@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dapo_core import batch as B
-from dapo_core.advantages import get_adv_estimator
-from dapo_core.sampling import filter_groups
+from dapo_core.data import batch as B
+from dapo_core.algo.advantages import get_adv_estimator
+from dapo_core.algo.dynamic_sampling import filter_groups
 
 
 class DynamicSamplingExhausted(ValueError):
@@ -101,14 +101,14 @@ def compute_advantage_table(table: pa.Table, *, pad_token_id: int, adv_estimator
     scores = place_scalar_at_last_token(table.column("reward").to_pylist(), lengths, mask.shape[1])
     rewards = scores
     if use_kl_in_reward:
-        from dapo_core.kl import apply_kl_in_reward
+        from dapo_core.algo.kl import apply_kl_in_reward
 
         rewards, kl_metrics = apply_kl_in_reward(scores, t["old_log_probs"], t["ref_log_probs"], mask, kl_ctrl,
                                                  kl_penalty_kind)
         metrics.update(kl_metrics)
     weights = None
     if rollout_correction and "rollout_log_probs" in t and "old_log_probs" in t:
-        from dapo_core.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
+        from dapo_core.algo.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
 
         rc = RolloutCorrectionConfig.from_dict(dict(rollout_correction))
         if not rc.bypass_mode:

@@ -22,7 +22,7 @@ import time
 from prefect import flow, get_run_logger
 
 from dapo_core.config import gen_batch_size, need_reference_policy, use_critic
-from dapo_core.sampling import next_gen_batch_size
+from dapo_core.algo.dynamic_sampling import next_gen_batch_size
 from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
 from flows.replay_order import replay_train_step
 from flows.run_setup import DriverState, close_run, load_cfg, open_run, restore, step_metrics
@@ -149,10 +149,3 @@ def dapo_train(config_yaml: str, run_id: str) -> dict:
                 "run_dir": str(rt.store.root)}
     finally:
         close_run(rt)
-
-
-def main_pipeline(cfg_yaml: str, run_id: str) -> dict:
-    """prepare data → base model → evaluate base → DAPO → evaluate final (the `make train` job)."""
-    from flows.pipeline import pipeline
-
-    return pipeline(cfg_yaml, run_id)

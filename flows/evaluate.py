@@ -13,12 +13,12 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from dapo_core import batch as B
+from dapo_core.data import batch as B
 from dapo_core.config import load_config_text, resolve_device
-from dapo_core.evaluation import validation_summary
-from dapo_core.models import load_tokenizer
+from dapo_core.metrics.validation import validation_summary
+from dapo_core.compute.models import load_tokenizer
 from dapo_core.seeding import uid_factory
-from dapo_core.workers import RewardWorker, RolloutWorker
+from dapo_core.compute.workers import RewardWorker, RolloutWorker
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -29,7 +29,7 @@ def resolve_checkpoint(path: str) -> str:
     if (p / "actor" / "config.json").exists():
         return str(p / "actor")
     if (p / "ckpt").is_dir():
-        from dapo_core.checkpoint import CheckpointDir
+        from dapo_core.store.checkpoint import CheckpointDir
 
         step = CheckpointDir(p).latest_step()
         if step is None:

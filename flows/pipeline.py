@@ -64,7 +64,7 @@ def pipeline(cfg_yaml: str, run_id: str) -> dict:
 
 def export_final(run_dir: Path, out: Path) -> Path:
     """Copy the latest checkpoint's policy (HF weights, config, tokenizer; no optimizer state) to `out`."""
-    from dapo_core.checkpoint import CheckpointDir
+    from dapo_core.store.checkpoint import CheckpointDir
 
     ckpts = CheckpointDir(run_dir)
     step = ckpts.latest_step()

@@ -14,8 +14,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from dapo_core.config import load_config_text
-from dapo_core.data import load_dapo_math, make_synthetic_splits, read_parquet, write_parquet
-from dapo_core.schemas import validate_dataset
+from dapo_core.data.datasets import load_dapo_math, make_synthetic_splits, read_parquet, write_parquet
+from dapo_core.data.schemas import validate_dataset
 
 
 @task(name="synthetic_data")

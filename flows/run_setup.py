@@ -15,8 +15,8 @@ from typing import Any
 import pyarrow as pa
 from omegaconf import OmegaConf
 
-from dapo_core import batch as B
-from dapo_core.cluster import Cluster
+from dapo_core.data import batch as B
+from dapo_core.compute.cluster import Cluster
 from dapo_core.config import (
     gen_batch_size,
     load_config_text,
@@ -25,14 +25,14 @@ from dapo_core.config import (
     to_yaml,
     use_critic,
 )
-from dapo_core.data import PromptSampler, read_parquet
-from dapo_core.kl import get_kl_controller
-from dapo_core.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
-from dapo_core.models import load_tokenizer
-from dapo_core.sampling import KeepRateEstimator
+from dapo_core.data.datasets import PromptSampler, read_parquet
+from dapo_core.algo.kl import get_kl_controller
+from dapo_core.metrics.step import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
+from dapo_core.compute.models import load_tokenizer
+from dapo_core.algo.dynamic_sampling import KeepRateEstimator
 from dapo_core.store import RunStore
-from dapo_core.tracking import Tracker
-from dapo_core.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
+from dapo_core.metrics.tracking import Tracker
+from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
 from flows.progress import StepProgress
 from tasks import runtime
 
@@ -228,7 +228,7 @@ def _resume_path_dir(given: Path, ckpts, step: int) -> Path:
     run's, which must be a complete checkpoint (manifest and driver state present)."""
     if given.absolute().resolve() == ckpts.path(step).resolve():
         return ckpts.load(step)
-    from dapo_core.checkpoint import MANIFEST_NAME
+    from dapo_core.store.checkpoint import MANIFEST_NAME
 
     for name in (MANIFEST_NAME, "driver_state.json", "actor"):
         if not (given / name).exists():
@@ -307,7 +307,7 @@ def step_metrics(run_id: str, step: int, adv_uri: str, metrics: dict) -> dict:
 
 def close_run(rt: runtime.Runtime) -> None:
     """Stop workers this run started, close the store and the logger, and make the end-of-run plot."""
-    from dapo_core.tracking import plot_run
+    from dapo_core.metrics.tracking import plot_run
 
     try:
         rt.extras["tracker"].close()

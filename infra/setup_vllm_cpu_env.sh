@@ -58,7 +58,7 @@ import torch
 import transformers
 import vllm
 
-import dapo_core.models  # noqa: F401
+import dapo_core.compute.models  # noqa: F401
 
 assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__}: expected 2.13.0 (CPU)"
 assert not torch.version.cuda, f"torch is a CUDA build ({torch.version.cuda}); reinstall torch==2.13.0"

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
-from dapo_core.schemas import validate_stage
+from dapo_core.data.schemas import validate_stage
 from tasks.runtime import Runtime
 
 StageResult = tuple[str, dict[str, float]]

@@ -1,6 +1,6 @@
 """Stage tasks of the replay-buffer step order (`trainer.step_order=replay_buffer`, reference `trainer_base`).
 
-Rollouts enter a `dapo_core.replay.ReplayBuffer` over the run store instead of going straight into the step:
+Rollouts enter a `dapo_core.store.replay.ReplayBuffer` over the run store instead of going straight into the step:
 
 - `draw_prompts` (stage `prompts_<tag>`) draws prompts, commits them, then registers each group in the ledger as
   `pending` with its rows as payload (Arrow IPC), so a prompt re-issued after a crash can be regenerated.
@@ -26,8 +26,8 @@ import pyarrow.compute as pc
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from dapo_core import batch as B
-from dapo_core.replay import ReplayBuffer
+from dapo_core.data import batch as B
+from dapo_core.store.replay import ReplayBuffer
 from dapo_core.seeding import uid_factory
 from dapo_core.stages import apply_group_filter
 from tasks import runtime

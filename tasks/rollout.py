@@ -5,7 +5,7 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from dapo_core import batch as B
+from dapo_core.data import batch as B
 from dapo_core.seeding import uid_factory
 from dapo_core.stages import apply_group_filter, truncate_to_groups
 from tasks import runtime

@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from dapo_core.cluster import Cluster
+from dapo_core.compute.cluster import Cluster
 from dapo_core.store import RunStore
 
 _RUNTIMES: dict[str, Runtime] = {}

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from dapo_core import batch as B
-from dapo_core.evaluation import validation_summary
+from dapo_core.data import batch as B
+from dapo_core.metrics.validation import validation_summary
 from dapo_core.seeding import uid_factory
 from tasks import runtime
 from tasks.common import StageResult, run_stage

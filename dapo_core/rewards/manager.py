@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Self
 
-from dapo_core.rewards import default_compute_score, overlong_penalty
+from dapo_core.rewards.scoring import default_compute_score, overlong_penalty
 
 __all__ = ["OverlongBufferConfig", "RewardConfigError", "RewardManager", "RewardResult"]
 

@@ -6,8 +6,8 @@ in for `cuda` (cuda-vs-cpu comparisons become cpu-vs-cpu; the DeepSpeed test run
 is installed).
 
 Everything imported here and in `test_gpu_engines.py` exists on the GPU machine's stock image (torch,
-transformers, tokenizers, safetensors, numpy, pyarrow, tqdm, pytest): only `dapo_core.engines`,
-`dapo_core.models`, `dapo_core.losses`, `dapo_core.kl`, `dapo_core.batch` and `dapo_core.workers.actor`
+transformers, tokenizers, safetensors, numpy, pyarrow, tqdm, pytest): only `dapo_core.compute.engines`,
+`dapo_core.compute.models`, `dapo_core.algo.losses.core`, `dapo_core.algo.kl`, `dapo_core.data.batch` and `dapo_core.compute.workers.actor`
 are imported, never the CLI / flows / config modules (omegaconf, pandera, prefect, ray are absent there).
 DeepSpeed is imported lazily inside its test and skipped when missing.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo_core.models import build_tiny_model
+from dapo_core.compute.models import build_tiny_model
 
 ON_CPU_DRY_RUN = os.environ.get("DAPO_GPU_TESTS_ON_CPU") == "1"
 DEVICE: str | None = "cuda" if torch.cuda.is_available() else ("cpu" if ON_CPU_DRY_RUN else None)

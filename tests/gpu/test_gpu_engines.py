@@ -1,4 +1,4 @@
-"""GPU checks of the compute layer (`dapo_core.engines`, `dapo_core.models`) on `cuda`.
+"""GPU checks of the compute layer (`dapo_core.compute.engines`, `dapo_core.compute.models`) on `cuda`.
 
 (a) `HFRolloutEngine`'s per-token log-probs equal the torch training engine's teacher-forced recompute
     (float32, on cuda, and across devices: cuda rollout vs cpu recompute);
@@ -46,12 +46,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo_core.engines.hf_rollout import HFRolloutEngine
-from dapo_core.engines.rollout import SamplingParams
-from dapo_core.engines.train import make_train_engine, ppo_update
-from dapo_core.kl import kl_penalty
-from dapo_core.losses import agg_loss, compute_policy_loss
-from dapo_core.models import load_tokenizer
+from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
+from dapo_core.compute.engines.rollout import SamplingParams
+from dapo_core.compute.engines.train import make_train_engine, ppo_update
+from dapo_core.algo.kl import kl_penalty
+from dapo_core.algo.losses import agg_loss, compute_policy_loss
+from dapo_core.compute.models import load_tokenizer
 
 _DRY = os.environ.get("DAPO_GPU_TESTS_ON_CPU") == "1"
 DEV = "cuda" if torch.cuda.is_available() else ("cpu" if _DRY else None)
@@ -110,7 +110,7 @@ def _sync() -> None:
 
 # --------------------------------------------------------------------------- (a) rollout vs recompute
 def _pack(prompts, completions):
-    """Left-padded prompt + right-padded response tensors (cpu), as dapo_core.batch.to_padded lays them out."""
+    """Left-padded prompt + right-padded response tensors (cpu), as dapo_core.data.batch.to_padded lays them out."""
     p = max(len(x) for x in prompts)
     length = max(len(c.token_ids) for c in completions)
     ids = torch.zeros(len(prompts), p + length, dtype=torch.long)
@@ -228,7 +228,7 @@ def _trajectory(model_dir, device, batch, *, steps=4, strategy="torch", deepspee
     """`steps` DAPO train steps: on-policy old log-probs, then 2 epochs × 2 mini-batches × 2 micro-batches.
 
     Returns (per-step metrics, final weights on cpu). `move_batch=False` hands ppo_update cpu tensors
-    (what ActorWorker does: dapo_core.batch.to_padded builds them on cpu).
+    (what ActorWorker does: dapo_core.data.batch.to_padded builds them on cpu).
     """
     eng = make_train_engine(
         strategy,
@@ -311,7 +311,7 @@ def test_ppo_update_cuda_matches_cpu(tiny_dir, record):
 
 
 def test_ppo_update_accepts_cpu_batch_with_engine_on_device(tiny_dir, record):
-    """ActorWorker.update_actor hands ppo_update the cpu tensors of dapo_core.batch.to_padded while the
+    """ActorWorker.update_actor hands ppo_update the cpu tensors of dapo_core.data.batch.to_padded while the
     engine (and so the log-probs) live on the device: the update must still run and match."""
     batch = _make_batch(seed=1)
     ref_rows, _ = _trajectory(tiny_dir, DEV, batch, steps=2, move_batch=True)
@@ -349,7 +349,7 @@ def _actor_table(tok, n_prompts=4, n=2, resp_len=10, seed=0):
 
 def test_actor_worker_update_on_device_matches_cpu(tiny_dir, record):
     """The real worker path: ActorWorker.compute_log_prob + update_actor on the device vs on cpu."""
-    from dapo_core.workers.actor import ActorWorker
+    from dapo_core.compute.workers.actor import ActorWorker
 
     tok = load_tokenizer(tiny_dir)
     cfg = {
@@ -435,7 +435,7 @@ def test_hf_generation_throughput(bigger_dir, record):
         )
         assert r["tokens"] > 0
     if n_params is None:
-        from dapo_core.models import load_model
+        from dapo_core.compute.models import load_model
 
         n_params = sum(p.numel() for p in load_model(bigger_dir).parameters())
     header = (

@@ -5,7 +5,7 @@ import functools
 
 import pytest
 
-from dapo_core.cluster import Cluster, actor_name
+from dapo_core.compute.cluster import Cluster, actor_name
 
 
 class Counter:

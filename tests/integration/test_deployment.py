@@ -63,7 +63,7 @@ def test_deployment_run_trains_one_step(tiny_assets, tmp_path):
                                             "trainer.val_before_train": "false", "trainer.test_freq": -1,
                                             "algorithm.filter_groups.enable": "false",
                                             "trainer.experiment_name": "deployed"})
-        serve = subprocess.Popen([sys.executable, "-m", "dapo_core.cli", "deploy", "--config", str(CONFIG),
+        serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "deploy", "--config", str(CONFIG),
                                   "--name", "ci", *ov], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL, start_new_session=True)
         procs.append(serve)

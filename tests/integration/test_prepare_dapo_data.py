@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dapo_core.config import load_config, to_yaml
-from dapo_core.data import make_synthetic_math, write_parquet
+from dapo_core.data.datasets import make_synthetic_math, write_parquet
 from tests.integration.conftest import CONFIG
 
 

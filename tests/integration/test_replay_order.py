@@ -144,7 +144,7 @@ def _check_run(out: dict, metrics: dict[int, dict], store: RunStore) -> None:
 @pytest.fixture(scope="module")
 def local_run(assets):
     """The uninterrupted in-process run, with every ActorWorker.update_actor call recorded."""
-    from dapo_core.workers import actor as actor_mod
+    from dapo_core.compute.workers import actor as actor_mod
 
     calls: list[int] = []
     original = actor_mod.ActorWorker.update_actor

@@ -19,7 +19,7 @@ import signal
 import time
 from pathlib import Path
 
-from dapo_core.checkpoint import CheckpointDir
+from dapo_core.store.checkpoint import CheckpointDir
 from dapo_core.store import RunStore
 
 N = 4
@@ -153,7 +153,7 @@ def test_sigkill_many_times_keeps_store_consistent(tmp_path):
     kills = int(os.environ.get("DAPO_CRASH_KILLS", "40"))
     root, report = tmp_path / "run", tmp_path / "report.txt"
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["pandas", "pyarrow", "dapo_core.store", "dapo_core.checkpoint"])
+    ctx.set_forkserver_preload(["pandas", "pyarrow", "dapo_core.store.run_store", "dapo_core.store.checkpoint"])
     rng = random.Random(1234)
     t0 = time.monotonic()
     stats, reissued, landed = {}, 0, 0

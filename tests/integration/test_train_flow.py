@@ -53,7 +53,7 @@ def test_flow_runs_steps_on_ray_and_commits_every_stage(tiny_assets):
 
 def test_dynamic_sampling_gives_up_with_the_reference_error(tiny_assets):
     """A model whose groups never vary (random init: every answer wrong) exhausts max_num_gen_batches."""
-    from dapo_core.models import build_tiny_model
+    from dapo_core.compute.models import build_tiny_model
     from flows.dapo_train import dapo_train
 
     rand = build_tiny_model(tiny_assets / "models" / "random", {"hidden_size": 64, "intermediate_size": 128,
@@ -88,7 +88,7 @@ def test_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
 
     def cmd(name):
         ov = tiny_overrides(tiny_assets, **common, **{"trainer.experiment_name": name})
-        return [sys.executable, "-m", "dapo_core.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
+        return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
 
     subprocess.run(cmd("straight"), check=True, env=env, cwd=root, capture_output=True)
     victim = subprocess.Popen(cmd("resumed"), env=env, cwd=root, stdout=subprocess.DEVNULL,
@@ -153,7 +153,7 @@ def test_failed_open_run_leaves_no_workers_and_retried_draw_skips_no_prompt(tiny
     """open_run failing after the workers started shuts them down; a prompt draw that fails after the sampler
     moved (ledger write) is retried with the same prompts."""
     import flows.run_setup as rs
-    from dapo_core.cluster import _LOCAL_REGISTRY
+    from dapo_core.compute.cluster import _LOCAL_REGISTRY
     from tasks.rollout import sample_prompts
 
     cfg = _cfg(tiny_assets, **{"trainer.experiment_name": "openfail", "trainer.use_ray": "false"})

@@ -1,4 +1,4 @@
-"""Tests for dapo_core.advantages: registry, worked examples, vectorised == loop, GAE / REINFORCE++ masking."""
+"""Tests for dapo_core.algo.advantages: registry, worked examples, vectorised == loop, GAE / REINFORCE++ masking."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo_core.advantages import (
+from dapo_core.algo.advantages import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageEstimator,
     compute_advantage,

@@ -1,4 +1,4 @@
-"""Tests for dapo_core.batch: Arrow rows ⇄ tensors, row operations, Karmarkar–Karp balancing."""
+"""Tests for dapo_core.data.batch: Arrow rows ⇄ tensors, row operations, Karmarkar–Karp balancing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo_core import batch as B
+from dapo_core.data import batch as B
 
 torch.set_num_threads(1)
 

@@ -1,10 +1,10 @@
-"""Unit tests for dapo_core.checkpoint.CheckpointDir: atomic save, verify, latest pointer, retention."""
+"""Unit tests for dapo_core.store.checkpoint.CheckpointDir: atomic save, verify, latest pointer, retention."""
 
 import json
 
 import pytest
 
-from dapo_core.checkpoint import CheckpointDir, CheckpointError
+from dapo_core.store.checkpoint import CheckpointDir, CheckpointError
 from dapo_core.store import RunStore
 
 
@@ -126,7 +126,7 @@ def test_run_store_exposes_checkpoints(tmp_path):
 
 
 def test_rewind_makes_an_earlier_step_the_latest_and_keeps_the_abandoned_branch(tmp_path):
-    from dapo_core.checkpoint import CheckpointDir
+    from dapo_core.store.checkpoint import CheckpointDir
 
     ckpts = CheckpointDir(tmp_path)
     for step in (1, 2, 3):

@@ -1,4 +1,4 @@
-"""Tests of the `dapo` command line (dapo_core.cli): config printing, exit codes, flow dispatch."""
+"""Tests of the `dapo` command line (flows.cli): config printing, exit codes, flow dispatch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dapo_core.cli import main, make_run_id
+from flows.cli import main, make_run_id
 from dapo_core.config import ConfigWarning
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def test_missing_config_file_exits_2(capsys):
 
 
 def test_train_generates_run_id_and_calls_pipeline(monkeypatch, capsys):
-    calls = _fake_flow(monkeypatch, "flows.dapo_train", "main_pipeline")
+    calls = _fake_flow(monkeypatch, "flows.pipeline", "pipeline")
     assert main(["train", "--config", TINY, "trainer.total_training_steps=2"]) == 0
     (cfg_yaml, run_id), = calls
     assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{4}", run_id)
@@ -68,7 +68,7 @@ def test_train_generates_run_id_and_calls_pipeline(monkeypatch, capsys):
 
 
 def test_train_uses_experiment_name(monkeypatch):
-    calls = _fake_flow(monkeypatch, "flows.dapo_train", "main_pipeline")
+    calls = _fake_flow(monkeypatch, "flows.pipeline", "pipeline")
     assert main(["train", "--config", TINY, "trainer.experiment_name=myrun"]) == 0
     assert calls[0][1] == "myrun"
 
@@ -84,10 +84,10 @@ def test_prepare_eval_deploy_dispatch(monkeypatch):
     assert main(["deploy", "--config", TINY]) == 0 and dep[1][1] == "tiny-cpu"
 
 
-def test_missing_flow_exits_3(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "flows.deploy", None)  # import raises ModuleNotFoundError
-    assert main(["deploy", "--config", TINY]) == 3
-    assert "not available yet" in capsys.readouterr().err
+def test_train_flow_only_runs_dapo_train(monkeypatch):
+    calls = _fake_flow(monkeypatch, "flows.dapo_train", "dapo_train")
+    assert main(["train", "--flow-only", "--config", TINY, "trainer.experiment_name=again"]) == 0
+    assert calls[0][1] == "again"
 
 
 def test_default_config_is_tiny_cpu(monkeypatch, capsys):

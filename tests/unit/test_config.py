@@ -1,4 +1,4 @@
-"""Tests of dapo_core.config: schema, loading, overrides, error messages, cross-field checks, configs/."""
+"""Tests of dapo_core.config.loading: schema, loading, overrides, error messages, cross-field checks, configs/."""
 
 from __future__ import annotations
 

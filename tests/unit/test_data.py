@@ -1,4 +1,4 @@
-"""Tests for dapo_core.data: synthetic math rows, parquet I/O, DAPO-Math dedup, PromptSampler."""
+"""Tests for dapo_core.data.datasets: synthetic math rows, parquet I/O, DAPO-Math dedup, PromptSampler."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import pyarrow as pa
 import pytest
 
-from dapo_core.data import (
+from dapo_core.data.datasets import (
     SYNTHETIC_DATA_SOURCE,
     DataError,
     PromptSampler,
@@ -19,13 +19,13 @@ from dapo_core.data import (
     tokenize_prompt,
     write_parquet,
 )
-from dapo_core.sft import synthetic_solution
+from dapo_core.compute.sft import synthetic_solution
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     """The project's character tokenizer."""
-    from dapo_core.models import build_char_tokenizer
+    from dapo_core.compute.models import build_char_tokenizer
 
     return build_char_tokenizer()
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo_core.engines.hf_rollout import HFRolloutEngine, filter_logits
-from dapo_core.engines.rollout import SamplingParams, SamplingParamsError, make_rollout_engine
-from dapo_core.engines.train import make_train_engine
-from dapo_core.models import build_tiny_model, load_tokenizer
+from dapo_core.compute.engines.hf_rollout import HFRolloutEngine, filter_logits
+from dapo_core.compute.engines.rollout import SamplingParams, SamplingParamsError, make_rollout_engine
+from dapo_core.compute.engines.train import make_train_engine
+from dapo_core.compute.models import build_tiny_model, load_tokenizer
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""Tests for dapo_core.kl: estimators, straight-through variants, controllers, KL in reward."""
+"""Tests for dapo_core.algo.kl: estimators, straight-through variants, controllers, KL in reward."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo_core.kl import (
+from dapo_core.algo.kl import (
     AdaptiveKLController,
     FixedKLController,
     apply_kl_in_reward,

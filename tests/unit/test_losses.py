@@ -1,4 +1,4 @@
-"""Tests for dapo_core.losses and dapo_core.masked: worked examples, gradients, global normalisation."""
+"""Tests for dapo_core.algo.losses.core and dapo_core.masked: worked examples, gradients, global normalisation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo_core.losses import (
+from dapo_core.algo.losses import (
     LOSS_AGG_MODES,
     POLICY_LOSS_REGISTRY,
     PolicyLossParams,
@@ -377,8 +377,8 @@ def test_dppo_tv_invalidates_large_moves():
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("dapo_core.rollout_correction") is None,
-    reason="dapo_core.rollout_correction not written yet",
+    importlib.util.find_spec("dapo_core.algo.rollout_correction.core") is None,
+    reason="dapo_core.algo.rollout_correction.core not written yet",
 )
 def test_bypass_mode_ppo_clip_and_reinforce():
     old, lp, adv, mask = _random_batch(5)

@@ -1,4 +1,4 @@
-"""Tests for dapo_core.metrics: hand-computed values and the reference fixtures (§7, §10)."""
+"""Tests for dapo_core.metrics.step: hand-computed values and the reference fixtures (§7, §10)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo_core import metrics as M
+from dapo_core.metrics import step as M
 
 torch.set_num_threads(1)
 

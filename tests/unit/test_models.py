@@ -1,4 +1,4 @@
-"""Tests for dapo_core.models: char tokenizer, chat template, tiny model build/load."""
+"""Tests for dapo_core.compute.models: char tokenizer, chat template, tiny model build/load."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dapo_core.models import (
+from dapo_core.compute.models import (
     EOS_TOKEN,
     PAD_TOKEN,
     ModelConfigError,

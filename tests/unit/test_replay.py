@@ -1,11 +1,11 @@
-"""Unit tests for dapo_core.replay.ReplayBuffer (oldest-first, DAPO filter, staleness drop/wait, metrics)."""
+"""Unit tests for dapo_core.store.replay.ReplayBuffer (oldest-first, DAPO filter, staleness drop/wait, metrics)."""
 
 import uuid
 
 import pyarrow as pa
 import pytest
 
-from dapo_core.replay import ReplayBuffer, ReplayError
+from dapo_core.store.replay import ReplayBuffer, ReplayError
 from dapo_core.store import RunStore
 
 N = 4

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo_core.rollout_correction import (
+from dapo_core.algo.rollout_correction import (
     SUPPORTED_ROLLOUT_RS_OPTIONS,
     RolloutCorrectionConfig,
     apply_rollout_correction,
@@ -324,7 +324,7 @@ def test_apply_rollout_correction_decoupled_and_bypass():
 def test_nonfinite_padding_gives_zero_weights_and_finite_loss_gradient(level):
     # padding may hold NaN/inf log-probs (e.g. −inf − −inf); the weight there must be 0, not NaN, otherwise
     # loss·w puts NaN into the gradient even though the forward loss masks the position out
-    from dapo_core.losses import compute_policy_loss
+    from dapo_core.algo.losses import compute_policy_loss
 
     lr = torch.tensor([[0.1, float("nan"), float("inf")]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64)

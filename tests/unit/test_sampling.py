@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo_core.sampling import KeepRateEstimator, filter_groups, group_keep_stats, next_gen_batch_size
+from dapo_core.algo.dynamic_sampling import KeepRateEstimator, filter_groups, group_keep_stats, next_gen_batch_size
 
 
 def _reference_loop(uids, values):

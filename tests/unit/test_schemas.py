@@ -1,4 +1,4 @@
-"""Tests for dapo_core.schemas: a valid batch passes every stage; each violation is named."""
+"""Tests for dapo_core.data.schemas: a valid batch passes every stage; each violation is named."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dapo_core import schemas as S
+from dapo_core.data import schemas as S
 
 LI32 = pa.list_(pa.int32())
 LF32 = pa.list_(pa.float32())

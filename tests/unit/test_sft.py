@@ -1,12 +1,12 @@
-"""Tests for dapo_core.sft: solutions score correctly, the warm-up lowers the loss and saves an HF folder."""
+"""Tests for dapo_core.compute.sft: solutions score correctly, the warm-up lowers the loss and saves an HF folder."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dapo_core.data import make_synthetic_math, tokenize_prompt
-from dapo_core.sft import (
+from dapo_core.data.datasets import make_synthetic_math, tokenize_prompt
+from dapo_core.compute.sft import (
     SFTError,
     carry_slip_solution,
     encode_sft_example,
@@ -21,7 +21,7 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
 @pytest.fixture()
 def model_dir(tmp_path):
     """A freshly built tiny model folder."""
-    from dapo_core.models import build_tiny_model
+    from dapo_core.compute.models import build_tiny_model
 
     return build_tiny_model(tmp_path / "m", TINY, seed=0)
 
@@ -52,7 +52,7 @@ def test_carry_slip_solution_is_deterministic_and_only_wrong_on_carries():
 
 
 def test_encode_sft_example_layout():
-    from dapo_core.models import build_char_tokenizer
+    from dapo_core.compute.models import build_char_tokenizer
 
     tok = build_char_tokenizer()
     row = make_synthetic_math(1, seed=0)[0]
@@ -65,7 +65,7 @@ def test_encode_sft_example_layout():
 def test_warmup_sft_lowers_loss_and_saves(model_dir):
     from transformers import AutoModelForCausalLM
 
-    from dapo_core.models import load_tokenizer
+    from dapo_core.compute.models import load_tokenizer
 
     torch.set_num_threads(1)
     tok = load_tokenizer(model_dir)
@@ -79,7 +79,7 @@ def test_warmup_sft_lowers_loss_and_saves(model_dir):
 
 
 def test_warmup_sft_deterministic(tmp_path):
-    from dapo_core.models import build_tiny_model, load_tokenizer
+    from dapo_core.compute.models import build_tiny_model, load_tokenizer
 
     torch.set_num_threads(1)
     rows = make_synthetic_math(32, max_value=20, seed=0)
@@ -91,7 +91,7 @@ def test_warmup_sft_deterministic(tmp_path):
 
 
 def test_warmup_sft_argument_errors(model_dir, tmp_path):
-    from dapo_core.models import load_tokenizer
+    from dapo_core.compute.models import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     rows = make_synthetic_math(4, seed=0)

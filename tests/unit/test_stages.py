@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo_core import batch as B
+from dapo_core.data import batch as B
 from dapo_core.stages import (
     apply_group_filter,
     compute_advantage_table,
@@ -107,7 +107,7 @@ def test_replay_order_keep_rate_is_the_checkpointed_one():
     from types import SimpleNamespace
 
     import flows.replay_order as ro
-    from dapo_core.sampling import KeepRateEstimator
+    from dapo_core.algo.dynamic_sampling import KeepRateEstimator
     from flows.run_setup import DriverState
     from tasks import runtime
 

@@ -1,4 +1,4 @@
-"""Unit tests for dapo_core.store.RunStore: ledger, stage commits, corruption detection, re-issue."""
+"""Unit tests for dapo_core.store.run_store.RunStore: ledger, stage commits, corruption detection, re-issue."""
 
 import json
 import pickle

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dapo_core.engines.train import (
+from dapo_core.compute.engines.train import (
     OptimConfigError,
     entropy_from_logits,
     lr_lambda_for,
@@ -16,7 +16,7 @@ from dapo_core.engines.train import (
     ppo_update,
     response_log_probs,
 )
-from dapo_core.models import build_tiny_model, load_model, load_tokenizer
+from dapo_core.compute.models import build_tiny_model, load_model, load_tokenizer
 
 torch.set_num_threads(1)
 

@@ -6,10 +6,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo_core import batch as B
-from dapo_core.models import build_tiny_model
+from dapo_core.data import batch as B
+from dapo_core.compute.models import build_tiny_model
 from dapo_core.stages import compute_advantage_table
-from dapo_core.workers import ActorWorker, CriticWorker, RefWorker, RolloutWorker
+from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RolloutWorker
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 64,

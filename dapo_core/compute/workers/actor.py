@@ -1,0 +1,179 @@
+"""ActorWorker and RefWorker: the policy being trained and the frozen reference policy.
+
+The actor recomputes `old_log_probs` (decoupled mode), runs the PPO mini-batch/epoch loop with the configured
+policy loss (DAPO: `vanilla` with clip-higher and dual clip, token-mean over the global mini-batch), and exports
+weights for the rollout engine. The objective is reference §1.4:
+`pg_loss − entropy_coeff·agg(entropy) + kl_loss_coef·agg(kl_penalty(logp, ref_logp))`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from dapo_core.data import batch as B
+from dapo_core.compute.engines.train import make_train_engine, ppo_update
+from dapo_core.algo.kl import kl_penalty
+from dapo_core.algo.losses import PolicyLossParams, agg_loss, get_policy_loss
+
+
+def _log_prob_table(engine, table: pa.Table, *, pad_token_id: int, temperature: float, micro_batch_size: int | None,
+                    calculate_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
+    """Teacher-forced log-probs (and entropy) of every row's response, micro-batched; returns padded chunks."""
+    engine.eval()
+    lengths = torch.tensor(B.response_lengths(table), dtype=torch.long)
+    rows = table.num_rows
+    mbs = micro_batch_size or rows
+    logps, ents = [], []
+    with torch.no_grad():
+        for start in range(0, rows, mbs):
+            part = table.slice(start, min(mbs, rows - start))
+            t = B.to_padded(part, pad_token_id)
+            lp, ent = engine.forward(t["input_ids"], t["attention_mask"], t["position_ids"],
+                                     t["responses"].shape[1], temperature=temperature,
+                                     calculate_entropy=calculate_entropy)
+            logps.append(lp)
+            if calculate_entropy:
+                ents.append(ent)
+    return logps, (ents if calculate_entropy else None), lengths
+
+
+def _to_list_column(chunks: list[torch.Tensor], lengths: torch.Tensor) -> pa.Array:
+    """One list<float32> column from micro-batch chunks of different padded widths (no Python round trip)."""
+    out, pos = [], 0
+    for c in chunks:
+        out.append(B.from_padded(c, lengths[pos:pos + c.shape[0]], dtype="float32"))
+        pos += c.shape[0]
+    return pa.concat_arrays(out)
+
+
+class ActorWorker:
+    """The trained policy. `actor_cfg` is `actor_rollout_ref.actor` as a plain dict."""
+
+    def __init__(self, model_path: str, actor_cfg: Mapping[str, Any], *, pad_token_id: int, temperature: float,
+                 rollout_n: int, total_steps: int, device: str = "cpu", seed: int = 0,
+                 log_prob_micro_batch_size: int | None = None, rollout_correction: Mapping[str, Any] | None = None):
+        self.cfg = dict(actor_cfg)
+        self.pad_token_id = int(pad_token_id)
+        self.temperature = float(temperature)
+        self.n = int(rollout_n)
+        self.seed = int(seed)
+        self.log_prob_mbs = log_prob_micro_batch_size
+        self.engine = make_train_engine(self.cfg.get("strategy", "torch"), model_path, dict(self.cfg["optim"]),
+                                        total_steps=total_steps, grad_clip=float(self.cfg.get("grad_clip", 1.0)),
+                                        device=device, deepspeed_cfg=dict(self.cfg.get("deepspeed") or {}),
+                                        seed=seed)
+        pl = dict(self.cfg.get("policy_loss") or {})
+        self.loss_mode = pl.pop("loss_mode", "vanilla")
+        known = {f.name for f in dataclasses.fields(PolicyLossParams)}
+        clip = self.cfg.get("clip_ratio", 0.2)
+        self.loss_params = PolicyLossParams(**{
+            **{k: v for k, v in pl.items() if k in known},
+            "clip_ratio_low": self.cfg.get("clip_ratio_low") if self.cfg.get("clip_ratio_low") is not None else clip,
+            "clip_ratio_high": self.cfg.get("clip_ratio_high") if self.cfg.get("clip_ratio_high") is not None else clip,
+            "clip_ratio_c": self.cfg.get("clip_ratio_c", 3.0),
+            **({"rollout_correction": dict(rollout_correction)} if rollout_correction and "rollout_correction" in known
+               else {}),
+        })
+        self.update_count = 0
+
+    # -- log-probs ---------------------------------------------------------------------------------------------
+    def compute_log_prob(self, table: pa.Table, calculate_entropy: bool = True) -> pa.Table:
+        """Add `old_log_probs` (and `entropy`) computed by the current weights."""
+        logps, ents, lengths = _log_prob_table(self.engine, table, pad_token_id=self.pad_token_id,
+                                               temperature=self.temperature, micro_batch_size=self.log_prob_mbs,
+                                               calculate_entropy=calculate_entropy)
+        table = B.set_column(table, "old_log_probs", _to_list_column(logps, lengths))
+        if ents is not None:
+            table = B.set_column(table, "entropy", _to_list_column(ents, lengths))
+        return table
+
+    # -- update ------------------------------------------------------------------------------------------------
+    def _loss_fn(self, log_probs, entropy, mb: dict, global_batch_info: dict):
+        mode = self.cfg.get("loss_agg_mode", "token-mean")
+        mask = mb["response_mask"]
+        params = self.loss_params
+        if self.loss_mode == "bypass_mode":
+            params = dataclasses.replace(params, rollout_log_probs=mb["rollout_log_probs"])
+        gbi = dict(global_batch_info)
+        if self.cfg.get("loss_scale_factor") is not None:
+            gbi["loss_scale_factor"] = self.cfg["loss_scale_factor"]
+        pg_loss, metrics = get_policy_loss(self.loss_mode)(
+            mb["old_log_probs"], log_probs, mb["advantages"], mask, loss_agg_mode=mode, params=params,
+            rollout_is_weights=mb.get("rollout_is_weights"), global_batch_info=gbi)
+        metrics = {f"actor/{k}" if not k.startswith("actor/") else k: v for k, v in metrics.items()}
+        loss = pg_loss
+        coeff = float(self.cfg.get("entropy_coeff", 0.0))
+        if entropy is not None:
+            ent = agg_loss(entropy, mask, mode, **gbi)
+            metrics["actor/entropy_loss"] = float(ent.detach())
+            if coeff != 0.0:
+                loss = loss - coeff * ent
+        if self.cfg.get("use_kl_loss") and "ref_log_probs" in mb:
+            kld = kl_penalty(log_probs, mb["ref_log_probs"], self.cfg.get("kl_loss_type", "low_var_kl"))
+            kl_loss = agg_loss(kld, mask, mode, **gbi)
+            loss = loss + float(self.cfg.get("kl_loss_coef", 0.001)) * kl_loss
+            metrics["actor/kl_loss"] = float(kl_loss.detach())
+            metrics["actor/kl_coef"] = float(self.cfg.get("kl_loss_coef", 0.001))
+        return loss, metrics
+
+    def update_actor(self, table: pa.Table, global_steps: int) -> dict[str, float]:
+        """One PPO update over the batch (mini-batches of `ppo_mini_batch_size·n` trajectories); steps the lr."""
+        cols = ["old_log_probs", "advantages"]
+        for c in ("rollout_is_weights", "ref_log_probs", "rollout_log_probs"):
+            if c in table.column_names:
+                cols.append(c)
+        t = B.to_padded(table, self.pad_token_id, columns=cols)
+        mini = int(self.cfg["ppo_mini_batch_size"]) * self.n
+        micro = self.cfg.get("ppo_micro_batch_size_per_gpu") or mini
+        calc_entropy = bool(self.cfg.get("calculate_entropy", True)) or float(self.cfg.get("entropy_coeff", 0.0)) != 0
+        self.engine.train()
+        metrics = ppo_update(self.engine, t, loss_fn=self._loss_fn, mini_batch_size=min(mini, table.num_rows),
+                             micro_batch_size=int(micro), epochs=int(self.cfg.get("ppo_epochs", 1)),
+                             shuffle=bool(self.cfg.get("shuffle", False)), seed=self.seed + int(global_steps),
+                             temperature=self.temperature, calculate_entropy=calc_entropy)
+        self.engine.lr_step()
+        self.update_count += 1
+        return metrics
+
+    # -- weights and checkpoints ---------------------------------------------------------------------------------
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Current weights under HF parameter names (CPU tensors), for the rollout engine."""
+        return {k: v.detach().to("cpu").clone() for k, v in self.engine.state_dict_for_sync().items()}
+
+    def save_checkpoint(self, path: str) -> None:
+        """Weights (HF safetensors), optimizer, scheduler and RNG states into `path`."""
+        self.engine.save(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore everything `save_checkpoint` wrote."""
+        self.engine.load(path)
+
+    def export_hf(self, path: str) -> None:
+        """An HF folder (weights + tokenizer) loadable by transformers and vLLM."""
+        self.engine.export_hf(path)
+
+    def lr(self) -> float:
+        """Current learning rate."""
+        return float(self.engine.lr)
+
+
+class RefWorker:
+    """The frozen reference policy (only when KL is used): log-probs under the initial weights."""
+
+    def __init__(self, model_path: str, *, pad_token_id: int, temperature: float, device: str = "cpu",
+                 micro_batch_size: int | None = None):
+        self.engine = make_train_engine("torch", model_path, {"lr": 0.0}, total_steps=1, grad_clip=1.0, device=device)
+        self.pad_token_id = int(pad_token_id)
+        self.temperature = float(temperature)
+        self.mbs = micro_batch_size
+
+    def compute_ref_log_prob(self, table: pa.Table) -> pa.Table:
+        """Add `ref_log_probs`."""
+        logps, _, lengths = _log_prob_table(self.engine, table, pad_token_id=self.pad_token_id,
+                                            temperature=self.temperature, micro_batch_size=self.mbs,
+                                            calculate_entropy=False)
+        return B.set_column(table, "ref_log_probs", _to_list_column(logps, lengths))

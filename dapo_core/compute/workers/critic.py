@@ -1,0 +1,116 @@
+"""CriticWorker: a value model (the policy's backbone plus a scalar head) for GAE-based estimators.
+
+Values follow verl's convention: the value of response token t is read from the hidden state of the position
+before it (`values[:, P-1 : P+L-1]`), so V_t estimates the return from the state in which token t is chosen.
+`update_critic` minimises the clipped value loss of reference §2.3 with the same global token normalisation as
+the actor (micro-batch split invariant).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+import torch
+from torch import nn
+
+from dapo_core.data import batch as B
+from dapo_core.algo.losses import compute_value_loss
+from dapo_core.compute.models import load_model
+
+
+class _ValueModel(nn.Module):
+    def __init__(self, model_path: str):
+        super().__init__()
+        lm = load_model(model_path)
+        self.backbone = lm.model  # the Qwen2 decoder without the LM head
+        self.v_head = nn.Linear(lm.config.hidden_size, 1)
+        nn.init.zeros_(self.v_head.weight)
+        nn.init.zeros_(self.v_head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids, response_length: int) -> torch.Tensor:
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        v = self.v_head(h).squeeze(-1)
+        return v[:, -response_length - 1:-1]
+
+
+class CriticWorker:
+    """Holds the value model and its optimizer. `critic_cfg` is the `critic` config section as a dict."""
+
+    def __init__(self, model_path: str, critic_cfg: Mapping[str, Any], *, pad_token_id: int, rollout_n: int,
+                 device: str = "cpu", seed: int = 0):
+        torch.manual_seed(seed)
+        self.cfg = dict(critic_cfg)
+        self.pad_token_id = int(pad_token_id)
+        self.n = int(rollout_n)
+        self.seed = seed
+        self.device = device
+        self.model = _ValueModel(model_path).to(device)
+        optim = dict(self.cfg.get("optim") or {})
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(optim.get("lr", 1e-5)),
+                                           weight_decay=float(optim.get("weight_decay", 0.01)))
+
+    def _forward(self, t: dict) -> torch.Tensor:
+        return self.model(t["input_ids"].to(self.device), t["attention_mask"].to(self.device),
+                          t["position_ids"].to(self.device), t["responses"].shape[1])
+
+    def compute_values(self, table: pa.Table) -> pa.Table:
+        """Add `values` (one per response token)."""
+        self.model.eval()
+        with torch.no_grad():
+            t = B.to_padded(table, self.pad_token_id)
+            v = self._forward(t) * t["response_mask"].to(self.device)
+        return B.add_token_column(table, "values", v, "float32")
+
+    def update_critic(self, table: pa.Table, global_steps: int) -> dict[str, float]:
+        """PPO value updates; returns `critic/vf_loss`, `critic/vf_clipfrac`, `critic/grad_norm`, `critic/lr`."""
+        self.model.train()
+        t = B.to_padded(table, self.pad_token_id, columns=["values", "returns"])
+        rows = table.num_rows
+        mini = min(int(self.cfg.get("ppo_mini_batch_size") or max(rows // self.n, 1)) * self.n, rows)
+        micro = int(self.cfg.get("ppo_micro_batch_size_per_gpu") or mini)
+        mode = self.cfg.get("loss_agg_mode") or "token-mean"
+        clip = float(self.cfg.get("cliprange_value") or 0.5)
+        gen = torch.Generator().manual_seed(self.seed + int(global_steps))
+        losses, clipfracs, norms = [], [], []
+        for _ in range(int(self.cfg.get("ppo_epochs") or 1)):
+            order = torch.randperm(rows, generator=gen) if self.cfg.get("shuffle") else torch.arange(rows)
+            for ms in range(0, rows, mini):
+                idx = order[ms:ms + mini]
+                mask_all = t["response_mask"][idx]
+                info = {"dp_size": 1, "batch_num_tokens": int(mask_all.sum()), "global_batch_size": len(idx)}
+                self.optimizer.zero_grad(set_to_none=True)
+                total = 0.0
+                for s in range(0, len(idx), micro):
+                    j = idx[s:s + micro]
+                    mb = {k: v[j] for k, v in t.items() if torch.is_tensor(v)}
+                    vpreds = self._forward(mb)
+                    loss, cf = compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
+                                                  clip, loss_agg_mode=mode, **info)
+                    loss.backward()
+                    total += float(loss.detach())
+                    clipfracs.append(float(cf))
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.cfg.get("grad_clip") or 1.0))
+                if torch.isfinite(norm):
+                    self.optimizer.step()
+                norms.append(float(norm))
+                losses.append(total)
+        mean = lambda xs: float(sum(xs) / max(len(xs), 1))
+        return {"critic/vf_loss": mean(losses), "critic/vf_clipfrac": mean(clipfracs),
+                "critic/grad_norm": mean(norms), "critic/lr": float(self.optimizer.param_groups[0]["lr"])}
+
+    def save_checkpoint(self, path: str) -> None:
+        """Value model and optimizer state."""
+        import os
+
+        os.makedirs(path, exist_ok=True)
+        torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict()},
+                   os.path.join(path, "critic.pt"))
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what `save_checkpoint` wrote."""
+        import os
+
+        state = torch.load(os.path.join(path, "critic.pt"), map_location=self.device)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])

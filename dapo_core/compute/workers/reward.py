@@ -1,0 +1,60 @@
+"""RewardWorker: decodes responses and scores them with the DAPO reward manager (math_dapo + overlong shaping).
+
+Adds `score` (raw ±1), `acc`, `pred`, `overlong_reward` and `reward` (score + overlong penalty; the scalar that
+the advantage stage places at the last valid token). Failed or timed-out samples are counted and logged with
+their uid by the reward manager (never a silent zero).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+
+from dapo_core.data import batch as B
+from dapo_core.compute.models import load_tokenizer
+from dapo_core.rewards import default_compute_score
+from dapo_core.rewards.manager import RewardManager
+
+
+class RewardWorker:
+    """Decode + score a batch. `overlong_buffer` is `reward_model.overlong_buffer` as a dict."""
+
+    def __init__(self, tokenizer_path: str, *, max_resp_len: int, overlong_buffer: Mapping[str, Any] | None,
+                 num_workers: int = 2, timeout_s: float = 10.0):
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.manager = RewardManager(default_compute_score, max_resp_len=max_resp_len,
+                                     overlong_buffer=dict(overlong_buffer) if overlong_buffer else None,
+                                     num_workers=num_workers, timeout_s=timeout_s)
+
+    def decode(self, response_ids: list[list[int]]) -> list[str]:
+        """Decode responses without special tokens (EOS is dropped), as the reference manager does."""
+        return self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+
+    def score(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+        """Return the table with reward columns added, and the reward metrics."""
+        responses = table.column("response_ids").to_pylist()
+        texts = self.decode(responses)
+        rows = [{"uid": f"{u}#{s}", "data_source": ds, "solution_str": txt, "ground_truth": gt,
+                 "valid_response_length": len(r)}
+                for u, s, ds, gt, txt, r in zip(table.column("uid").to_pylist(),
+                                                table.column("sample_idx").to_pylist(),
+                                                table.column("data_source").to_pylist(),
+                                                table.column("ground_truth").to_pylist(), texts, responses)]
+        res = self.manager.score(rows)
+        cols = {
+            "score": pa.array(res.score, type=pa.float32()),
+            "acc": pa.array([bool(a) for a in res.acc], type=pa.bool_()),
+            "pred": pa.array([None if p is None else str(p) for p in res.pred], type=pa.string()),
+            "overlong_reward": pa.array(res.overlong_reward, type=pa.float32()),
+            "reward": pa.array(res.reward, type=pa.float32()),
+        }
+        for name, col in cols.items():
+            table = B.set_column(table, name, col)
+        return table, dict(res.metrics)
+
+    def close(self) -> None:
+        """Stop the scoring pool."""
+        close = getattr(self.manager, "close", None)
+        if callable(close):
+            close()

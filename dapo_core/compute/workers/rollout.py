@@ -1,0 +1,66 @@
+"""RolloutWorker: generates responses for prompt rows with a rollout engine (HF generate or vLLM).
+
+Input rows are already one per sample (the driver repeats each prompt `n` times and stamps `uid`/`sample_idx`);
+each row's sampling seed is `request_seed(seed, gen_step, uid, sample_idx)`, so regenerating a committed step
+after a crash gives the same tokens where the engine is deterministic (HF on CPU is).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pyarrow as pa
+
+from dapo_core.data import batch as B
+from dapo_core.compute.engines.rollout import SamplingParams, make_rollout_engine
+from dapo_core.seeding import request_seed
+
+
+class RolloutWorker:
+    """Holds one rollout engine. `train_sampling` / `val_sampling` are dicts of SamplingParams fields."""
+
+    def __init__(self, model_path: str, *, engine: str = "hf", device: str = "cpu", seed: int = 0,
+                 train_sampling: Mapping[str, Any], val_sampling: Mapping[str, Any],
+                 engine_opts: Mapping[str, Any] | None = None):
+        self.seed = int(seed)
+        self.engine = make_rollout_engine(engine, model_path, device=device, seed=seed, **dict(engine_opts or {}))
+        self.train_params = SamplingParams(**dict(train_sampling))
+        self.val_params = SamplingParams(**dict(val_sampling))
+
+    def generate(self, table: pa.Table, gen_step: int, validate: bool = False) -> pa.Table:
+        """Add `response_ids`, `rollout_log_probs`, `finish_reason`, `weight_version`, `gen_step` to `table`."""
+        params = self.val_params if validate else self.train_params
+        uids = table.column("uid").to_pylist()
+        sample_idx = table.column("sample_idx").to_pylist()
+        prompts = table.column("prompt_ids").to_pylist()
+        seed = self.seed + (1_000_003 if validate else 0)
+        seeds = [request_seed(seed, gen_step, u, s) for u, s in zip(uids, sample_idx)]
+        outs = self.engine.generate(prompts, params, seeds)
+        n = table.num_rows
+        cols = {
+            "response_ids": pa.array([list(o.token_ids) for o in outs], type=pa.list_(pa.int32())),
+            "rollout_log_probs": pa.array([[float(x) for x in o.log_probs] for o in outs],
+                                          type=pa.list_(pa.float32())),
+            "finish_reason": pa.array([o.finish_reason for o in outs], type=pa.string()),
+            "weight_version": pa.array([self.engine.weight_version] * n, type=pa.int64()),
+            "gen_step": pa.array([int(gen_step)] * n, type=pa.int64()),
+        }
+        for name, col in cols.items():
+            table = B.set_column(table, name, col)
+        return table
+
+    def sync_weights(self, named_tensors: Mapping[str, Any] | Iterable) -> int:
+        """Load new weights (HF names) into the engine; returns the new weight version."""
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        self.engine.sync_weights(items)
+        return self.engine.weight_version
+
+    def set_weight_version(self, version: int) -> None:
+        """Stamp the engine's weight version (after a resume the loaded weights carry the checkpoint's version)."""
+        self.engine.weight_version = int(version)
+
+    def close(self) -> None:
+        """Release the engine."""
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()

@@ -1,0 +1,355 @@
+"""Cross-field checks of a resolved config: enums, positive integers, batch arithmetic, loss, KL, rollout
+correction, overlong shaping, sampling, step order, optimizers and the tiny model.
+
+`_collect_problems` returns (errors, warnings) as 'key: problem — fix' lines; `dapo_core.config.loading.validate_config`
+turns them into one `ConfigError` and `ConfigWarning`s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+"""The five aggregation modes of the reference `agg_loss` (§2)."""
+
+ADV_ESTIMATORS = (
+    "gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "opo",
+    "grpo_passk", "gpg", "rloo_vectorized", "grpo_vectorized", "optimal_token_baseline",
+    "tir_optimal_token_baseline", "gdpo",
+)  # fmt: skip
+"""The advantage estimator names of the reference (§3)."""
+
+GROUP_ESTIMATORS = (
+    "grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
+    "reinforce_plus_plus_baseline", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo",
+)  # fmt: skip
+"""Estimators whose baseline comes from the other samples of a group (need rollout.n >= 2)."""
+
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+"""KL estimators of the reference (§4); each may carry a '+' (straight-through) suffix."""
+
+POLICY_LOSSES = (
+    "vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
+    "cispo", "bypass_mode",
+)  # fmt: skip
+"""Policy losses registered by the reference (§1.3); others may be registered by users."""
+
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+"""Dynamic-sampling metrics that always exist (others must be reward extra-info names)."""
+
+RS_OPTIONS = tuple(
+    [f"token_k{i}" for i in (1, 2, 3)]
+    + [f"seq_sum_k{i}" for i in (1, 2, 3)]
+    + [f"seq_mean_k{i}" for i in (1, 2, 3)]
+    + ["seq_max_k2", "seq_max_k3"]
+)
+"""Rejection-sampling options of the reference (§5.3)."""
+
+_ENUMS: dict[str, tuple[tuple[str, ...], str]] = {
+    "actor_rollout_ref.rollout.name": (("hf", "vllm"), "use hf on CPU, vllm on GPUs"),
+    "actor_rollout_ref.actor.optim.warmup_style": (("constant", "cosine"), ""),
+    "critic.optim.warmup_style": (("constant", "cosine"), ""),
+    "algorithm.kl_ctrl.type": (("fixed", "adaptive"), ""),
+    "algorithm.filter_groups.refill": (("fixed", "adaptive"), "fixed matches the reference"),
+    "algorithm.rollout_correction.loss_type": (("ppo_clip", "reinforce"), ""),
+    "reward_model.reward_manager": (("dapo", "naive"), ""),
+    "data.truncation": (("left", "right", "error"), ""),
+    "trainer.resume_mode": (("auto", "disable", "resume_path"), ""),
+    "trainer.step_order": (("sync", "replay_buffer"), ""),
+    "trainer.max_off_policy_strategy": (("drop", "wait"), ""),
+    "trainer.device": (("cpu", "cuda", "auto"), ""),
+}
+"""Keys whose value must be one of a fixed set (key -> (allowed, hint))."""
+
+_POSITIVE_INTS = (
+    "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
+    "data.synthetic.num_train", "data.synthetic.num_val", "data.synthetic.num_operands",
+    "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.val_kwargs.n", "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "actor_rollout_ref.model.sft.batch_size", "trainer.parameter_sync_step",
+    "trainer.max_off_policy_threshold", "trainer.total_epochs", "trainer.nnodes", "reward_model.num_workers",
+    "eval.n", "actor_rollout_ref.model.tiny.hidden_size", "actor_rollout_ref.model.tiny.num_hidden_layers",
+    "actor_rollout_ref.model.tiny.num_attention_heads", "actor_rollout_ref.model.tiny.num_key_value_heads",
+    "actor_rollout_ref.model.tiny.head_dim", "actor_rollout_ref.model.tiny.intermediate_size",
+    "actor_rollout_ref.model.tiny.max_position_embeddings",
+)  # fmt: skip
+"""Integer keys that must be >= 1."""
+
+_OPTIONAL_POSITIVE_INTS = (
+    "data.gen_batch_size", "data.val_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_mini_batch_size",
+    "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs", "trainer.total_training_steps",
+    "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
+)  # fmt: skip
+"""Integer keys that are null or >= 1."""
+
+
+def _get(c: dict, key: str) -> Any:
+    """Value at a dotted key of a plain nested dict."""
+    for part in key.split("."):
+        c = c[part]
+    return c
+
+
+def _parse_is_threshold(t: Any) -> str | None:
+    """Problem with an IS threshold (number, number string or 'lower_upper'), or None if fine."""
+    if isinstance(t, bool):
+        return "must be a number or a 'lower_upper' string, not a boolean"
+    if isinstance(t, (int, float)):
+        return None if t > 0 else "must be > 0"
+    if isinstance(t, str):
+        parts = t.split("_")
+        try:
+            nums = [float(x) for x in parts]
+        except ValueError:
+            return f"{t!r} is not a number or 'lower_upper' pair (e.g. 2.0 or '0.5_5.0')"
+        if len(nums) > 2 or any(x <= 0 for x in nums):
+            return f"{t!r}: give one upper bound or 'lower_upper', all > 0"
+        if len(nums) == 2 and nums[0] > nums[1]:
+            return f"{t!r}: lower must be <= upper"
+        return None
+    return f"{t!r} must be a number or a 'lower_upper' string"
+
+
+def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
+    """All cross-field problems of a resolved config dict: (errors, warnings), each 'key: problem — fix'."""
+    errs: list[str] = []
+    warns: list[str] = []
+    arr, alg = c["actor_rollout_ref"], c["algorithm"]
+    actor, rollout = arr["actor"], arr["rollout"]
+    data = c["data"]
+
+    for key, (allowed, hint) in _ENUMS.items():
+        v = _get(c, key)
+        if v not in allowed:
+            errs.append(f"{key}: {v!r} is not one of {list(allowed)}" + (f" — {hint}" if hint else ""))
+    strategy = actor["strategy"]
+    if strategy in ("fsdp", "fsdp2", "megatron"):
+        errs.append(
+            f"actor_rollout_ref.actor.strategy: {strategy!r} (a verl engine) is not available here — use "
+            "'deepspeed' for sharded GPU training (ZeRO-3 ~ FSDP) or 'torch' for one device."
+        )
+    elif strategy not in ("torch", "deepspeed"):
+        errs.append(f"actor_rollout_ref.actor.strategy: {strategy!r} is not one of ['torch', 'deepspeed'].")
+    if actor["deepspeed"]["zero_stage"] not in (0, 1, 2, 3):
+        errs.append("actor_rollout_ref.actor.deepspeed.zero_stage: must be 0, 1, 2 or 3.")
+    if actor["deepspeed"]["offload_param"] and actor["deepspeed"]["zero_stage"] != 3:
+        errs.append("actor_rollout_ref.actor.deepspeed.offload_param: needs zero_stage 3 — set zero_stage=3.")
+    for key in _POSITIVE_INTS:
+        if _get(c, key) < 1:
+            errs.append(f"{key}: {_get(c, key)} must be >= 1.")
+    for key in _OPTIONAL_POSITIVE_INTS:
+        v = _get(c, key)
+        if v is not None and v < 1:
+            errs.append(f"{key}: {v} must be >= 1 or null.")
+
+    # --- batch arithmetic
+    n = rollout["n"]
+    tbs, mini = data["train_batch_size"], actor["ppo_mini_batch_size"]
+    gbs = data["gen_batch_size"] if data["gen_batch_size"] is not None else tbs
+    if mini >= 1 and tbs % mini:
+        errs.append(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size: {mini} does not divide data.train_batch_size {tbs}"
+            " — choose a divisor."
+        )
+    micro = actor["ppo_micro_batch_size_per_gpu"]
+    if micro and n >= 1 and (mini * n) % micro:
+        errs.append(
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: {micro} does not divide "
+            f"ppo_mini_batch_size x rollout.n = {mini * n} trajectories — choose a divisor."
+        )
+    cmini = c["critic"]["ppo_mini_batch_size"] or mini
+    cmicro = c["critic"]["ppo_micro_batch_size_per_gpu"]
+    if tbs % cmini:
+        errs.append(f"critic.ppo_mini_batch_size: {cmini} does not divide data.train_batch_size {tbs}.")
+    if cmicro and (cmini * n) % cmicro:
+        errs.append(
+            f"critic.ppo_micro_batch_size_per_gpu: {cmicro} does not divide critic mini-batch x rollout.n"
+            f" = {cmini * n} trajectories."
+        )
+    fg = alg["filter_groups"]
+    if fg["enable"]:
+        if gbs < tbs:
+            errs.append(
+                f"data.gen_batch_size: {gbs} < data.train_batch_size {tbs} with dynamic sampling — "
+                "set gen_batch_size >= train_batch_size (DAPO: 3x)."
+            )
+        if fg["max_num_gen_batches"] < 0:
+            errs.append("algorithm.filter_groups.max_num_gen_batches: must be >= 0 (0 = unlimited).")
+        if not fg["metric"]:
+            errs.append("algorithm.filter_groups.metric: required when enabled — use acc (as the 32B runs).")
+        elif fg["metric"] not in FILTER_METRICS:
+            warns.append(
+                f"algorithm.filter_groups.metric: {fg['metric']!r} is not one of {list(FILTER_METRICS)}; it "
+                "must be a key the reward function returns in its extra info."
+            )
+
+    # --- loss
+    for key in ("actor_rollout_ref.actor.loss_agg_mode", "critic.loss_agg_mode"):
+        if _get(c, key) not in LOSS_AGG_MODES:
+            errs.append(f"{key}: {_get(c, key)!r} is not one of {list(LOSS_AGG_MODES)}.")
+    if actor["clip_ratio_c"] <= 1.0:
+        errs.append(
+            f"actor_rollout_ref.actor.clip_ratio_c: {actor['clip_ratio_c']} must be > 1 (dual-clip lower "
+            "bound) — DAPO uses 10.0."
+        )
+    for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        v = actor[k]
+        if v is not None and v < 0:
+            errs.append(f"actor_rollout_ref.actor.{k}: {v} must be >= 0.")
+    low = actor["clip_ratio_low"] if actor["clip_ratio_low"] is not None else actor["clip_ratio"]
+    if low >= 1.0:
+        errs.append(
+            f"actor_rollout_ref.actor.clip_ratio_low: {low} must be < 1 (the lower clip is 1 - eps_low)."
+        )
+    pl = actor["policy_loss"]
+    if pl["loss_mode"] not in POLICY_LOSSES:
+        warns.append(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode: {pl['loss_mode']!r} is not a built-in loss "
+            f"{list(POLICY_LOSSES)}; it must be registered with register_policy_loss before training."
+        )
+    if pl["loss_mode"] == "dro" and pl["dro_beta"] <= 0:
+        errs.append("actor_rollout_ref.actor.policy_loss.dro_beta: must be > 0 for loss_mode=dro.")
+
+    # --- advantage and KL
+    est = alg["adv_estimator"]
+    if est not in ADV_ESTIMATORS:
+        errs.append(f"algorithm.adv_estimator: {est!r} is not one of {list(ADV_ESTIMATORS)}.")
+    elif est in GROUP_ESTIMATORS and n < 2:
+        warns.append(
+            f"actor_rollout_ref.rollout.n: {n} with group estimator {est!r} gives singleton groups (no "
+            "baseline) — use n >= 2 (DAPO: 16)."
+        )
+    for key in ("algorithm.kl_penalty", "actor_rollout_ref.actor.kl_loss_type"):
+        v = _get(c, key)
+        if v.removesuffix("+") not in KL_TYPES:
+            fix = (
+                "'full' is not implemented by the reference"
+                if v == "full"
+                else f"use one of {list(KL_TYPES)}"
+            )
+            errs.append(f"{key}: {v!r} is not a KL estimator — {fix} (optionally with a '+' suffix).")
+    if alg["kl_ctrl"]["type"] == "adaptive" and alg["kl_ctrl"]["horizon"] <= 0:
+        errs.append("algorithm.kl_ctrl.horizon: must be > 0 for the adaptive controller.")
+
+    # --- rollout correction
+    rc = alg["rollout_correction"]
+    if rc["rollout_is"] not in (None, "token", "sequence"):
+        errs.append(
+            f"algorithm.rollout_correction.rollout_is: {rc['rollout_is']!r} must be null, token or sequence."
+        )
+    if rc["rollout_is"] is not None:
+        problem = _parse_is_threshold(rc["rollout_is_threshold"])
+        if problem:
+            errs.append(f"algorithm.rollout_correction.rollout_is_threshold: {problem}.")
+    if rc["rollout_rs"]:
+        opts = [o.strip() for o in str(rc["rollout_rs"]).split(",") if o.strip()]
+        bad = [o for o in opts if o not in RS_OPTIONS]
+        if bad:
+            errs.append(
+                f"algorithm.rollout_correction.rollout_rs: unknown option(s) {bad} — use {list(RS_OPTIONS)}."
+            )
+        thr = rc["rollout_rs_threshold"]
+        if thr is None:
+            errs.append("algorithm.rollout_correction.rollout_rs_threshold: required when rollout_rs is set.")
+        else:
+            specs = [s.strip() for s in str(thr).split(",")]
+            if len(specs) not in (1, len(opts)):
+                errs.append(
+                    f"algorithm.rollout_correction.rollout_rs_threshold: {len(specs)} values for {len(opts)} "
+                    "options — give one shared value or one per option."
+                )
+            else:
+                for opt, spec in zip(opts, specs * len(opts) if len(specs) == 1 else specs):
+                    if opt.endswith(("k2", "k3")) and "_" in spec:
+                        errs.append(
+                            f"algorithm.rollout_correction.rollout_rs_threshold: {opt} takes one upper bound, "
+                            f"not {spec!r}."
+                        )
+                    elif (p := _parse_is_threshold(spec)) is not None:
+                        errs.append(f"algorithm.rollout_correction.rollout_rs_threshold: {opt}: {p}.")
+    if (rc["rollout_is"] or rc["rollout_rs"] or rc["bypass_mode"]) and not rollout["calculate_log_probs"]:
+        errs.append(
+            "actor_rollout_ref.rollout.calculate_log_probs: rollout correction needs the engine's log-probs "
+            "— set it to true."
+        )
+
+    # --- overlong shaping
+    ob = c["reward_model"]["overlong_buffer"]
+    if ob["enable"]:
+        L = data["max_response_length"]
+        if not 0 < ob["len"] < L:
+            errs.append(
+                f"reward_model.overlong_buffer.len: {ob['len']} must be > 0 and < data.max_response_length "
+                f"{L} — DAPO uses 4096 of 20480."
+            )
+        if ob["penalty_factor"] < 0:
+            errs.append("reward_model.overlong_buffer.penalty_factor: must be >= 0 (DAPO: 1.0).")
+
+    # --- sampling parameters
+    for prefix, sec in (
+        ("actor_rollout_ref.rollout", rollout),
+        ("actor_rollout_ref.rollout.val_kwargs", rollout["val_kwargs"]),
+        ("eval", c["eval"]),
+    ):
+        if not 0 < sec["top_p"] <= 1:
+            errs.append(f"{prefix}.top_p: {sec['top_p']} must be in (0, 1].")
+        if sec["top_k"] == 0 or sec["top_k"] < -1:
+            errs.append(f"{prefix}.top_k: {sec['top_k']} must be -1 (off) or >= 1.")
+        if sec["temperature"] < 0 or (sec["temperature"] == 0 and sec.get("do_sample", True)):
+            errs.append(f"{prefix}.temperature: {sec['temperature']} must be > 0 when sampling.")
+
+    # --- step order
+    tr = c["trainer"]
+    if tr["step_order"] == "replay_buffer" and tbs % max(tr["parameter_sync_step"], 1):
+        errs.append(
+            f"trainer.parameter_sync_step: {tr['parameter_sync_step']} does not divide data.train_batch_size "
+            f"{tbs} (replay_buffer order) — choose a divisor."
+        )
+    if tr["resume_mode"] == "resume_path" and not tr["resume_from_path"]:
+        errs.append(
+            "trainer.resume_from_path: required for resume_mode=resume_path — give a checkpoint folder."
+        )
+    bad_loggers = [x for x in tr["logger"] if x not in ("console", "jsonl", "tensorboard")]
+    if bad_loggers:
+        errs.append(f"trainer.logger: {bad_loggers} not available — use console, jsonl, tensorboard.")
+
+    # --- optimizers and small models
+    for prefix in ("actor_rollout_ref.actor.optim", "critic.optim"):
+        o = _get(c, prefix)
+        if o["lr"] <= 0:
+            errs.append(f"{prefix}.lr: {o['lr']} must be > 0.")
+        if not 0 <= o["lr_warmup_steps_ratio"] <= 1:
+            errs.append(f"{prefix}.lr_warmup_steps_ratio: must be in [0, 1].")
+        if not 0 <= o["min_lr_ratio"] <= 1:
+            errs.append(f"{prefix}.min_lr_ratio: must be in [0, 1].")
+        if len(o["betas"]) != 2 or not all(0 <= b < 1 for b in o["betas"]):
+            errs.append(f"{prefix}.betas: {o['betas']} must be two numbers in [0, 1).")
+    syn = data["synthetic"]
+    if syn["min_value"] > syn["max_value"]:
+        errs.append("data.synthetic.min_value: must be <= max_value.")
+    bad_ops = [op for op in syn["ops"] if op not in ("+", "-", "*")]
+    if bad_ops or not syn["ops"]:
+        errs.append(f"data.synthetic.ops: {syn['ops']} — use a non-empty subset of ['+', '-', '*'].")
+    tiny = arr["model"]["tiny"]
+    if tiny["num_key_value_heads"] >= 1 and tiny["num_attention_heads"] % tiny["num_key_value_heads"]:
+        errs.append("actor_rollout_ref.model.tiny.num_key_value_heads: must divide num_attention_heads.")
+    if not arr["model"]["path"]:
+        total = data["max_prompt_length"] + data["max_response_length"]
+        if total > tiny["max_position_embeddings"]:
+            warns.append(
+                f"actor_rollout_ref.model.tiny.max_position_embeddings: {tiny['max_position_embeddings']} < "
+                f"max_prompt_length + max_response_length = {total} — raise it or shorten the lengths."
+            )
+    sft = arr["model"]["sft"]
+    if sft["steps"] < 0 or sft["lr"] <= 0:
+        errs.append("actor_rollout_ref.model.sft: steps must be >= 0 and lr > 0.")
+    return errs, warns

@@ -1,0 +1,611 @@
+"""The configuration schema: a tree of dataclasses, one per section, turned into an OmegaConf structured config.
+
+Key paths follow verl (`actor_rollout_ref.actor.clip_ratio_high`, `algorithm.filter_groups.enable`, ...) so that
+the overrides of a verl DAPO script work here unchanged, as long as the key exists in this schema. Every field
+carries a one-line docstring (read by `dapo_core.config.loading.field_docs`; `configs/dapo.yaml` mirrors the defaults).
+
+Defaults follow the reference (verl NEWEST `ppo_trainer.yaml` + the DAPO recipe's `dapo_trainer.yaml`), so
+the base config is *not* DAPO: dynamic sampling and overlong shaping are off, clipping is symmetric. The
+DAPO configs (`configs/tiny_cpu.yaml`, `configs/dapo_*_qwen2.5_32b.yaml`) switch them on. Where we differ
+from verl's defaults on purpose, the field docstring says so (engines default to the CPU-runnable `hf` /
+`torch`, `adv_estimator` defaults to `grpo`, `filter_groups.metric` to `acc`).
+
+Loading, overrides and validation live in `dapo_core.config.loading` (the entry point, which re-exports these classes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "CriticConfig",
+    "DapoConfig",
+    "DataConfig",
+    "DeepSpeedConfig",
+    "EvalConfig",
+    "FilterGroupsConfig",
+    "KLCtrlConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "OverlongBufferConfig",
+    "PolicyLossConfig",
+    "RefConfig",
+    "RewardModelConfig",
+    "RolloutConfig",
+    "RolloutCorrectionConfig",
+    "SftConfig",
+    "SourceFilesConfig",
+    "SyntheticDataConfig",
+    "TinyModelConfig",
+    "TrainerConfig",
+    "ValKwargsConfig",
+]
+
+
+# --------------------------------------------------------------------------------------------- data
+@dataclass
+class SyntheticDataConfig:
+    """Generated arithmetic word problems: the CPU default's training and validation data."""
+
+    enable: bool = False
+    """Generate the dataset instead of reading `train_files`/`val_files` from disk."""
+    num_train: int = 4000
+    """Number of generated training problems."""
+    num_val: int = 200
+    """Number of generated validation problems."""
+    min_value: int = 0
+    """Smallest operand value."""
+    max_value: int = 99
+    """Largest operand value."""
+    num_operands: int = 2
+    """Operands per problem."""
+    ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    """Operators to draw from (any of "+", "-", "*")."""
+    seed: int = 0
+    """Seed of the generator (the data are a pure function of this section)."""
+    out_dir: str = "data"
+    """Folder the generated parquet files are written to."""
+
+
+@dataclass
+class SourceFilesConfig:
+    """Where `dapo prepare` fetches the real DAPO data from (URLs or local paths)."""
+
+    train: str | None = (
+        "https://huggingface.co/datasets/BytedTsinghua-SIA/DAPO-Math-17k/resolve/main/data/"
+        "dapo-math-17k.parquet?download=true"
+    )
+    """DAPO-Math-17k training parquet (URL or path); null = do not fetch."""
+    val: str | None = (
+        "https://huggingface.co/datasets/BytedTsinghua-SIA/AIME-2024/resolve/main/data/"
+        "aime-2024.parquet?download=true"
+    )
+    """AIME-2024 validation parquet (URL or path); null = do not fetch."""
+
+
+@dataclass
+class DataConfig:
+    """Datasets, prompt/response lengths and batch sizes (counted in prompts)."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Training parquet files (verl schema); a single string is accepted."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation parquet files (verl schema); a single string is accepted."""
+    prompt_key: str = "prompt"
+    """Column holding the chat messages of a prompt."""
+    reward_fn_key: str = "data_source"
+    """Column that routes a row to its scoring function."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens (longer prompts are truncated per `truncation`)."""
+    max_response_length: int = 512
+    """Most tokens generated per response."""
+    train_batch_size: int = 1024
+    """Prompts per training step (after dynamic sampling)."""
+    gen_batch_size: int | None = None
+    """Prompts per generation batch; null = train_batch_size (DAPO full uses 3x)."""
+    val_batch_size: int | None = None
+    """Prompts per validation generation batch; null = the whole validation set."""
+    truncation: str = "left"
+    """How an over-long prompt is cut: left | right | error (DAPO recipe: left)."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch."""
+    seed: int = 1
+    """Seed of the training sampler."""
+    dedup: bool = False
+    """Drop duplicated problems (DAPO-Math-17k holds ~100 copies of each); reference keeps them."""
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    """Generated arithmetic data for the CPU default."""
+    source_files: SourceFilesConfig = field(default_factory=SourceFilesConfig)
+    """Where to fetch the real DAPO data from."""
+
+
+# -------------------------------------------------------------------------------------------- model
+@dataclass
+class TinyModelConfig:
+    """The embedded tiny Qwen2-architecture model built when `model.path` is empty."""
+
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    intermediate_size: int = 384
+    """Width of the MLP."""
+    num_hidden_layers: int = 2
+    """Number of transformer blocks."""
+    num_attention_heads: int = 4
+    """Query heads per layer."""
+    num_key_value_heads: int = 2
+    """Key/value heads per layer (grouped-query attention)."""
+    head_dim: int = 32
+    """Width of one attention head."""
+    max_position_embeddings: int = 256
+    """Longest sequence (prompt + response) the model accepts."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding and the output head."""
+    seed: int = 0
+    """Seed of the random initialisation."""
+
+
+@dataclass
+class SftConfig:
+    """Supervised warm-up of the tiny base model before RL."""
+
+    enable: bool = False
+    """Run the warm-up (only for the tiny model)."""
+    steps: int = 300
+    """Optimizer steps of the warm-up."""
+    lr: float = 3e-3
+    """Learning rate of the warm-up."""
+    batch_size: int = 64
+    """Examples per warm-up step."""
+    seed: int = 0
+    """Seed of the warm-up data order."""
+    answer_line_prob: float = 1.0
+    """Share of warm-up solutions ending with the verifier's `Answer: <n>` line (below 1: RL must learn it)."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy model: a HF folder, or the tiny model built locally."""
+
+    path: str = ""
+    """HF model folder or hub name; "" builds the tiny model (`tiny.*`)."""
+    tokenizer_path: str | None = None
+    """Tokenizer folder; null = `path`."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the embedded tiny model."""
+    sft: SftConfig = field(default_factory=SftConfig)
+    """Warm-up of the tiny base model."""
+
+
+# -------------------------------------------------------------------------------------------- actor
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then constant (or cosine) learning rate."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    lr_warmup_steps: int = -1
+    """Warm-up steps; negative = use `lr_warmup_steps_ratio`."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warm-up length as a fraction of the total training steps."""
+    warmup_style: str = "constant"
+    """Schedule after warm-up: constant | cosine."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule floor as a fraction of `lr`."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2)."""
+
+
+@dataclass
+class PolicyLossConfig:
+    """Which registered policy loss to use, and the parameters of the non-vanilla ones."""
+
+    loss_mode: str = "vanilla"
+    """Registered policy loss (vanilla = PPO clip with dual clip, the DAPO loss)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of tokens whose loss is zeroed."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance window."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of the covariance window."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of tokens that get the KL term."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of the |log ratio| term."""
+    tau_pos: float = 1.0
+    """sapo: gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """sapo: gate temperature for negative advantages."""
+    dro_beta: float = 0.0
+    """dro: coefficient of the squared log-ratio term (must be > 0 for loss_mode=dro)."""
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed settings for `actor.strategy: deepspeed`."""
+
+    zero_stage: int = 1
+    """ZeRO stage 0-3."""
+    offload_optimizer: bool = False
+    """Keep optimizer state on the CPU."""
+    offload_param: bool = False
+    """Keep parameters on the CPU (ZeRO-3 only)."""
+    bf16: bool = False
+    """Train in bfloat16 mixed precision."""
+
+
+@dataclass
+class CheckpointConfig:
+    """What an actor checkpoint holds."""
+
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra", "hf_model"])
+    """Parts written per checkpoint: model, optimizer, extra (lr schedule, RNG), hf_model."""
+    load_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    """Parts restored on resume."""
+
+
+@dataclass
+class ActorConfig:
+    """The trained policy: PPO/DAPO loss, mini-batching and optimizer."""
+
+    strategy: str = "torch"
+    """Training engine: torch | deepspeed (verl's fsdp/megatron are not available here)."""
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer step (x rollout.n trajectories)."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """Trajectories per forward/backward; null = the whole mini-batch."""
+    use_dynamic_bsz: bool = False
+    """Form micro-batches by a token budget instead of a trajectory count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of a micro-batch when `use_dynamic_bsz`."""
+    ppo_epochs: int = 1
+    """Passes over each training batch."""
+    shuffle: bool = False
+    """Shuffle trajectories between PPO epochs."""
+    clip_ratio: float = 0.2
+    """Symmetric clip epsilon, used where low/high are null."""
+    clip_ratio_low: float | None = 0.2
+    """eps_low: ratio lower clip is 1 - eps_low."""
+    clip_ratio_high: float | None = 0.2
+    """eps_high: ratio upper clip is 1 + eps_high (DAPO clip-higher: 0.28)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (must be > 1; DAPO: 10)."""
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation: token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    loss_scale_factor: float | None = None
+    """Divisor of seq-mean-token-sum-norm; null = padded response length."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus."""
+    use_kl_loss: bool = False
+    """Add a KL-to-reference term to the actor loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the KL loss (kl|k1|abs|mse|k2|low_var_kl|k3, optional '+' suffix)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Actor optimizer."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy-loss selection and parameters."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """DeepSpeed engine settings."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint contents."""
+
+
+# ------------------------------------------------------------------------------------------ rollout
+@dataclass
+class ValKwargsConfig:
+    """Sampling for validation generations."""
+
+    n: int = 1
+    """Samples per validation prompt."""
+    temperature: float = 0.0
+    """Validation sampling temperature."""
+    top_p: float = 1.0
+    """Validation nucleus threshold."""
+    top_k: int = -1
+    """Validation top-k (-1 = off)."""
+    do_sample: bool = False
+    """Sample (true) or decode greedily (false)."""
+
+
+@dataclass
+class RolloutConfig:
+    """The generation engine and its sampling parameters."""
+
+    name: str = "hf"
+    """Rollout engine: hf | vllm (verl default vllm; ours hf so that the CPU path works)."""
+    n: int = 16
+    """Responses sampled per prompt, the GRPO group size (verl default 1; ours DAPO's 16)."""
+    temperature: float = 1.0
+    """Training sampling temperature."""
+    top_p: float = 1.0
+    """Training nucleus threshold."""
+    top_k: int = -1
+    """Training top-k (-1 = off)."""
+    do_sample: bool = True
+    """Sample (true) or decode greedily (false)."""
+    calculate_log_probs: bool = True
+    """Return the engine's log-probs of the sampled tokens (needed by rollout correction)."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Trajectories per forward when recomputing old log-probs; null = whole batch."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Form log-prob micro-batches by a token budget."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of a log-prob micro-batch when dynamic."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory for weights and KV cache."""
+    tensor_model_parallel_size: int = 1
+    """vLLM: tensor-parallel degree."""
+    enforce_eager: bool = True
+    """vLLM: disable CUDA graphs."""
+    free_cache_engine: bool = True
+    """vLLM: release the KV cache between rollouts."""
+    enable_chunked_prefill: bool = True
+    """vLLM: chunked prefill."""
+    max_num_batched_tokens: int = 8192
+    """vLLM: tokens per engine step."""
+    max_num_seqs: int = 1024
+    """vLLM: concurrent sequences."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """Sampling for validation."""
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy (only built when a KL term needs it)."""
+
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Trajectories per reference forward; null = whole batch."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Form reference micro-batches by a token budget."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of a reference micro-batch when dynamic."""
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    """Model, actor, rollout and reference: verl's `actor_rollout_ref` section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The trained policy."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The generation engine."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """The reference policy."""
+
+
+# ------------------------------------------------------------------------------------------- critic
+@dataclass
+class CriticConfig:
+    """The value model (used by GAE only)."""
+
+    enable: bool | None = None
+    """Build a critic; null = only when `algorithm.adv_estimator` is gae."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Critic optimizer."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per critic step; null = actor's."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """Trajectories per critic forward/backward; null = whole mini-batch."""
+    ppo_epochs: int | None = None
+    """Passes per batch; null = actor's."""
+    cliprange_value: float = 0.5
+    """Value clip range."""
+    loss_agg_mode: str = "token-mean"
+    """Value-loss aggregation (same five modes as the actor)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+
+
+# ---------------------------------------------------------------------------------------- algorithm
+@dataclass
+class KLCtrlConfig:
+    """Controller of the in-reward KL coefficient."""
+
+    type: str = "fixed"
+    """fixed | adaptive."""
+    kl_coef: float = 0.001
+    """(Initial) KL coefficient beta."""
+    horizon: int = 10000
+    """Adaptive controller horizon (> 0)."""
+    target_kl: float = 0.1
+    """Adaptive controller target KL."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose metric has zero spread."""
+
+    enable: bool = False
+    """Turn dynamic sampling on."""
+    metric: str | None = "acc"
+    """Per-trajectory value that must vary within a group: acc | score | seq_reward | seq_final_reward (verl default null)."""
+    max_num_gen_batches: int = 0
+    """Most generation batches per step before giving up (0 = unlimited)."""
+    refill: str = "fixed"
+    """Refill sizing: fixed = gen_batch_size (reference) | adaptive = sized to the deficit (ours)."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance sampling / rejection sampling against the rollout policy (verl YAML defaults)."""
+
+    rollout_is: str | None = None
+    """IS level: null | token | sequence."""
+    rollout_is_threshold: Any = 2.0
+    """IS cap: a number (TIS upper) or a quoted "lower_upper" string (IcePop)."""
+    rollout_is_batch_normalize: bool = False
+    """Rescale IS weights to mean 1."""
+    rollout_rs: str | None = None
+    """Comma-separated rejection options (token_k1, seq_mean_k3, ...)."""
+    rollout_rs_threshold: Any = None
+    """Threshold per RS option (one shared or one per option, comma-separated)."""
+    bypass_mode: bool = False
+    """Use rollout log-probs as old log-probs (2 policies) instead of recomputing."""
+    loss_type: str = "ppo_clip"
+    """Bypass-mode loss: ppo_clip | reinforce."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation, KL in reward, dynamic sampling and rollout correction."""
+
+    adv_estimator: str = "grpo"
+    """Advantage estimator (verl default gae; ours grpo)."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group std (false = Dr.GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract beta * KL from the token rewards."""
+    kl_penalty: str = "kl"
+    """KL estimator for the in-reward penalty."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    """In-reward KL coefficient controller."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO dynamic sampling."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Training/inference mismatch correction."""
+
+
+# ------------------------------------------------------------------------------------------- reward
+@dataclass
+class OverlongBufferConfig:
+    """DAPO overlong reward shaping over the last `len` tokens before max_response_length."""
+
+    enable: bool = False
+    """Turn the soft overlong penalty on."""
+    len: int = 0
+    """Buffer length L_cache in tokens (0 < len < max_response_length)."""
+    penalty_factor: float = 0.0
+    """Penalty at max_response_length."""
+    log: bool = False
+    """Log `overlong_reward` and `overlong` per trajectory."""
+
+
+@dataclass
+class RewardModelConfig:
+    """Rule-based reward: the manager, its worker pool and overlong shaping."""
+
+    reward_manager: str = "dapo"
+    """Reward manager name."""
+    num_workers: int = 1
+    """Worker processes scoring responses in parallel (each sample under its own timeout; >= 1)."""
+    timeout_s: float = 10.0
+    """Seconds before one scoring call is abandoned (scored as a failure)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """Overlong reward shaping."""
+
+
+# ------------------------------------------------------------------------------------------ trainer
+@dataclass
+class TrainerConfig:
+    """The step loop, checkpoints, resume, logging and where it runs."""
+
+    project_name: str = "dapo"
+    """Project name in logs."""
+    experiment_name: str | None = None
+    """Run id (runs/<id>/); null = generated YYYYmmdd-HHMMSS-xxxx."""
+    runs_dir: str = "runs"
+    """Root of the run store."""
+    models_dir: str = "models"
+    """Folder for locally built base models (the tiny model is built in models_dir/tiny_base)."""
+    total_epochs: int = 1
+    """Passes over the training prompts."""
+    total_training_steps: int | None = None
+    """Training steps; null = epochs x batches per epoch."""
+    save_freq: int = -1
+    """Checkpoint every this many steps (<= 0: only at the end)."""
+    test_freq: int = -1
+    """Validate every this many steps (<= 0: never during training)."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    resume_mode: str = "auto"
+    """auto (latest checkpoint if any) | disable | resume_path."""
+    resume_from_path: str | None = None
+    """Checkpoint folder for resume_mode=resume_path."""
+    max_actor_ckpt_to_keep: int | None = None
+    """Keep at most this many actor checkpoints; null = all."""
+    max_critic_ckpt_to_keep: int | None = None
+    """Keep at most this many critic checkpoints; null = all."""
+    step_order: str = "sync"
+    """sync (one weight version per step) | replay_buffer (rollouts run ahead)."""
+    parameter_sync_step: int = 1
+    """replay_buffer: local updates per global step before syncing rollout weights."""
+    max_off_policy_threshold: int = 8
+    """replay_buffer: largest allowed staleness in steps."""
+    max_off_policy_strategy: str = "drop"
+    """replay_buffer: drop stale prompts | wait for fresh ones."""
+    balance_batch: bool = True
+    """Reorder trajectories so data-parallel ranks get equal token loads."""
+    critic_warmup: int = 0
+    """Steps that update only the critic."""
+    device: str = "auto"
+    """cpu | cuda | auto (cuda when available)."""
+    use_ray: bool = True
+    """Run workers as Ray actors (false = in-process)."""
+    ray_address: str | None = None
+    """Ray cluster to join; null = RAY_ADDRESS or start a local one."""
+    nnodes: int = 1
+    """Nodes in the cluster."""
+    n_gpus_per_node: int = 8
+    """GPUs per node (ignored on CPU)."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Metric sinks: console | jsonl | tensorboard."""
+    seed: int = 1
+    """Seed of all sampling and initialisation randomness."""
+
+
+@dataclass
+class EvalConfig:
+    """`dapo eval`: avg@k / pass@k / maj@k of a checkpoint."""
+
+    checkpoint: str = ""
+    """Checkpoint or HF folder to evaluate; "" = the run's latest."""
+    files: list[str] = field(default_factory=list)
+    """Evaluation parquet files; empty = data.val_files."""
+    n: int = 8
+    """Samples per problem (k)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 0.7
+    """Nucleus threshold."""
+    top_k: int = -1
+    """Top-k (-1 = off)."""
+    output: str = "metrics/eval.json"
+    """Where the metrics JSON is written."""
+
+
+@dataclass
+class DapoConfig:
+    """The whole configuration (verl key paths)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and batch sizes."""
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """Model, actor, rollout and reference."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage, KL, dynamic sampling, rollout correction."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Reward scoring."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Step loop and infrastructure."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Offline evaluation."""

@@ -1,0 +1,3 @@
+"""Metrics under verl's names: per-step data, timing and throughput metrics (`step`), validation metrics
+mean@k / pass@k / maj@k (`validation`), and the JSONL / TensorBoard / console trackers and curves (`tracking`).
+"""

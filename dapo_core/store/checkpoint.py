@@ -1,0 +1,251 @@
+"""Atomic checkpoint directories: ``<root>/ckpt/step_<n>/`` plus a ``latest`` pointer written last.
+
+A save goes: ``write_fn(tmp_dir)`` fills ``ckpt/.tmp-step_<n>-<rand>/`` → ``MANIFEST.json`` (sha256 and
+size of every file, meta incl. the step) → fsync of every file and directory → rename to ``step_<n>``
+→ fsync ``ckpt/`` → atomic write of ``latest`` (the step number). A crash at any instant leaves
+``latest`` pointing at a complete checkpoint (or absent before the first save); half-written
+``.tmp-*`` directories are removed when the directory is next opened. What goes *into* a checkpoint
+(weights, optimizer, lr schedule, RNG, sampler position, gen/train step) is the caller's ``write_fn``.
+One process saves at a time (the flow's driver).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from dapo_core.store.files import atomic_write_bytes, fsync_dir
+
+__all__ = ["LATEST_NAME", "MANIFEST_NAME", "CheckpointDir", "CheckpointError"]
+
+MANIFEST_NAME = "MANIFEST.json"
+"""Name of the manifest file inside each checkpoint directory."""
+LATEST_NAME = "latest"
+"""Name of the pointer file (contains the latest complete step number)."""
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_HASH_CHUNK = 8 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or corrupted, or a save was refused."""
+
+
+def _sha256_path(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"checkpoint step {step!r} is invalid: pass a non-negative int")
+    return step
+
+
+class CheckpointDir:
+    """Manager of ``<root>/ckpt/``: atomic saves, verification, ``latest`` pointer and retention.
+
+    Opening it creates ``ckpt/`` and deletes stale ``.tmp-*`` directories left by crashed saves.
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).absolute()
+        self.dir = self.root / "ckpt"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cleaned_tmp = self._clean_tmp()
+
+    def _clean_tmp(self) -> int:
+        n = 0
+        for p in self.dir.iterdir():
+            if p.name.startswith(".tmp-"):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                n += 1
+        if n:
+            fsync_dir(self.dir)
+        return n
+
+    def path(self, step: int) -> Path:
+        """The directory of the checkpoint of ``step``: ``<root>/ckpt/step_<step>``."""
+        return self.dir / f"step_{_check_step(step)}"
+
+    def steps(self) -> list[int]:
+        """Sorted steps that have a checkpoint directory with a manifest (not verified)."""
+        out = []
+        for p in self.dir.iterdir():
+            m = _STEP_RE.match(p.name)
+            if m and (p / MANIFEST_NAME).is_file():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest_step(self) -> int | None:
+        """The step named by the ``latest`` pointer, or None before the first completed save."""
+        try:
+            text = (self.dir / LATEST_NAME).read_text().strip()
+        except FileNotFoundError:
+            return None
+        if not text.isdigit():
+            raise CheckpointError(f"{self.dir / LATEST_NAME} holds {text!r}, not a step number: fix or delete it")
+        return int(text)
+
+    def _write_latest(self, step: int | None) -> None:
+        if step is None:
+            (self.dir / LATEST_NAME).unlink(missing_ok=True)
+            fsync_dir(self.dir)
+        else:
+            atomic_write_bytes(self.dir / LATEST_NAME, f"{step}\n".encode())
+
+    def save(self, step: int, write_fn: Callable[[Path], Any], meta: Mapping[str, Any] | None = None,
+             *, overwrite: bool = False) -> Path:
+        """Save checkpoint ``step`` atomically: ``write_fn(tmp_dir)`` writes the files; returns the final path.
+
+        An existing ``step_<n>`` that ``latest`` does not point at (left by a crash before the pointer was
+        written) is replaced. Replacing the checkpoint ``latest`` points at needs ``overwrite=True``; the
+        pointer is moved to the previous complete checkpoint while the swap happens.
+        """
+        _check_step(step)
+        meta = dict(meta or {})
+        meta["step"] = step
+        try:
+            json.dumps(meta, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"save(step={step}): meta is not JSON-serialisable ({e})") from None
+        final = self.path(step)
+        latest = self.latest_step()
+        if final.exists() and latest == step and not overwrite:
+            raise CheckpointError(f"checkpoint {final} exists and is the latest: pass overwrite=True to replace it")
+        tmp = self.dir / f".tmp-step_{step}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            write_fn(tmp)
+            files = {}
+            for p in sorted(tmp.rglob("*")):
+                if p.is_dir():
+                    continue
+                rel = p.relative_to(tmp).as_posix()
+                if rel == MANIFEST_NAME:
+                    raise CheckpointError(f"save(step={step}): write_fn wrote {MANIFEST_NAME}, a reserved name")
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
+                files[rel] = {"sha256": _sha256_path(p), "bytes": p.stat().st_size}
+            manifest = {"format": 1, "step": step, "meta": meta, "files": files, "created": time.time()}
+            with open(tmp / MANIFEST_NAME, "wb") as f:
+                f.write(json.dumps(manifest, sort_keys=True, indent=1).encode())
+                f.flush()
+                os.fsync(f.fileno())
+            for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda x: -len(x.parts)):
+                fsync_dir(d)
+            if final.exists():
+                if latest == step:
+                    older = [s for s in self.steps() if s < step]
+                    self._write_latest(older[-1] if older else None)
+                trash = self.dir / f".tmp-old-step_{step}-{uuid.uuid4().hex[:8]}"
+                os.replace(final, trash)
+                fsync_dir(self.dir)
+                shutil.rmtree(trash, ignore_errors=True)
+            os.replace(tmp, final)
+            fsync_dir(self.dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if latest is None or step >= latest:
+            self._write_latest(step)
+        return final
+
+    def manifest(self, step: int) -> dict:
+        """The manifest of checkpoint ``step``; raises :class:`CheckpointError` if missing or unreadable."""
+        mp = self.path(step) / MANIFEST_NAME
+        try:
+            return json.loads(mp.read_bytes())
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint step {step}: {mp} is missing (incomplete or deleted checkpoint); "
+                                  f"load an older step") from None
+        except ValueError:
+            raise CheckpointError(f"checkpoint step {step}: {mp} is unreadable (corrupted manifest)") from None
+
+    def meta(self, step: int) -> dict:
+        """The ``meta`` saved with checkpoint ``step`` (includes ``step``)."""
+        return self.manifest(step)["meta"]
+
+    def verify(self, step: int, *, checksum: bool = True) -> dict:
+        """Check every file of checkpoint ``step`` against its manifest; returns the manifest.
+
+        Raises :class:`CheckpointError` naming the first file that is missing, has the wrong size or
+        (with ``checksum=True``) a wrong sha256.
+        """
+        man = self.manifest(step)
+        base = self.path(step)
+        for rel, info in sorted(man.get("files", {}).items()):
+            p = base / rel
+            try:
+                size = p.stat().st_size
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint step {step}: file {rel!r} is missing ({p})") from None
+            if size != info["bytes"]:
+                raise CheckpointError(f"checkpoint step {step}: file {rel!r} has the wrong size ({size} bytes, "
+                                      f"manifest says {info['bytes']})")
+            if checksum and _sha256_path(p) != info["sha256"]:
+                raise CheckpointError(f"checkpoint step {step}: file {rel!r} is corrupted (sha256 mismatch)")
+        return man
+
+    def load(self, step: int | None = None, *, checksum: bool = True) -> Path:
+        """Verify and return the directory of checkpoint ``step`` (default: ``latest``)."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"no checkpoint in {self.dir} ({LATEST_NAME} pointer missing): "
+                                      f"start from scratch or pass a step")
+        self.verify(step, checksum=checksum)
+        return self.path(step)
+
+    def rewind(self, step: int) -> list[int]:
+        """Make ``step`` the newest checkpoint of this run (resuming from an earlier step starts a new branch).
+
+        Checkpoints after ``step`` are moved to ``ckpt/abandoned-<id>/step_<n>`` (kept for inspection, never
+        loaded), then ``latest`` is pointed at ``step`` (or removed if this run has no ``step_<step>``, e.g. when
+        resuming from another run's folder). Returns the moved steps. Without this, ``latest`` — which otherwise
+        only moves forward — would still name the abandoned branch after a crash.
+        """
+        _check_step(step)
+        later = [s for s in self.steps() if s > step]
+        if later:
+            dest = self.dir / f"abandoned-{uuid.uuid4().hex[:8]}"
+            dest.mkdir()
+            self._write_latest(step if step in self.steps() else None)  # pointer first: never names a moved one
+            for s in later:
+                os.replace(self.path(s), dest / f"step_{s}")
+            fsync_dir(self.dir)
+        elif (self.latest_step() or -1) > step:
+            self._write_latest(step if step in self.steps() else None)
+        return later
+
+    def keep_last(self, k: int) -> list[int]:
+        """Delete all but the ``k`` newest checkpoints (never the ``latest`` one); returns the deleted steps."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise CheckpointError(f"keep_last(k={k!r}): k must be an int >= 1")
+        latest = self.latest_step()
+        steps = self.steps()
+        keep = set(steps[-k:]) | ({latest} if latest is not None else set())
+        deleted = []
+        for s in steps:
+            if s in keep:
+                continue
+            trash = self.dir / f".tmp-del-step_{s}-{uuid.uuid4().hex[:8]}"
+            os.replace(self.path(s), trash)
+            fsync_dir(self.dir)
+            shutil.rmtree(trash, ignore_errors=True)
+            deleted.append(s)
+        return deleted

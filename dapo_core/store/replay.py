@@ -1,0 +1,346 @@
+"""Replay buffer over the run store, for the replay-buffer step order.
+
+Rollout work registers prompts in the ledger (``register_prompts`` → ``mark_running``) and hands finished
+groups to :meth:`ReplayBuffer.add_groups`; the trainer calls :meth:`ReplayBuffer.sample` once per global step.
+``sample`` never blocks: when there are not enough sampleable groups it returns ``None`` and says in
+``metrics["refill_needed"]`` how many prompts the caller should generate next.
+
+Storage choice: each ``add_groups`` call commits its trajectory rows as ONE stage file
+(``step_<global_steps>/replay_add_<k>.arrow``, checksummed like every stage) and each trajectory key
+``{uid}_{sample_idx}`` records ``uri`` + ``row`` in its tags (plus ``min/max_global_steps`` and the filter
+metric). The ledger stays small; a sample reads each needed file once and takes the rows.
+
+Semantics (reference §9.3 / §7.7, simplified to a single driver):
+- Oldest first by the prompt's ``global_steps`` (ties: registration order).
+- DAPO filter: a finished group with more than one trajectory whose ``filter_groups_metric`` has population
+  std 0 is evicted (``…/filter_groups/evicted_samples``, ``_dapo_filtered_reward_counts``).
+- Off-policy: span = ``global_steps − prompt_global_steps + 1``. ``drop``: finished groups with
+  span > threshold are evicted (``…/off_policy/evicted_samples`` + staleness of the evicted spans).
+  ``wait``: nothing is evicted for staleness; when an in-flight prompt has span ≥ threshold, ``sample``
+  returns ``None`` with ``metrics["must_wait"] = True`` (finish those prompts first; they are the oldest).
+- Finished groups without trajectories and ``failure`` groups are evicted (``…/rollout_failure/evicted_samples``).
+- The validation partition (anything but ``train``; metric prefix ``validation/``) never evicts.
+- Eviction counts are in groups (prompts), as in the reference's replay buffer.
+- Surplus: groups beyond ``batch_size`` stay for the next step, unless ``discard_surplus=True`` (then they are
+  deleted and counted in ``…/filter_groups/discarded_surplus_samples``).
+- Selected prompts are tagged ``consumed_step=global_steps``; calling ``sample`` again with the same step
+  returns the same batch (crash-replay). :meth:`release` deletes consumed keys once a checkpoint covers them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dapo_core.store.run_store import RunStore, StoreError
+
+__all__ = ["ReplayBuffer", "ReplayError"]
+
+_DAPO_COUNTS_KEY = "_dapo_filtered_reward_counts"
+
+
+class ReplayError(StoreError):
+    """A replay-buffer call got an inconsistent table or argument."""
+
+
+def _stats(prefix: str, values: Sequence[float], out: dict) -> None:
+    if len(values):
+        arr = np.asarray(values, dtype=np.float64)
+        out[f"{prefix}/mean"] = float(arr.mean())
+        out[f"{prefix}/max"] = float(arr.max())
+        out[f"{prefix}/min"] = float(arr.min())
+
+
+def _is_filtered(values: list[float]) -> bool:
+    """DAPO group filter: more than one trajectory and population std of the metric equal to 0."""
+    if len(values) <= 1:
+        return False
+    return float(np.std(np.asarray(values, dtype=np.float64))) == 0.0
+
+
+class ReplayBuffer:
+    """Oldest-first, non-blocking replay buffer of complete groups kept in a :class:`RunStore`."""
+
+    def __init__(self, store: RunStore, *, train_batch_size: int, n: int, filter_groups_metric: str | None = None,
+                 max_off_policy_threshold: int = 8, max_off_policy_strategy: str = "drop",
+                 partition: str = "train", discard_surplus: bool = False):
+        if train_batch_size < 1 or n < 1:
+            raise ReplayError(f"ReplayBuffer: train_batch_size ({train_batch_size}) and n ({n}) must be >= 1")
+        if max_off_policy_strategy not in ("drop", "wait"):
+            raise ReplayError(f"trainer.max_off_policy_strategy={max_off_policy_strategy!r}: use 'drop' or 'wait'")
+        if max_off_policy_threshold < 1:
+            raise ReplayError(f"trainer.max_off_policy_threshold={max_off_policy_threshold}: must be >= 1")
+        self.store = store
+        self.train_batch_size = int(train_batch_size)
+        self.n = int(n)
+        self.filter_groups_metric = filter_groups_metric
+        self.threshold = int(max_off_policy_threshold)
+        self.strategy = max_off_policy_strategy
+        self.partition = partition
+        self.discard_surplus = bool(discard_surplus)
+        self.prefix = "training" if partition == "train" else "validation"
+
+    # ------------------------------------------------------------------ producer side
+    def register_prompts(self, uids: Iterable[str], global_steps: int,
+                         payloads: Sequence[bytes | None] | None = None, status: str = "pending") -> int:
+        """Register prompt keys ``{uid}`` (``is_prompt=True``, ``status``, ``global_steps``) in one transaction.
+
+        ``payloads`` (optional, one per uid) keep what is needed to re-issue the prompt after a crash.
+        """
+        uids = list(uids)
+        if payloads is not None and len(payloads) != len(uids):
+            raise ReplayError(f"register_prompts: {len(payloads)} payloads for {len(uids)} uids")
+        tags = {"is_prompt": True, "status": status, "global_steps": int(global_steps)}
+        items = [(u, tags, None if payloads is None else payloads[i]) for i, u in enumerate(uids)]
+        return self.store.put_many(items, partition=self.partition)
+
+    def mark_running(self, uids: Iterable[str]) -> int:
+        """Tag prompts ``status="running"`` (their group's generation started)."""
+        return self.store.update_tags(list(uids), status="running")
+
+    def mark_failed(self, uids: Iterable[str]) -> int:
+        """Tag prompts ``status="failure"`` (their group could not be generated/scored)."""
+        return self.store.update_tags(list(uids), status="failure")
+
+    def _next_add_stage(self, global_steps: int) -> str:
+        d = self.store.step_dir(global_steps)
+        k = 0
+        if d.is_dir():
+            for p in d.iterdir():
+                name = p.name.lstrip(".")
+                if name.startswith("replay_add_"):
+                    digits = name[len("replay_add_"):].split(".")[0]
+                    if digits.isdigit():
+                        k = max(k, int(digits) + 1)
+        return f"replay_add_{k:05d}"
+
+    def add_groups(self, table: pa.Table, global_steps: int) -> int:
+        """Register the finished trajectories of complete groups; returns the number of groups added.
+
+        ``table`` follows the batch contract (``uid``, ``sample_idx``, and ``weight_version`` or
+        ``min_global_steps``/``max_global_steps``; the filter metric column when filtering is on). Every uid
+        must have exactly ``n`` rows. Prompts already in the ledger keep their ``global_steps``; new ones get
+        ``global_steps``. The rows are committed as one stage file before the ledger transaction.
+        """
+        for col in ("uid", "sample_idx"):
+            if col not in table.column_names:
+                raise ReplayError(f"add_groups: column {col!r} is missing (batch contract)")
+        if "min_global_steps" in table.column_names and "max_global_steps" in table.column_names:
+            vmin = table.column("min_global_steps").to_pylist()
+            vmax = table.column("max_global_steps").to_pylist()
+        elif "weight_version" in table.column_names:
+            vmin = vmax = table.column("weight_version").to_pylist()
+        else:
+            raise ReplayError("add_groups: need column 'weight_version' (or 'min_global_steps' and "
+                              "'max_global_steps') to stamp trajectory staleness")
+        metric = self.filter_groups_metric
+        mvals = None
+        if metric is not None:
+            if metric not in table.column_names:
+                raise ReplayError(f"add_groups: filter_groups metric column {metric!r} is missing; add it "
+                                  f"(reward stage) or set algorithm.filter_groups.metric to an existing column")
+            mvals = table.column(metric).to_pylist()
+        uids = table.column("uid").to_pylist()
+        sidx = table.column("sample_idx").to_pylist()
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, u in enumerate(uids):
+            groups[u].append(i)
+        for u, rows in groups.items():
+            if len(rows) != self.n:
+                raise ReplayError(f"add_groups: group uid={u!r} has {len(rows)} trajectories, expected n={self.n}; "
+                                  f"pass only complete groups (or mark_failed the uid)")
+            if len({sidx[i] for i in rows}) != len(rows):
+                raise ReplayError(f"add_groups: group uid={u!r} has duplicate sample_idx values")
+        if not groups:
+            return 0
+        uri = self.store.write_stage(global_steps, self._next_add_stage(global_steps), table,
+                                     meta={"kind": "replay_add", "groups": len(groups)})
+        existing = self.store.get_many(list(groups))
+        puts, merges = [], {}
+        for u, rows in groups.items():
+            if u in existing:
+                pgs = existing[u].get("global_steps", global_steps)
+                merges[u] = {"status": "finished", "num_trajectories": len(rows)}
+            else:
+                pgs = int(global_steps)
+                puts.append((u, {"is_prompt": True, "status": "finished", "global_steps": pgs,
+                                 "num_trajectories": len(rows)}))
+            for i in rows:
+                tags: dict[str, Any] = {"status": "success", "global_steps": pgs, "sample_idx": int(sidx[i]),
+                                        "min_global_steps": int(vmin[i]), "max_global_steps": int(vmax[i]),
+                                        "uri": uri, "row": i}
+                if mvals is not None:
+                    v = mvals[i]
+                    tags["metric"] = None if v is None else float(v)
+                puts.append((f"{u}_{int(sidx[i])}", tags))
+        # trajectories of a re-added group replace the old ones (same keys); prompts are merged
+        self.store.apply(puts=puts, merges=merges, partition=self.partition)
+        return len(groups)
+
+    # ------------------------------------------------------------------ consumer side
+    def _trajectories(self, uids: Sequence[str]) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {u: [] for u in uids}
+        if not uids:
+            return out
+        uids = list(uids)
+        for i in range(0, len(uids), 500):
+            for key, tags in self.store.items(self.partition, is_prompt=False, uid=uids[i:i + 500]):
+                out[key.partition("_")[0]].append(tags)
+        for group in out.values():
+            group.sort(key=lambda t: t.get("sample_idx", 0))
+        return out
+
+    def _build_table(self, selected: Sequence[str], trajs: dict[str, list[dict]]) -> pa.Table:
+        order: list[tuple[str, int]] = [(t["uri"], int(t["row"])) for u in selected for t in trajs[u]]
+        by_uri: dict[str, list[int]] = defaultdict(list)
+        for uri, row in order:
+            by_uri[uri].append(row)
+        parts, offset, position = [], 0, {}
+        for uri, rows in by_uri.items():
+            parts.append(self.store.read_uri(uri).take(pa.array(rows, pa.int64())))
+            for j, row in enumerate(rows):
+                position[(uri, row)] = offset + j
+            offset += len(rows)
+        table = pa.concat_tables(parts, promote_options="default") if len(parts) > 1 else parts[0]
+        return table.take(pa.array([position[o] for o in order], pa.int64()))
+
+    def _staleness_metrics(self, global_steps: int, trajs: Iterable[dict], metrics: dict) -> None:
+        spans, stale, worst = [], [], []
+        for t in trajs:
+            lo, hi = t.get("min_global_steps"), t.get("max_global_steps")
+            if lo is None or hi is None:
+                continue
+            spans.append(hi - lo + 1)
+            stale.append((global_steps - 1) - hi)
+            worst.append((global_steps - 1) - lo)
+        p = f"{self.prefix}/off_policy"
+        _stats(f"{p}/trajectory_spans", spans, metrics)
+        _stats(f"{p}/trajectory_staleness", stale, metrics)
+        _stats(f"{p}/trajectory_staleness_worst", worst, metrics)
+
+    def sample(self, global_steps: int, batch_size: int | None = None) -> tuple[pa.Table | None, dict]:
+        """Take ``batch_size`` (default ``train_batch_size``) complete groups for ``global_steps``, oldest first.
+
+        Returns ``(table, metrics)``, or ``(None, metrics)`` when not enough groups are sampleable (generate
+        ``metrics["refill_needed"]`` more prompts) or when ``metrics["must_wait"]`` is True. Evictions are
+        committed in the same transaction that marks the selected groups consumed.
+        """
+        batch_size = self.train_batch_size if batch_size is None else int(batch_size)
+        if batch_size < 1:
+            raise ReplayError(f"sample: batch_size={batch_size} must be >= 1")
+        p = self.prefix
+        metrics: dict[str, Any] = {f"{p}/global_step": global_steps, "must_wait": False, "refill_needed": 0}
+
+        prompts = self.store.items(self.partition, is_prompt=True)
+        again = [k for k, t in prompts if t.get("consumed_step") == global_steps]
+        if again:  # crash-replay of an already sampled step: same groups, same order
+            order_of = {k: t.get("consume_order", 0) for k, t in prompts}
+            again.sort(key=lambda k: order_of[k])
+            trajs = self._trajectories(again)
+            self._staleness_metrics(global_steps, (t for u in again for t in trajs[u]), metrics)
+            metrics[f"{p}/replay/resampled"] = 1
+            return self._build_table(again, trajs), metrics
+
+        live = [(k, t) for k, t in prompts if t.get("consumed_step") is None]
+        finished = [(k, t) for k, t in live if t.get("status") in ("finished", "failure")]
+        inflight = [(k, t) for k, t in live if t.get("status") in ("pending", "running")]
+        trajs = self._trajectories([k for k, _ in finished])
+        evict_train = self.partition == "train"
+
+        evict: list[str] = []
+        stale_spans: list[int] = []
+        n_filtered = n_failed = 0
+        dapo_counts: Counter = Counter()
+        sampleable: list[tuple[int, int, str]] = []
+        for order, (uid, tags) in enumerate(finished):
+            pgs = int(tags.get("global_steps", global_steps))
+            span = global_steps - pgs + 1
+            group = trajs[uid]
+            if evict_train and (tags.get("status") == "failure" or not group):
+                evict.append(uid)
+                n_failed += 1
+                continue
+            if evict_train and self.strategy == "drop" and span > self.threshold:
+                evict.append(uid)
+                stale_spans.append(span)
+                continue
+            if evict_train and self.filter_groups_metric is not None:
+                vals = [t.get("metric") for t in group]
+                if all(v is not None and not (isinstance(v, float) and math.isnan(v)) for v in vals) \
+                        and _is_filtered(vals):
+                    evict.append(uid)
+                    n_filtered += 1
+                    dapo_counts[vals[0]] += 1
+                    continue
+            sampleable.append((pgs, order, uid))
+
+        metrics[f"{p}/off_policy/evicted_samples"] = len(stale_spans)
+        _stats(f"{p}/off_policy/evicted_samples_staleness", stale_spans, metrics)
+        metrics[f"{p}/filter_groups/evicted_samples"] = n_filtered
+        metrics[f"{p}/rollout_failure/evicted_samples"] = n_failed
+        if self.filter_groups_metric is not None:
+            metrics[_DAPO_COUNTS_KEY] = dict(dapo_counts)
+        metrics[f"{p}/replay/inflight_prompts"] = len(inflight)
+
+        must_wait = evict_train and self.strategy == "wait" and any(
+            global_steps - int(t.get("global_steps", global_steps)) + 1 >= self.threshold for _, t in inflight)
+        evict_keys = self._group_keys(evict, trajs)
+        sampleable.sort()
+        if must_wait or len(sampleable) < batch_size:
+            if evict_keys:
+                self.store.delete(evict_keys)
+            metrics["must_wait"] = bool(must_wait)
+            metrics["refill_needed"] = max(0, batch_size - len(sampleable) - len(inflight))
+            metrics[f"{p}/replay/sampleable_groups"] = len(sampleable)
+            return None, metrics
+
+        selected = [uid for _, _, uid in sampleable[:batch_size]]
+        surplus = [uid for _, _, uid in sampleable[batch_size:]]
+        if self.discard_surplus and surplus:
+            evict_keys += self._group_keys(surplus, trajs)
+            metrics[f"{p}/filter_groups/discarded_surplus_samples"] = len(surplus)
+            remaining = 0
+        else:
+            remaining = len(surplus)
+        merges = {uid: {"consumed_step": global_steps, "consume_order": i} for i, uid in enumerate(selected)}
+        self.store.apply(merges=merges, deletes=evict_keys, partition=self.partition)
+
+        metrics[f"{p}/replay/sampleable_groups"] = remaining
+        metrics["refill_needed"] = max(0, batch_size - remaining - len(inflight))
+        sel_trajs = [t for u in selected for t in trajs[u]]
+        self._staleness_metrics(global_steps, sel_trajs, metrics)
+        return self._build_table(selected, trajs), metrics
+
+    @staticmethod
+    def _group_keys(uids: Iterable[str], trajs: dict[str, list[dict]]) -> list[str]:
+        keys = []
+        for u in uids:
+            keys.append(u)
+            keys.extend(f"{u}_{t['sample_idx']}" for t in trajs.get(u, []))
+        return keys
+
+    def unconsume(self, global_steps: int) -> int:
+        """Return the groups consumed at ``global_steps`` (or later) to the buffer (e.g. resume before them)."""
+        keys = [k for k, t in self.store.items(self.partition, is_prompt=True)
+                if t.get("consumed_step") is not None and t["consumed_step"] >= global_steps]
+        if keys:
+            self.store.update_tags(keys, consumed_step=None, consume_order=None)
+        return len(keys)
+
+    def release(self, up_to_step: int) -> int:
+        """Delete the ledger keys of groups consumed at steps ``<= up_to_step`` (after a checkpoint covers them).
+
+        Returns the number of groups released. Stage files stay (they are the step's record).
+        """
+        uids = [k for k, t in self.store.items(self.partition, is_prompt=True)
+                if t.get("consumed_step") is not None and t["consumed_step"] <= up_to_step]
+        if not uids:
+            return 0
+        trajs = self._trajectories(uids)
+        self.store.delete(self._group_keys(uids, trajs))
+        return len(uids)

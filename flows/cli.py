@@ -1,0 +1,134 @@
+"""The `dapo` command line: prepare data, train, evaluate, deploy, or print a resolved config.
+
+    dapo train [--config configs/tiny_cpu.yaml] [key=value ...]
+    dapo prepare | base | eval [--checkpoint DIR] [--output JSON] | deploy --name NAME | config
+    dapo train --flow-only   (only the dapo-train flow: resume a run; data and base model must exist)
+
+Every subcommand loads and validates the config first; a bad config prints the problems and exits 2
+(no traceback). Each flow module is imported only by the subcommand that runs it, so `dapo config` and
+`dapo --help` answer without importing Prefect, Ray or torch. Exit codes: 0 ok, 2 configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+from dapo_core.config import ConfigError, load_config, to_yaml
+
+__all__ = ["build_parser", "main", "make_run_id"]
+
+DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
+"""Config used when --config is not given: the embedded CPU default."""
+
+EXIT_CONFIG_ERROR = 2
+"""Exit status for an invalid configuration."""
+
+
+def make_run_id(now: datetime | None = None) -> str:
+    """A new run id `YYYYmmdd-HHMMSS-<4 hex>` (local time + 16 random bits)."""
+    now = now or datetime.now()
+    return f"{now:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with the subcommands prepare, train, eval, deploy and config."""
+    parser = argparse.ArgumentParser(
+        prog="dapo", description="DAPO reinforcement learning for LLMs (verl-compatible configs)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    helps = {
+        "prepare": "build or fetch the datasets (flows.prepare_data)",
+        "base": "build the embedded tiny base model and its SFT warm-up (flows.base_model)",
+        "train": "prepare -> base model -> DAPO training -> evaluation (flows.dapo_train)",
+        "eval": "evaluate a checkpoint: avg@k, pass@k, maj@k (flows.evaluate)",
+        "deploy": "register the training pipeline as a Prefect deployment (flows.deploy)",
+        "config": "print the resolved, validated config as YAML",
+    }
+    for name, text in helps.items():
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument(
+            "--config", default=DEFAULT_CONFIG, help=f"YAML config file (default {DEFAULT_CONFIG})"
+        )
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.seed=3")
+        if name == "eval":
+            p.add_argument("--checkpoint", default=None, help="checkpoint to evaluate (sets eval.checkpoint)")
+            p.add_argument("--output", default=None, help="metrics JSON to write (sets eval.output)")
+        if name == "train":
+            p.add_argument("--flow-only", action="store_true",
+                           help="run only the dapo-train flow (data and base model must exist), e.g. to resume")
+        if name == "deploy":
+            p.add_argument("--name", default=None, help="deployment name (default: the config file's stem)")
+    return parser
+
+
+def _quiet_task_run_logs() -> None:
+    """Keep the console readable: one line per finished task run is Prefect's default (hundreds per run).
+    Task runs stay fully visible in the Prefect UI; `PREFECT_LOGGING_LEVEL=DEBUG` or `DAPO_TASK_LOGS=1` restores
+    them on the console."""
+    import logging
+    import os
+
+    if os.environ.get("DAPO_TASK_LOGS") != "1":
+        logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `dapo` command line; returns the exit status (0 ok, 2 configuration error)."""
+    args = build_parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if args.command == "eval" and args.checkpoint is not None:
+        overrides.append(f"eval.checkpoint={args.checkpoint}")
+    if args.command == "eval" and args.output is not None:
+        overrides.append(f"eval.output={args.output}")
+    try:
+        cfg = load_config(args.config, overrides)
+        run_id = None
+        if args.command == "train":
+            run_id = cfg.trainer.experiment_name or make_run_id()
+            if not cfg.trainer.experiment_name:
+                cfg.trainer.experiment_name = run_id
+                print(f"run id: {run_id}  (resume with trainer.experiment_name={run_id})", flush=True)
+        cfg_yaml = to_yaml(cfg)
+    except ConfigError as e:
+        print(f"dapo {args.command}: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+    if args.command == "config":
+        sys.stdout.write(cfg_yaml)
+        return 0
+
+    _quiet_task_run_logs()
+    if args.command == "prepare":
+        from flows.prepare_data import prepare_data_flow
+
+        prepare_data_flow(cfg_yaml)
+    elif args.command == "base":
+        from flows.base_model import base_model_flow
+
+        base_model_flow(cfg_yaml)
+    elif args.command == "train" and args.flow_only:
+        from flows.dapo_train import dapo_train
+
+        dapo_train(cfg_yaml, run_id)
+    elif args.command == "train":
+        from flows.pipeline import pipeline
+
+        pipeline(cfg_yaml, run_id)
+    elif args.command == "eval":
+        from flows.evaluate import evaluate_flow
+
+        evaluate_flow(cfg_yaml, cfg.eval.checkpoint, cfg.eval.output)
+    else:
+        from flows.deploy import deploy
+
+        deploy(cfg_yaml, args.name or Path(args.config).stem.replace("_", "-").replace(".", "-"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
