@@ -71,18 +71,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-size", type=int, default=64, help="smallest adaptive refill (prompts)")
     ap.add_argument("--safety", type=float, default=1.2)
     args = ap.parse_args(argv)
-    print(f"train_batch_size={args.train_batch_size} gen_batch_size={args.gen_batch_size} steps={args.steps} "
-          f"seed={args.seed} adaptive: min_size={args.min_size} safety={args.safety}")
+    print(
+        f"train_batch_size={args.train_batch_size} gen_batch_size={args.gen_batch_size} steps={args.steps} "
+        f"seed={args.seed} adaptive: min_size={args.min_size} safety={args.safety}"
+    )
     print("| p | mode | surplus kept groups / step | prompts generated / step | gen batches / step |")
     print("|---|---|---|---|---|")
     for p in (0.2, 0.4, 0.7):
         for adaptive in (False, True):
-            r = simulate(p, adaptive, steps=args.steps, train_batch_size=args.train_batch_size,
-                         gen_batch_size=args.gen_batch_size, min_size=args.min_size, safety=args.safety,
-                         seed=args.seed)
+            r = simulate(
+                p,
+                adaptive,
+                steps=args.steps,
+                train_batch_size=args.train_batch_size,
+                gen_batch_size=args.gen_batch_size,
+                min_size=args.min_size,
+                safety=args.safety,
+                seed=args.seed,
+            )
             mode = "adaptive" if adaptive else "fixed"
-            print(f"| {p} | {mode} | {r['surplus_groups']:.1f} | {r['prompts_per_step']:.1f} | "
-                  f"{r['gen_batches_per_step']:.2f} |")
+            print(
+                f"| {p} | {mode} | {r['surplus_groups']:.1f} | {r['prompts_per_step']:.1f} | "
+                f"{r['gen_batches_per_step']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Builds the CPU default's data and warmed-up base model once (in --root), then ru
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_refill_flow.py [--steps 20] [--root /tmp/refill_bench]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,11 +39,20 @@ def main() -> None:
     from flows.prepare_data import prepare_data_flow
 
     root = Path(args.root)
-    common = [f"data.synthetic.out_dir={root / 'data'}", f"data.train_files=[{root / 'data' / 'train.parquet'}]",
-              f"data.val_files=[{root / 'data' / 'val.parquet'}]", f"trainer.models_dir={root / 'models'}",
-              f"trainer.runs_dir={root / 'runs'}", "trainer.use_ray=false", "trainer.val_before_train=false",
-              "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
-              f"trainer.total_training_steps={args.steps}", f"data.gen_batch_size={args.gen_batch_size}"]
+    common = [
+        f"data.synthetic.out_dir={root / 'data'}",
+        f"data.train_files=[{root / 'data' / 'train.parquet'}]",
+        f"data.val_files=[{root / 'data' / 'val.parquet'}]",
+        f"trainer.models_dir={root / 'models'}",
+        f"trainer.runs_dir={root / 'runs'}",
+        "trainer.use_ray=false",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[jsonl]",
+        f"trainer.total_training_steps={args.steps}",
+        f"data.gen_batch_size={args.gen_batch_size}",
+    ]
     cfg0 = load_config(ROOT / "configs" / "tiny_cpu.yaml", common)
     if not (root / "models" / "tiny_base" / "model.safetensors").exists():
         prepare_data_flow(to_yaml(cfg0))
@@ -51,14 +61,24 @@ def main() -> None:
     for mode in ("fixed", "adaptive"):
         run_id = f"refill-{mode}-{args.steps}"
         shutil.rmtree(root / "runs" / run_id, ignore_errors=True)
-        cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml",
-                          [*common, f"algorithm.filter_groups.refill={mode}", f"trainer.experiment_name={run_id}",
-                           "trainer.resume_mode=disable"])
+        cfg = load_config(
+            ROOT / "configs" / "tiny_cpu.yaml",
+            [
+                *common,
+                f"algorithm.filter_groups.refill={mode}",
+                f"trainer.experiment_name={run_id}",
+                "trainer.resume_mode=disable",
+            ],
+        )
         dapo_train(to_yaml(cfg), run_id)
         rows = [json.loads(x) for x in (root / "runs" / run_id / "metrics.jsonl").read_text().splitlines()]
         store = RunStore(root / "runs" / run_id)
-        prompts = sum(store.read_stage(s, st).num_rows // int(cfg.actor_rollout_ref.rollout.n)
-                      for s in store.steps() for st in store.committed_stages(s) if st.startswith("prompts_g"))
+        prompts = sum(
+            store.read_stage(s, st).num_rows // int(cfg.actor_rollout_ref.rollout.n)
+            for s in store.steps()
+            for st in store.committed_stages(s)
+            if st.startswith("prompts_g")
+        )
         n = len(rows)
         results[mode] = {
             "surplus_groups_per_step": sum(r.get("train/discarded_surplus_groups", 0) for r in rows) / n,
@@ -67,10 +87,14 @@ def main() -> None:
             "step_s_median": sorted(r["timing_s/step"] for r in rows)[n // 2],
             "final_keep_rate": rows[-1].get("train/keep_rate"),
         }
-    print(f"{'mode':<10}{'surplus groups/step':>22}{'prompts/step':>14}{'gen batches/step':>18}{'step s (med)':>14}")
+    print(
+        f"{'mode':<10}{'surplus groups/step':>22}{'prompts/step':>14}{'gen batches/step':>18}{'step s (med)':>14}"
+    )
     for mode, r in results.items():
-        print(f"{mode:<10}{r['surplus_groups_per_step']:>22.2f}{r['prompts_per_step']:>14.1f}"
-              f"{r['gen_batches_per_step']:>18.2f}{r['step_s_median']:>14.2f}")
+        print(
+            f"{mode:<10}{r['surplus_groups_per_step']:>22.2f}{r['prompts_per_step']:>14.1f}"
+            f"{r['gen_batches_per_step']:>18.2f}{r['step_s_median']:>14.2f}"
+        )
     print(json.dumps(results, indent=1))
 
 

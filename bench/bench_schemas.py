@@ -109,19 +109,27 @@ def polars_generate(table: pa.Table, n: int, max_r: int) -> float:
         )
 
     def lp_ok(data):
-        return data.lazyframe.select(pl.col("rollout_log_probs").list.eval(
-            pl.element().is_finite() & (pl.element() <= S.LOGPROB_TOL)).list.all())
+        return data.lazyframe.select(
+            pl.col("rollout_log_probs")
+            .list.eval(pl.element().is_finite() & (pl.element() <= S.LOGPROB_TOL))
+            .list.all()
+        )
 
     def ids_ok(data):
-        return data.lazyframe.select(pl.col("response_ids").list.eval(
-            (pl.element() >= 0) & (pl.element() < VOCAB)).list.all() & (pl.col("response_ids").list.len() <= max_r))
+        return data.lazyframe.select(
+            pl.col("response_ids").list.eval((pl.element() >= 0) & (pl.element() < VOCAB)).list.all()
+            & (pl.col("response_ids").list.len() <= max_r)
+        )
 
     def group_ok(data):
         return data.lazyframe.select(pl.len().over("uid") == n)
 
     schema = ppl.DataFrameSchema(
-        {"uid": ppl.Column(pl.String), "response_ids": ppl.Column(pl.List(pl.Int32)),
-         "rollout_log_probs": ppl.Column(pl.List(pl.Float32))},
+        {
+            "uid": ppl.Column(pl.String),
+            "response_ids": ppl.Column(pl.List(pl.Int32)),
+            "rollout_log_probs": ppl.Column(pl.List(pl.Float32)),
+        },
         checks=[ppl.Check(f) for f in (len_ok, lp_ok, ids_ok, group_ok)],
     )
     sub = table.select(["uid", "response_ids", "rollout_log_probs"])
@@ -132,12 +140,18 @@ def pyarrow_generate(table: pa.Table, n: int, max_r: int) -> float:
     """The same 4 checks as :func:`polars_generate`, through pandera.pyarrow (our backend)."""
     import pandera.pyarrow as ppa
 
-    fns = [S._len_matches("rollout_log_probs"), S._finite("rollout_log_probs", hi=S.LOGPROB_TOL),
-           lambda t: S._ids_in_vocab("response_ids", VOCAB)(t) & S._len_at_most("response_ids", max_r)(t),
-           S._group_size(n)]
+    fns = [
+        S._len_matches("rollout_log_probs"),
+        S._finite("rollout_log_probs", hi=S.LOGPROB_TOL),
+        lambda t: S._ids_in_vocab("response_ids", VOCAB)(t) & S._len_at_most("response_ids", max_r)(t),
+        S._group_size(n),
+    ]
     schema = ppa.DataFrameSchema(
-        {"uid": ppa.Column(pa.string()), "response_ids": ppa.Column(pa.list_(pa.int32())),
-         "rollout_log_probs": ppa.Column(pa.list_(pa.float32()))},
+        {
+            "uid": ppa.Column(pa.string()),
+            "response_ids": ppa.Column(pa.list_(pa.int32())),
+            "rollout_log_probs": ppa.Column(pa.list_(pa.float32())),
+        },
         checks=[ppa.Check(lambda d, f=f: pa.array(f(d.table))) for f in fns],
     )
     sub = table.select(["uid", "response_ids", "rollout_log_probs"])
@@ -157,21 +171,32 @@ def main() -> None:
     t0 = time.perf_counter()
     table = make_batch(args.prompts, args.n, args.resp, args.prompt_len)
     rows = table.num_rows
-    print(f"batch: {rows} rows × {args.resp} response tokens (+{args.prompt_len} prompt), "
-          f"{table.nbytes / 2**20:.0f} MiB, built in {time.perf_counter() - t0:.1f}s; median of {args.repeats}")
-    kw = {"n": args.n, "vocab_size": VOCAB, "max_prompt_length": args.prompt_len, "max_response_length": args.resp}
+    print(
+        f"batch: {rows} rows × {args.resp} response tokens (+{args.prompt_len} prompt), "
+        f"{table.nbytes / 2**20:.0f} MiB, built in {time.perf_counter() - t0:.1f}s; median of {args.repeats}"
+    )
+    kw = {
+        "n": args.n,
+        "vocab_size": VOCAB,
+        "max_prompt_length": args.prompt_len,
+        "max_response_length": args.resp,
+    }
     print(f"{'stage':<14}{'validate ms':>12}{'to_padded ms':>14}{'ratio':>8}")
     for stage in S.STAGES:
         cols = S.STAGE_COLUMNS[stage] + S.OPTIONAL_COLUMNS[stage]
         sub = table.select([c for c in cols if c in table.column_names])
         tv = median_time(lambda sub=sub, stage=stage: S.validate_stage(stage, sub, **kw), args.repeats)
-        tp = median_time(lambda sub=sub, stage=stage: B.to_padded(sub, 0, columns=STAGE_TENSOR_COLUMNS[stage]),
-                         args.repeats)
+        tp = median_time(
+            lambda sub=sub, stage=stage: B.to_padded(sub, 0, columns=STAGE_TENSOR_COLUMNS[stage]),
+            args.repeats,
+        )
         print(f"{stage:<14}{tv * 1e3:>12.1f}{tp * 1e3:>14.1f}{tv / tp:>8.2f}")
     tpl = polars_generate(table, args.n, args.resp)
     tpa = pyarrow_generate(table, args.n, args.resp)
-    print(f"same 4 generate checks: pandera.pyarrow {tpa * 1e3:.1f} ms, "
-          f"pandera.polars (incl. pl.from_arrow) {tpl * 1e3:.1f} ms")
+    print(
+        f"same 4 generate checks: pandera.pyarrow {tpa * 1e3:.1f} ms, "
+        f"pandera.polars (incl. pl.from_arrow) {tpl * 1e3:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ on the stage cost and an upper bound on validation's share.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_stage_cost.py [--rows 8] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dapo_core.compute.engines.train import make_train_engine
 from dapo_core.compute.models import build_tiny_model
 
-TINY = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 2560, "tie_word_embeddings": True}
+TINY = {
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 2560,
+    "tie_word_embeddings": True,
+}
 
 
 def main() -> None:
@@ -50,8 +59,10 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
     per_row = statistics.median(times) / args.rows
     total = per_row * 8192
-    print(f"tiny-model old_log_prob forward: {per_row * 1000:.1f} ms per 2,304-token row (median of {args.repeats}),"
-          f" {total:.0f} s extrapolated to 8,192 rows")
+    print(
+        f"tiny-model old_log_prob forward: {per_row * 1000:.1f} ms per 2,304-token row (median of {args.repeats}),"
+        f" {total:.0f} s extrapolated to 8,192 rows"
+    )
     for stage, ms in (("generate", 114), ("old_log_prob", 102), ("advantage", 341)):
         print(f"  validation of {stage:<12} {ms} ms = {100 * ms / 1000 / total:.3f} % of that")
 

@@ -34,18 +34,22 @@ def make_batch(prompts: int, n: int, tokens: int, prompt_tokens: int, seed: int 
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
     uids = np.repeat(np.array([uuid.uuid4().hex for _ in range(prompts)]), n)
-    return pa.table({
-        "uid": pa.array(uids),
-        "prompt_id": pa.array(np.repeat(np.arange(prompts, dtype=np.int64), n)),
-        "sample_idx": pa.array(np.tile(np.arange(n, dtype=np.int32), prompts)),
-        "prompt_ids": lists(rng.integers(0, 150_000, rows * prompt_tokens, dtype=np.int32), prompt_tokens),
-        "response_ids": lists(rng.integers(0, 150_000, rows * tokens, dtype=np.int32), tokens),
-        "rollout_log_probs": lists(-rng.random(rows * tokens, dtype=np.float32), tokens),
-        "old_log_probs": lists(-rng.random(rows * tokens, dtype=np.float32), tokens),
-        "advantages": lists(rng.standard_normal(rows * tokens, dtype=np.float32), tokens),
-        "response_mask": lists(np.ones(rows * tokens, dtype=np.int8), tokens),
-        "reward": pa.array(rng.standard_normal(rows).astype(np.float32)),
-    })
+    return pa.table(
+        {
+            "uid": pa.array(uids),
+            "prompt_id": pa.array(np.repeat(np.arange(prompts, dtype=np.int64), n)),
+            "sample_idx": pa.array(np.tile(np.arange(n, dtype=np.int32), prompts)),
+            "prompt_ids": lists(
+                rng.integers(0, 150_000, rows * prompt_tokens, dtype=np.int32), prompt_tokens
+            ),
+            "response_ids": lists(rng.integers(0, 150_000, rows * tokens, dtype=np.int32), tokens),
+            "rollout_log_probs": lists(-rng.random(rows * tokens, dtype=np.float32), tokens),
+            "old_log_probs": lists(-rng.random(rows * tokens, dtype=np.float32), tokens),
+            "advantages": lists(rng.standard_normal(rows * tokens, dtype=np.float32), tokens),
+            "response_mask": lists(np.ones(rows * tokens, dtype=np.int8), tokens),
+            "reward": pa.array(rng.standard_normal(rows).astype(np.float32)),
+        }
+    )
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -82,36 +86,68 @@ def main() -> None:
 
         def ledger_put(i: int) -> None:  # one partition per repeat, so every repeat starts equal
             part, uids = f"p{i}", uids_of[i]
-            store.put_many([(u, {"is_prompt": True, "status": "pending", "global_steps": i}) for u in uids],
-                           partition=part)
-            store.put_many([(f"{u}_{j}", {"status": "success", "global_steps": i, "min_global_steps": i,
-                                          "max_global_steps": i, "response_len": args.tokens})
-                            for u in uids for j in range(args.n)], partition=part)
+            store.put_many(
+                [(u, {"is_prompt": True, "status": "pending", "global_steps": i}) for u in uids],
+                partition=part,
+            )
+            store.put_many(
+                [
+                    (
+                        f"{u}_{j}",
+                        {
+                            "status": "success",
+                            "global_steps": i,
+                            "min_global_steps": i,
+                            "max_global_steps": i,
+                            "response_len": args.tokens,
+                        },
+                    )
+                    for u in uids
+                    for j in range(args.n)
+                ],
+                partition=part,
+            )
 
         t_put = _median_time(ledger_put, args.repeats)
         keys_put = args.prompts * (args.n + 1)
         t_upd = _median_time(lambda i: store.update_tags(uids_of[i], status="running"), args.repeats)
         listed = []
-        t_list = _median_time(lambda i: listed.append(store.list_keys(f"p{i}", is_prompt=True, status="running")),
-                              args.repeats)
+        t_list = _median_time(
+            lambda i: listed.append(store.list_keys(f"p{i}", is_prompt=True, status="running")), args.repeats
+        )
         assert all(len(keys) == args.prompts for keys in listed)
         counts = []
-        t_reissue = _median_time(lambda i: counts.append(store.reissue_inflight(f"p{i}", 100 + i)), args.repeats)
+        t_reissue = _median_time(
+            lambda i: counts.append(store.reissue_inflight(f"p{i}", 100 + i)), args.repeats
+        )
         assert counts == [args.prompts] * args.repeats and store.count("p0") == args.prompts
         store.close()
 
     out = {
         "batch": {"rows": rows, "tokens_per_row": args.tokens, "file_MB": round(mb, 1)},
-        "write_stage": {"s": round(t_write, 3), "MB_per_s": round(mb / t_write, 1),
-                        "rows_per_s": round(rows / t_write)},
-        "read_stage_verified": {"s": round(t_read, 3), "MB_per_s": round(mb / t_read, 1),
-                                "rows_per_s": round(rows / t_read)},
+        "write_stage": {
+            "s": round(t_write, 3),
+            "MB_per_s": round(mb / t_write, 1),
+            "rows_per_s": round(rows / t_write),
+        },
+        "read_stage_verified": {
+            "s": round(t_read, 3),
+            "MB_per_s": round(mb / t_read, 1),
+            "rows_per_s": round(rows / t_read),
+        },
         "read_stage_unverified": {"s": round(t_read_nv, 3), "MB_per_s": round(mb / t_read_nv, 1)},
         "ledger_put_many": {"keys": keys_put, "s": round(t_put, 3), "keys_per_s": round(keys_put / t_put)},
-        "ledger_update_tags": {"keys": args.prompts, "s": round(t_upd, 4), "keys_per_s": round(args.prompts / t_upd)},
+        "ledger_update_tags": {
+            "keys": args.prompts,
+            "s": round(t_upd, 4),
+            "keys_per_s": round(args.prompts / t_upd),
+        },
         "ledger_list_keys": {"keys": args.prompts, "s": round(t_list, 4)},
-        "reissue_inflight": {"prompts": args.prompts, "trajectories_deleted": args.prompts * args.n,
-                             "s": round(t_reissue, 4)},
+        "reissue_inflight": {
+            "prompts": args.prompts,
+            "trajectories_deleted": args.prompts * args.n,
+            "s": round(t_reissue, 4),
+        },
         "repeats": args.repeats,
     }
     print(json.dumps(out, indent=1))

@@ -70,23 +70,41 @@ def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s)
-        mask[i, width - len(s):] = 1
+        ids[i, width - len(s) :] = torch.tensor(s)
+        mask[i, width - len(s) :] = 1
     return ids, mask
 
 
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], *, max_new: int, eos: int, pad: int, greedy: bool,
-             temperature: float, chunk: int = 256) -> list[list[int]]:
+def generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new: int,
+    eos: int,
+    pad: int,
+    greedy: bool,
+    temperature: float,
+    chunk: int = 256,
+) -> list[list[int]]:
     """Sample (or greedy-decode) responses; each response ends at (and includes) its first EOS."""
     out: list[list[int]] = []
     for s in range(0, len(prompts), chunk):
-        ids, mask = left_pad(prompts[s:s + chunk], pad)
-        kw = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": 1.0,
-                                                  "top_k": 0}
-        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=eos,
-                             pad_token_id=pad, **kw)
-        for row in gen[:, ids.shape[1]:].tolist():
+        ids, mask = left_pad(prompts[s : s + chunk], pad)
+        kw = (
+            {"do_sample": False}
+            if greedy
+            else {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+        )
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            **kw,
+        )
+        for row in gen[:, ids.shape[1] :].tolist():
             resp = []
             for t in row:
                 resp.append(t)
@@ -96,21 +114,22 @@ def generate(model, prompts: list[list[int]], *, max_new: int, eos: int, pad: in
     return out
 
 
-def response_log_probs(model, prompts: list[list[int]], responses: list[list[int]], pad: int,
-                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def response_log_probs(
+    model, prompts: list[list[int]], responses: list[list[int]], pad: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced log-probs (B, L) of right-padded responses after left-padded prompts, and the mask."""
     p_ids, p_mask = left_pad(prompts, pad)
     L = max(len(r) for r in responses)
     r_ids = torch.full((len(responses), L), pad, dtype=torch.long)
     r_mask = torch.zeros((len(responses), L), dtype=torch.long)
     for i, r in enumerate(responses):
-        r_ids[i, :len(r)] = torch.tensor(r)
-        r_mask[i, :len(r)] = 1
+        r_ids[i, : len(r)] = torch.tensor(r)
+        r_mask[i, : len(r)] = 1
     ids = torch.cat([p_ids, r_ids], 1)
     mask = torch.cat([p_mask, r_mask], 1)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    logits = logits[:, p_ids.shape[1] - 1:-1].float() / temperature
+    logits = logits[:, p_ids.shape[1] - 1 : -1].float() / temperature
     lp = torch.log_softmax(logits, -1).gather(-1, r_ids.unsqueeze(-1)).squeeze(-1)
     return lp, r_mask.float()
 
@@ -143,8 +162,15 @@ def dapo_loss(old_lp, lp, adv, mask, eps_low: float, eps_high: float, c: float):
 def evaluate(model, val_rows, prompt_cache, tok, args, *, greedy: bool, k: int = 1) -> float:
     """Held-out accuracy: greedy, or mean over k samples at the rollout temperature."""
     prompts = [prompt_cache[i] for i in range(len(val_rows))] * (1 if greedy else k)
-    resp = generate(model, prompts, max_new=args.max_response_length, eos=tok.eos_token_id, pad=tok.pad_token_id,
-                    greedy=greedy, temperature=args.temperature)
+    resp = generate(
+        model,
+        prompts,
+        max_new=args.max_response_length,
+        eos=tok.eos_token_id,
+        pad=tok.pad_token_id,
+        greedy=greedy,
+        temperature=args.temperature,
+    )
     gts = [r["reward_model"]["ground_truth"] for r in val_rows] * (1 if greedy else k)
     accs = [bool(_score(tok.decode(r, skip_special_tokens=True), gt)["acc"]) for r, gt in zip(resp, gts)]
     return float(np.mean(accs))
@@ -177,8 +203,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sft-steps", type=int, default=500)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--sft-batch", type=int, default=64)
-    ap.add_argument("--init-from", default="", help="copy this already warmed-up model folder instead of "
-                    "building + SFT (for iterating on RL settings; the task args must match)")
+    ap.add_argument(
+        "--init-from",
+        default="",
+        help="copy this already warmed-up model folder instead of "
+        "building + SFT (for iterating on RL settings; the task args must match)",
+    )
     # dapo
     ap.add_argument("--rl-steps", type=int, default=100)
     ap.add_argument("--rl-minutes", type=float, default=8.0, help="stop RL after this many minutes")
@@ -188,14 +218,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-gen-batches", type=int, default=4)
     ap.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per training step")
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--lr-warmup-steps", type=int, default=0, help="linear lr warm-up over this many optimizer steps")
+    ap.add_argument(
+        "--lr-warmup-steps", type=int, default=0, help="linear lr warm-up over this many optimizer steps"
+    )
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-response-length", type=int, default=24)
     ap.add_argument("--clip-low", type=float, default=0.2)
     ap.add_argument("--clip-high", type=float, default=0.28)
     ap.add_argument("--clip-c", type=float, default=10.0)
     ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--eval-every", type=int, default=0, help="greedy eval every k RL steps (0 = only at end)")
+    ap.add_argument(
+        "--eval-every", type=int, default=0, help="greedy eval every k RL steps (0 = only at end)"
+    )
     ap.add_argument("--eval-sampled-k", type=int, default=0, help="also report sampled mean@k (0 = off)")
     args = ap.parse_args(argv)
 
@@ -207,12 +241,24 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = out / "model"
 
     train_rows, val_rows = make_synthetic_splits(
-        args.num_train, args.num_val, seed=args.seed, min_value=args.min_value, max_value=args.max_value,
-        num_operands=args.num_operands, ops=tuple(args.ops),
+        args.num_train,
+        args.num_val,
+        seed=args.seed,
+        min_value=args.min_value,
+        max_value=args.max_value,
+        num_operands=args.num_operands,
+        ops=tuple(args.ops),
     )
-    tiny = {"hidden_size": args.hidden, "intermediate_size": args.ffn, "num_hidden_layers": args.layers,
-            "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim,
-            "max_position_embeddings": 256, "tie_word_embeddings": True}
+    tiny = {
+        "hidden_size": args.hidden,
+        "intermediate_size": args.ffn,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+    }
     if args.init_from:
         shutil.copytree(args.init_from, model_dir)
         tok = load_tokenizer(model_dir)
@@ -225,12 +271,23 @@ def main(argv: list[str] | None = None) -> dict:
             "answer": lambda r: f"Answer: {r['reward_model']['ground_truth']}",
             "carry_slip": lambda r: carry_slip_solution(r, slip_prob=args.slip_prob, seed=args.seed),
         }[args.solution]
-        sft = warmup_sft(model_dir, train_rows, tok, steps=args.sft_steps, lr=args.sft_lr,
-                         batch_size=args.sft_batch, seed=args.seed, solution_fn=sol)
+        sft = warmup_sft(
+            model_dir,
+            train_rows,
+            tok,
+            steps=args.sft_steps,
+            lr=args.sft_lr,
+            batch_size=args.sft_batch,
+            seed=args.seed,
+            solution_fn=sol,
+        )
         shutil.copytree(model_dir, out / "sft_model")
     t_sft = time.perf_counter() - t_start
-    print(f"[probe] sft {args.sft_steps} steps loss {sft['loss_first']:.3f}->{sft['loss_last']:.3f} "
-          f"in {sft['wall_s']:.1f}s", flush=True)
+    print(
+        f"[probe] sft {args.sft_steps} steps loss {sft['loss_first']:.3f}->{sft['loss_last']:.3f} "
+        f"in {sft['wall_s']:.1f}s",
+        flush=True,
+    )
 
     model = load(model_dir)
     model.eval()
@@ -239,14 +296,21 @@ def main(argv: list[str] | None = None) -> dict:
     train_gts = [r["reward_model"]["ground_truth"] for r in train_rows]
     t0 = time.perf_counter()
     acc_before = evaluate(model, val_rows, val_prompts, tok, args, greedy=True)
-    samp_before = (evaluate(model, val_rows, val_prompts, tok, args, greedy=False, k=args.eval_sampled_k)
-                   if args.eval_sampled_k else None)
+    samp_before = (
+        evaluate(model, val_rows, val_prompts, tok, args, greedy=False, k=args.eval_sampled_k)
+        if args.eval_sampled_k
+        else None
+    )
     t_eval = time.perf_counter() - t0
-    print(f"[probe] before RL: greedy acc {acc_before:.3f} sampled {samp_before} (eval {t_eval:.1f}s)", flush=True)
+    print(
+        f"[probe] before RL: greedy acc {acc_before:.3f} sampled {samp_before} (eval {t_eval:.1f}s)",
+        flush=True,
+    )
 
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, lambda k: min(1.0, (k + 1) / args.lr_warmup_steps) if args.lr_warmup_steps > 0 else 1.0)
+        optim, lambda k: min(1.0, (k + 1) / args.lr_warmup_steps) if args.lr_warmup_steps > 0 else 1.0
+    )
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     order, cursor = rng.permutation(len(train_rows)), 0
@@ -266,21 +330,33 @@ def main(argv: list[str] | None = None) -> dict:
                 break  # train on what we have (the product raises; a probe keeps going)
             if cursor + args.gen_batch > len(order):
                 order, cursor = rng.permutation(len(train_rows)), 0
-            pids = order[cursor:cursor + args.gen_batch]
+            pids = order[cursor : cursor + args.gen_batch]
             cursor += args.gen_batch
             prompts = [train_prompts[i] for i in pids for _ in range(args.n)]
             model.eval()
-            resp = generate(model, prompts, max_new=args.max_response_length, eos=tok.eos_token_id,
-                            pad=tok.pad_token_id, greedy=False, temperature=args.temperature)
-            sc = np.array([_score(tok.decode(r, skip_special_tokens=True), train_gts[i])["score"]
-                           for r, i in zip(resp, np.repeat(pids, args.n))], dtype=np.float64)
+            resp = generate(
+                model,
+                prompts,
+                max_new=args.max_response_length,
+                eos=tok.eos_token_id,
+                pad=tok.pad_token_id,
+                greedy=False,
+                temperature=args.temperature,
+            )
+            sc = np.array(
+                [
+                    _score(tok.decode(r, skip_special_tokens=True), train_gts[i])["score"]
+                    for r, i in zip(resp, np.repeat(pids, args.n))
+                ],
+                dtype=np.float64,
+            )
             accs.extend((sc > 0).tolist())
             for g in range(len(pids)):
-                s = sc[g * args.n:(g + 1) * args.n]
+                s = sc[g * args.n : (g + 1) * args.n]
                 if s.std() > 0 and n_kept < args.train_batch:
                     n_kept += 1
-                    kept_p += prompts[g * args.n:(g + 1) * args.n]
-                    kept_r += resp[g * args.n:(g + 1) * args.n]
+                    kept_p += prompts[g * args.n : (g + 1) * args.n]
+                    kept_r += resp[g * args.n : (g + 1) * args.n]
                     kept_s += s.tolist()
                     kept_g += [n_kept] * args.n
         n_gen = min(n_gen, args.max_gen_batches)
@@ -298,10 +374,17 @@ def main(argv: list[str] | None = None) -> dict:
         clipfracs, losses = [], []
         for mb in mb_groups:
             rows = np.nonzero(np.isin(kept_g, mb))[0]
-            lp, m = response_log_probs(model, [kept_p[i] for i in rows], [kept_r[i] for i in rows],
-                                       tok.pad_token_id, args.temperature)
+            lp, m = response_log_probs(
+                model,
+                [kept_p[i] for i in rows],
+                [kept_r[i] for i in rows],
+                tok.pad_token_id,
+                args.temperature,
+            )
             L = m.shape[1]
-            loss, cf = dapo_loss(old_lp[rows, :L], lp, adv[rows, :L], m, args.clip_low, args.clip_high, args.clip_c)
+            loss, cf = dapo_loss(
+                old_lp[rows, :L], lp, adv[rows, :L], m, args.clip_low, args.clip_high, args.clip_c
+            )
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -309,9 +392,11 @@ def main(argv: list[str] | None = None) -> dict:
             sched.step()
             clipfracs.append(cf)
             losses.append(float(loss.detach()))
-        msg = (f"[probe] step {step} train_acc {np.mean(accs):.3f} kept {n_kept}/{args.train_batch} "
-               f"gen_batches {n_gen} loss {np.mean(losses):+.4f} clipfrac {np.mean(clipfracs):.3f} "
-               f"t {time.perf_counter() - t_rl0:.0f}s")
+        msg = (
+            f"[probe] step {step} train_acc {np.mean(accs):.3f} kept {n_kept}/{args.train_batch} "
+            f"gen_batches {n_gen} loss {np.mean(losses):+.4f} clipfrac {np.mean(clipfracs):.3f} "
+            f"t {time.perf_counter() - t_rl0:.0f}s"
+        )
         if args.eval_every and step % args.eval_every == 0:
             model.eval()
             a = evaluate(model, val_rows, val_prompts, tok, args, greedy=True)
@@ -322,19 +407,35 @@ def main(argv: list[str] | None = None) -> dict:
 
     model.eval()
     acc_after = evaluate(model, val_rows, val_prompts, tok, args, greedy=True)
-    samp_after = (evaluate(model, val_rows, val_prompts, tok, args, greedy=False, k=args.eval_sampled_k)
-                  if args.eval_sampled_k else None)
+    samp_after = (
+        evaluate(model, val_rows, val_prompts, tok, args, greedy=False, k=args.eval_sampled_k)
+        if args.eval_sampled_k
+        else None
+    )
     curve.append((step, acc_after))
     wall = time.perf_counter() - t_start
     result = {
-        "acc_before": acc_before, "acc_after": acc_after, "delta": acc_after - acc_before,
-        "sampled_before": samp_before, "sampled_after": samp_after,
-        "rl_steps": step, "gen_batches": gen_batches_total, "wall_s": wall, "sft_s": t_sft, "rl_s": t_rl,
-        "loadavg_start": load0, "loadavg_end": os.getloadavg(), "curve": curve, "args": vars(args),
+        "acc_before": acc_before,
+        "acc_after": acc_after,
+        "delta": acc_after - acc_before,
+        "sampled_before": samp_before,
+        "sampled_after": samp_after,
+        "rl_steps": step,
+        "gen_batches": gen_batches_total,
+        "wall_s": wall,
+        "sft_s": t_sft,
+        "rl_s": t_rl,
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+        "curve": curve,
+        "args": vars(args),
     }
-    print(f"[probe] greedy acc {acc_before:.3f} -> {acc_after:.3f} (delta {acc_after - acc_before:+.3f}); "
-          f"sampled {samp_before} -> {samp_after}; {step} RL steps; wall {wall:.0f}s "
-          f"(sft {t_sft:.0f}s, rl {t_rl:.0f}s); load {load0[0]:.2f}->{os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"[probe] greedy acc {acc_before:.3f} -> {acc_after:.3f} (delta {acc_after - acc_before:+.3f}); "
+        f"sampled {samp_before} -> {samp_after}; {step} RL steps; wall {wall:.0f}s "
+        f"(sft {t_sft:.0f}s, rl {t_rl:.0f}s); load {load0[0]:.2f}->{os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
 

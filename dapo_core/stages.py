@@ -3,6 +3,7 @@ assembling the training batch, and the advantage stage (KL in reward, rollout co
 
 Pure functions over Arrow tables; the Prefect tasks in `tasks/` call them and commit their outputs.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -24,10 +25,12 @@ class DynamicSamplingExhausted(ValueError):
 
 def exhausted_message(num_gen_batches: int, max_num_gen_batches: int, kept: int, needed: int) -> str:
     """The reference's error text (§6.1 step 9), with our counts and the two ways out."""
-    return (f"num_gen_batches={num_gen_batches} >= max_num_gen_batches={max_num_gen_batches}. Generated too many. "
-            f"Please check if your data are too difficult. You could also try set max_num_gen_batches=0 to enable "
-            f"endless trials. (kept {kept} of the {needed} groups needed; key: "
-            f"algorithm.filter_groups.max_num_gen_batches)")
+    return (
+        f"num_gen_batches={num_gen_batches} >= max_num_gen_batches={max_num_gen_batches}. Generated too many. "
+        f"Please check if your data are too difficult. You could also try set max_num_gen_batches=0 to enable "
+        f"endless trials. (kept {kept} of the {needed} groups needed; key: "
+        f"algorithm.filter_groups.max_num_gen_batches)"
+    )
 
 
 def filter_metric_values(table: pa.Table, metric: str) -> np.ndarray:
@@ -43,8 +46,10 @@ def filter_metric_values(table: pa.Table, metric: str) -> np.ndarray:
     else:
         col = metric
     if col not in table.column_names:
-        raise KeyError(f"algorithm.filter_groups.metric={metric!r}: the reward stage produced no column {col!r}; "
-                       f"available: {sorted(table.column_names)}")
+        raise KeyError(
+            f"algorithm.filter_groups.metric={metric!r}: the reward stage produced no column {col!r}; "
+            f"available: {sorted(table.column_names)}"
+        )
     return np.asarray(table.column(col).to_numpy(zero_copy_only=False), dtype=np.float64)
 
 
@@ -83,18 +88,31 @@ def place_scalar_at_last_token(values: Sequence[float], lengths: Sequence[int], 
     return out
 
 
-def compute_advantage_table(table: pa.Table, *, pad_token_id: int, adv_estimator: str, gamma: float = 1.0,
-                            lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True, use_kl_in_reward: bool = False,
-                            kl_ctrl: Any = None, kl_penalty_kind: str = "kl",
-                            rollout_correction: Mapping[str, Any] | None = None,
-                            extra_kwargs: Mapping[str, Any] | None = None) -> tuple[pa.Table, dict[str, float]]:
+def compute_advantage_table(
+    table: pa.Table,
+    *,
+    pad_token_id: int,
+    adv_estimator: str,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    use_kl_in_reward: bool = False,
+    kl_ctrl: Any = None,
+    kl_penalty_kind: str = "kl",
+    rollout_correction: Mapping[str, Any] | None = None,
+    extra_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[pa.Table, dict[str, float]]:
     """The advantage stage: token rewards (− β·KL), rollout correction (IS weights, RS mask), advantages/returns.
 
     Order as the reference trainer: KL-in-reward, then rollout correction (its RS mask zeroes advantages of rejected
     tokens; group statistics still use the unmasked scores), then the estimator grouped by `uid`.
     """
     metrics: dict[str, float] = {}
-    cols = [c for c in ("old_log_probs", "rollout_log_probs", "ref_log_probs", "values") if c in table.column_names]
+    cols = [
+        c
+        for c in ("old_log_probs", "rollout_log_probs", "ref_log_probs", "values")
+        if c in table.column_names
+    ]
     t = B.to_padded(table, pad_token_id, columns=cols)
     mask = t["response_mask"].float()
     lengths = B.response_lengths(table)
@@ -103,8 +121,9 @@ def compute_advantage_table(table: pa.Table, *, pad_token_id: int, adv_estimator
     if use_kl_in_reward:
         from dapo_core.algo.kl import apply_kl_in_reward
 
-        rewards, kl_metrics = apply_kl_in_reward(scores, t["old_log_probs"], t["ref_log_probs"], mask, kl_ctrl,
-                                                 kl_penalty_kind)
+        rewards, kl_metrics = apply_kl_in_reward(
+            scores, t["old_log_probs"], t["ref_log_probs"], mask, kl_ctrl, kl_penalty_kind
+        )
         metrics.update(kl_metrics)
     weights = None
     if rollout_correction and "rollout_log_probs" in t and "old_log_probs" in t:
@@ -112,8 +131,9 @@ def compute_advantage_table(table: pa.Table, *, pad_token_id: int, adv_estimator
 
         rc = RolloutCorrectionConfig.from_dict(dict(rollout_correction))
         if not rc.bypass_mode:
-            weights, new_mask, rc_metrics = apply_rollout_correction(t["old_log_probs"], t["rollout_log_probs"],
-                                                                     mask, rc)
+            weights, new_mask, rc_metrics = apply_rollout_correction(
+                t["old_log_probs"], t["rollout_log_probs"], mask, rc
+            )
             mask = new_mask.float()
             metrics.update(rc_metrics)
     kwargs: dict[str, Any] = dict(extra_kwargs or {})

@@ -9,6 +9,7 @@ models: the worked line is right but the final `Answer: <n>` line the verifier n
 base model then scores low although it can add, and DAPO has to discover from the reward alone that the answer
 line pays (the `val-aux/<source>/format/answer_line_rate` metric shows that part of the gain separately).
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,10 +40,18 @@ def sft(cfg_yaml: str, model_dir: str) -> dict:
     s = cfg.actor_rollout_ref.model.sft
     files = cfg.data.train_files
     rows = read_parquet(files if isinstance(files, str) else files[0]).to_pylist()
-    return warmup_sft(model_dir, rows, load_tokenizer(model_dir), steps=int(s.steps), lr=float(s.lr),
-                      batch_size=int(s.batch_size), seed=int(s.seed),
-                      solution_fn=functools.partial(answer_line_solution, answer_line_prob=float(s.answer_line_prob),
-                                                    seed=int(s.seed)))
+    return warmup_sft(
+        model_dir,
+        rows,
+        load_tokenizer(model_dir),
+        steps=int(s.steps),
+        lr=float(s.lr),
+        batch_size=int(s.batch_size),
+        seed=int(s.seed),
+        solution_fn=functools.partial(
+            answer_line_solution, answer_line_prob=float(s.answer_line_prob), seed=int(s.seed)
+        ),
+    )
 
 
 @flow(name="dapo-base-model", log_prints=True)
@@ -63,8 +72,12 @@ def base_model_flow(cfg_yaml: str) -> str:
     path = build(cfg_yaml, str(out))
     if cfg.actor_rollout_ref.model.sft.enable:
         metrics = sft(cfg_yaml, path)
-        logger.info("SFT warm-up: loss %.3f -> %.3f in %.0fs", metrics["loss_first"], metrics["loss_last"],
-                    metrics["wall_s"])
+        logger.info(
+            "SFT warm-up: loss %.3f -> %.3f in %.0fs",
+            metrics["loss_first"],
+            metrics["loss_last"],
+            metrics["wall_s"],
+        )
     stamp.write_text(json.dumps(recipe, sort_keys=True))  # written last: a crashed build is rebuilt
     return path
 
@@ -74,6 +87,9 @@ def _recipe(cfg) -> dict:
     files = cfg.data.train_files
     files = [files] if isinstance(files, str) else list(files)
     data = {f: (Path(f).stat().st_size if Path(f).exists() else None) for f in files}
-    return {"tiny": OmegaConf.to_container(cfg.actor_rollout_ref.model.tiny, resolve=True),
-            "sft": OmegaConf.to_container(cfg.actor_rollout_ref.model.sft, resolve=True),
-            "synthetic": OmegaConf.to_container(cfg.data.synthetic, resolve=True), "train_files": data}
+    return {
+        "tiny": OmegaConf.to_container(cfg.actor_rollout_ref.model.tiny, resolve=True),
+        "sft": OmegaConf.to_container(cfg.actor_rollout_ref.model.sft, resolve=True),
+        "synthetic": OmegaConf.to_container(cfg.data.synthetic, resolve=True),
+        "train_files": data,
+    }

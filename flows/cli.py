@@ -59,8 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--checkpoint", default=None, help="checkpoint to evaluate (sets eval.checkpoint)")
             p.add_argument("--output", default=None, help="metrics JSON to write (sets eval.output)")
         if name == "train":
-            p.add_argument("--flow-only", action="store_true",
-                           help="run only the dapo-train flow (data and base model must exist), e.g. to resume")
+            p.add_argument(
+                "--flow-only",
+                action="store_true",
+                help="run only the dapo-train flow (data and base model must exist), e.g. to resume",
+            )
         if name == "deploy":
             p.add_argument("--name", default=None, help="deployment name (default: the config file's stem)")
     return parser

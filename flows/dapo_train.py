@@ -15,6 +15,7 @@ Step accounting: `gen_step` counts generation batches (it seeds sampling), `trai
 lr schedule and `total_training_steps` follow it). The reference counts `total_training_steps` in generation
 batches, so with filtering its last-step logic rarely fires; we deliberately count training steps.
 """
+
 from __future__ import annotations
 
 import time
@@ -120,8 +121,14 @@ def dapo_train(config_yaml: str, run_id: str) -> dict:
     try:
         state = restore(rt)
         total = state.total_steps
-        logger.info("run %s: train_step=%d gen_step=%d of %d steps; store %s", run_id, state.train_step,
-                    state.gen_step, total, rt.store.root)
+        logger.info(
+            "run %s: train_step=%d gen_step=%d of %d steps; store %s",
+            run_id,
+            state.train_step,
+            state.gen_step,
+            total,
+            rt.store.root,
+        )
         progress = rt.extras["progress"]
         tracker = rt.extras["tracker"]
         if cfg.trainer.val_before_train and state.train_step == 0:
@@ -137,15 +144,24 @@ def dapo_train(config_yaml: str, run_id: str) -> dict:
             if int(cfg.trainer.test_freq) > 0 and (step % int(cfg.trainer.test_freq) == 0 or last):
                 progress.stage("validate")
                 metrics.update(validate(run_id, step, state.gen_step)[1])
-            metrics.update({"training/global_step": step, "training/gen_step": state.gen_step,
-                            "training/epoch": rt.extras["sampler"].epoch})
+            metrics.update(
+                {
+                    "training/global_step": step,
+                    "training/gen_step": state.gen_step,
+                    "training/epoch": rt.extras["sampler"].epoch,
+                }
+            )
             tracker.log(step, metrics)  # before the checkpoint: a resumed run never misses a step's row
             if int(cfg.trainer.save_freq) > 0 and (step % int(cfg.trainer.save_freq) == 0 or last):
                 progress.stage("checkpoint")
                 checkpoint(run_id, step, state.to_json(rt))
             progress.end_step(metrics)
             logger.info("step %d (gen_step %d) done in %.1fs", step, state.gen_step, metrics["timing_s/step"])
-        return {"run_id": run_id, "train_step": state.train_step, "gen_step": state.gen_step,
-                "run_dir": str(rt.store.root)}
+        return {
+            "run_id": run_id,
+            "train_step": state.train_step,
+            "gen_step": state.gen_step,
+            "run_dir": str(rt.store.root),
+        }
     finally:
         close_run(rt)

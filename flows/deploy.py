@@ -9,6 +9,7 @@
 deployment's default `config_yaml` parameter; `run_id` defaults to `trainer.experiment_name` (or the deployment
 name), so re-running the deployment resumes the same run, and a parameter override starts another.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,15 +20,21 @@ from dapo_core.config import load_config_text
 def deploy(cfg_yaml: str, name: str, run_id: str | None = None, serve: bool = True):
     """Create the deployment `dapo-train/<name>`; with `serve=True` block serving it (Ctrl-C to stop)."""
     if not os.environ.get("PREFECT_API_URL"):
-        raise SystemExit("PREFECT_API_URL is not set: start a server (infra/prefect_server.sh start) and export "
-                         "PREFECT_API_URL=http://127.0.0.1:4200/api so `prefect deployment run` can reach it")
+        raise SystemExit(
+            "PREFECT_API_URL is not set: start a server (infra/prefect_server.sh start) and export "
+            "PREFECT_API_URL=http://127.0.0.1:4200/api so `prefect deployment run` can reach it"
+        )
     from flows.dapo_train import dapo_train
 
     cfg = load_config_text(cfg_yaml)
     rid = run_id or str(cfg.trainer.experiment_name or name)
     params = {"config_yaml": cfg_yaml, "run_id": rid}
     if serve:
-        dapo_train.serve(name=name, parameters=params, tags=["dapo"],
-                         description=f"DAPO training, run id {rid} (resumes on re-run)")
+        dapo_train.serve(
+            name=name,
+            parameters=params,
+            tags=["dapo"],
+            description=f"DAPO training, run id {rid} (resumes on re-run)",
+        )
         return None
     return dapo_train.to_deployment(name=name, parameters=params, tags=["dapo"])

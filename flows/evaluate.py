@@ -5,6 +5,7 @@ source. The checkpoint may be an HF folder, a run checkpoint `runs/<id>/ckpt/ste
 used) or a run folder (its latest checkpoint). Sampling follows `eval.{n,temperature,top_p,top_k}`; the
 reproduction configs use the reference's AIME settings (temperature 1.0, top_p 0.7).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,9 @@ def resolve_checkpoint(path: str) -> str:
         if step is None:
             raise FileNotFoundError(f"{p} has no checkpoint yet (no ckpt/latest)")
         return resolve_checkpoint(str(CheckpointDir(p).load(step)))
-    raise FileNotFoundError(f"{path} is neither an HF model folder, a checkpoint step folder nor a run folder")
+    raise FileNotFoundError(
+        f"{path} is neither an HF model folder, a checkpoint step folder nor a run folder"
+    )
 
 
 @task(name="evaluate_model")
@@ -45,18 +48,37 @@ def evaluate_model(cfg_yaml: str, model_dir: str) -> dict:
 
     cfg = load_config_text(cfg_yaml)
     ev = cfg.eval
-    tok_path = model_dir if (Path(model_dir) / "tokenizer.json").exists() or (Path(model_dir) / "tokenizer").exists() \
+    tok_path = (
+        model_dir
+        if (Path(model_dir) / "tokenizer.json").exists() or (Path(model_dir) / "tokenizer").exists()
         else str(cfg.actor_rollout_ref.model.tokenizer_path or default_model_path(cfg))
+    )
     files = list(ev.files) if ev.files else cfg.data.val_files
     cfg_val = cfg.copy()
     cfg_val.data.val_files = files
     prompts = val_prompts(cfg_val, load_tokenizer(tok_path))
-    sampling = {"temperature": float(ev.temperature), "top_p": float(ev.top_p), "top_k": int(ev.top_k),
-                    "max_new_tokens": int(cfg.data.max_response_length), "do_sample": float(ev.temperature) > 0}
-    rollout = RolloutWorker(model_dir, engine=str(cfg.actor_rollout_ref.rollout.name), device=resolve_device(cfg),
-                            seed=int(cfg.trainer.seed), train_sampling=sampling, val_sampling=sampling)
-    reward = RewardWorker(tok_path, max_resp_len=int(cfg.data.max_response_length), overlong_buffer=None,
-                          num_workers=int(cfg.reward_model.num_workers), timeout_s=float(cfg.reward_model.timeout_s))
+    sampling = {
+        "temperature": float(ev.temperature),
+        "top_p": float(ev.top_p),
+        "top_k": int(ev.top_k),
+        "max_new_tokens": int(cfg.data.max_response_length),
+        "do_sample": float(ev.temperature) > 0,
+    }
+    rollout = RolloutWorker(
+        model_dir,
+        engine=str(cfg.actor_rollout_ref.rollout.name),
+        device=resolve_device(cfg),
+        seed=int(cfg.trainer.seed),
+        train_sampling=sampling,
+        val_sampling=sampling,
+    )
+    reward = RewardWorker(
+        tok_path,
+        max_resp_len=int(cfg.data.max_response_length),
+        overlong_buffer=None,
+        num_workers=int(cfg.reward_model.num_workers),
+        timeout_s=float(cfg.reward_model.timeout_s),
+    )
     try:
         t0 = time.perf_counter()
         table = B.repeat_interleave_prompts(prompts, int(ev.n), uid_fn=uid_factory(cfg.trainer.seed, "eval"))

@@ -3,6 +3,7 @@
 On the CPU default it runs end to end with an ephemeral Prefect API and a local Ray, and prints the held-out
 accuracy before and after DAPO, the wall time, and where every artefact went.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -40,15 +41,26 @@ def pipeline(cfg_yaml: str, run_id: str) -> dict:
     after = evaluate_flow(cfg_yaml, str(final), output=str(cfg.eval.output))
     acc0, acc1 = headline_accuracy(before), headline_accuracy(after)
     wall = time.perf_counter() - t0
-    summary = {"run_id": run_id, "run_dir": str(run_dir), "base_model": model_path, "final_model": str(final),
-               "data": stats,
-               "accuracy_before": acc0, "accuracy_after": acc1, "train_steps": result["train_step"],
-               "gen_steps": result["gen_step"], "train_wall_s": train_s, "total_wall_s": wall}
+    summary = {
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "base_model": model_path,
+        "final_model": str(final),
+        "data": stats,
+        "accuracy_before": acc0,
+        "accuracy_after": acc1,
+        "train_steps": result["train_step"],
+        "gen_steps": result["gen_step"],
+        "train_wall_s": train_s,
+        "total_wall_s": wall,
+    }
     lines = [
         "",
         "=" * 72,
-        (f"DAPO run {run_id} finished in {wall / 60:.1f} min (training {train_s / 60:.1f} min, "
-        f"{result['train_step']} train steps, {result['gen_step']} generation batches)"),
+        (
+            f"DAPO run {run_id} finished in {wall / 60:.1f} min (training {train_s / 60:.1f} min, "
+            f"{result['train_step']} train steps, {result['gen_step']} generation batches)"
+        ),
         f"held-out accuracy (mean@{int(cfg.eval.n)}): before {_pct(acc0)}  ->  after {_pct(acc1)}"
         + (f"   ({(acc1 - acc0) * 100:+.1f} points)" if acc0 is not None and acc1 is not None else ""),
         f"data:        {', '.join(st['path'] for st in stats.values())}",
@@ -69,7 +81,9 @@ def export_final(run_dir: Path, out: Path) -> Path:
     ckpts = CheckpointDir(run_dir)
     step = ckpts.latest_step()
     if step is None:
-        raise RuntimeError(f"{run_dir} has no checkpoint: set trainer.save_freq > 0 so the final step is saved")
+        raise RuntimeError(
+            f"{run_dir} has no checkpoint: set trainer.save_freq > 0 so the final step is saved"
+        )
     src = Path(ckpts.load(step)) / "actor"
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

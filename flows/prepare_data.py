@@ -6,6 +6,7 @@
   them: DAPO-Math-17k holds ~100 copies of each problem).
 Every written table is validated with the dataset schema before it is written.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,15 @@ def synthetic_data(cfg_yaml: str) -> dict:
     """Generate the synthetic train/val splits."""
     cfg = load_config_text(cfg_yaml)
     syn = cfg.data.synthetic
-    train, val = make_synthetic_splits(int(syn.num_train), int(syn.num_val), seed=int(syn.seed),
-                                       min_value=int(syn.min_value), max_value=int(syn.max_value),
-                                       num_operands=int(syn.num_operands), ops=list(syn.ops))
+    train, val = make_synthetic_splits(
+        int(syn.num_train),
+        int(syn.num_val),
+        seed=int(syn.seed),
+        min_value=int(syn.min_value),
+        max_value=int(syn.max_value),
+        num_operands=int(syn.num_operands),
+        ops=list(syn.ops),
+    )
     out = Path(syn.out_dir)
     stats = {}
     for name, rows in (("train", train), ("val", val)):
@@ -64,6 +71,12 @@ def prepare_data_flow(cfg_yaml: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "stats.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
     for split, st in stats.items():
-        logger.info("%s: %s rows (%s unique, %s duplicates) -> %s", split, st.get("rows"), st.get("unique"),
-                    st.get("duplicates"), st.get("path"))
+        logger.info(
+            "%s: %s rows (%s unique, %s duplicates) -> %s",
+            split,
+            st.get("rows"),
+            st.get("unique"),
+            st.get("duplicates"),
+            st.get("path"),
+        )
     return stats

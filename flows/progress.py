@@ -1,4 +1,5 @@
 """A live console display of the run: step k/N, the stage running now, generated tokens and reward."""
+
 from __future__ import annotations
 
 from rich.console import Console
@@ -15,10 +16,17 @@ class StepProgress:
         self._task = None
         self._last = ""
         if enabled:
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), TextColumn("{task.fields[stage]}"),
-                                      TextColumn("{task.fields[last]}"), console=Console(stderr=True),
-                                      transient=False, refresh_per_second=4)
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[stage]}"),
+                TextColumn("{task.fields[last]}"),
+                console=Console(stderr=True),
+                transient=False,
+                refresh_per_second=4,
+            )
             self._progress.start()
 
     def begin_step(self, step: int, total: int) -> None:
@@ -26,8 +34,9 @@ class StepProgress:
         if not self.enabled:
             return
         if self._task is None:
-            self._task = self._progress.add_task(f"dapo {self.run_id}", total=total, completed=step - 1,
-                                                 stage="", last="")
+            self._task = self._progress.add_task(
+                f"dapo {self.run_id}", total=total, completed=step - 1, stage="", last=""
+            )
         self._progress.update(self._task, stage=f"step {step}")
 
     def stage(self, name: str) -> None:
@@ -40,8 +49,12 @@ class StepProgress:
         if not self.enabled or self._task is None:
             return
         parts = []
-        for key, label in (("critic/score/mean", "score"), ("critic/acc/mean", "acc"),
-                           ("perf/gen_tokens", "gen tok"), ("train/num_gen_batches", "gen batches")):
+        for key, label in (
+            ("critic/score/mean", "score"),
+            ("critic/acc/mean", "acc"),
+            ("perf/gen_tokens", "gen tok"),
+            ("train/num_gen_batches", "gen batches"),
+        ):
             if key in metrics:
                 parts.append(f"{label} {metrics[key]:.3g}")
         val = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]

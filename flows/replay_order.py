@@ -20,6 +20,7 @@ measures the staleness of each sampled batch: a batch generated during step k−
 generation batch) and `state.weight_version` (one per global step, after the sync) and returns the step's metrics.
 In-process workers (`trainer.use_ray=false`) run the same order but generate at submission, so nothing overlaps.
 """
+
 from __future__ import annotations
 
 import time
@@ -97,8 +98,14 @@ def sample_with_refill(run_id: str, cfg, step: int, state: DriverState, metrics:
         if m.get("must_wait"):
             _collect_inflight(run_id, step, state, metrics, progress)
         if max_rounds > 0 and k >= max_rounds:
-            raise DynamicSamplingExhausted(exhausted_message(
-                k, max_rounds, int(m.get("training/replay/sampleable_groups", 0)), int(cfg.data.train_batch_size)))
+            raise DynamicSamplingExhausted(
+                exhausted_message(
+                    k,
+                    max_rounds,
+                    int(m.get("training/replay/sampleable_groups", 0)),
+                    int(cfg.data.train_batch_size),
+                )
+            )
         size = max(_refill_size(cfg, run_id, int(m.get("refill_needed", 0)), ahead=False), 1)
         tag = f"g{k}"
         progress.stage(f"refill {tag} ({size} prompts)")
@@ -148,9 +155,17 @@ def replay_train_step(run_id: str, cfg, step: int, state: DriverState, progress)
         if step > int(cfg.trainer.critic_warmup):
             for key, v in update_actor(run_id, step, uri, part=i)[1].items():
                 per_part[key].append(v)
-    for key, vals in per_part.items():  # times add up over the parts, the last lr holds, other metrics average
-        metrics[key] = sum(vals) if key.startswith("timing_s/") else vals[-1] if key.endswith("lr") \
+    for (
+        key,
+        vals,
+    ) in per_part.items():  # times add up over the parts, the last lr holds, other metrics average
+        metrics[key] = (
+            sum(vals)
+            if key.startswith("timing_s/")
+            else vals[-1]
+            if key.endswith("lr")
             else sum(vals) / len(vals)
+        )
     metrics["training/local_updates"] = float(parts if step > int(cfg.trainer.critic_warmup) else 0)
 
     save_freq = int(cfg.trainer.save_freq)

@@ -2,6 +2,7 @@
 
 Plumbing kept out of `flows/dapo_train.py` so that file reads like the algorithm.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,8 +64,14 @@ def read_table(files) -> pa.Table:
 def val_prompts(cfg, tokenizer) -> pa.Table:
     """All validation prompts, tokenised, in file order."""
     table = read_table(cfg.data.val_files)
-    sampler = PromptSampler(table, tokenizer, batch_size=table.num_rows, shuffle=False,
-                            max_prompt_length=int(cfg.data.max_prompt_length), truncation=str(cfg.data.truncation))
+    sampler = PromptSampler(
+        table,
+        tokenizer,
+        batch_size=table.num_rows,
+        shuffle=False,
+        max_prompt_length=int(cfg.data.max_prompt_length),
+        truncation=str(cfg.data.truncation),
+    )
     return sampler.next_batch()
 
 
@@ -104,46 +111,110 @@ def _create_workers(cfg, cluster: Cluster, model_path: str, tokenizer_path: str,
     ro = arr.rollout
     gpu = 1.0 if device == "cuda" else 0.0
     max_new = int(cfg.data.max_response_length)
-    train_sampling = {"temperature": float(ro.temperature), "top_p": float(ro.top_p), "top_k": int(ro.top_k),
-                          "max_new_tokens": max_new, "do_sample": bool(ro.do_sample)}
+    train_sampling = {
+        "temperature": float(ro.temperature),
+        "top_p": float(ro.top_p),
+        "top_k": int(ro.top_k),
+        "max_new_tokens": max_new,
+        "do_sample": bool(ro.do_sample),
+    }
     vk = ro.val_kwargs
-    val_sampling = {"temperature": float(vk.temperature), "top_p": float(vk.top_p), "top_k": int(vk.top_k),
-                        "max_new_tokens": max_new, "do_sample": bool(vk.do_sample)}
+    val_sampling = {
+        "temperature": float(vk.temperature),
+        "top_p": float(vk.top_p),
+        "top_k": int(vk.top_k),
+        "max_new_tokens": max_new,
+        "do_sample": bool(vk.do_sample),
+    }
     engine_opts = {}
     if str(ro.name) == "vllm":
-        engine_opts = {"gpu_memory_utilization": float(ro.gpu_memory_utilization),
-                           "tensor_parallel_size": int(ro.tensor_model_parallel_size), "enforce_eager": bool(ro.enforce_eager)}
+        engine_opts = {
+            "gpu_memory_utilization": float(ro.gpu_memory_utilization),
+            "tensor_parallel_size": int(ro.tensor_model_parallel_size),
+            "enforce_eager": bool(ro.enforce_eager),
+        }
     seed = int(cfg.trainer.seed)
-    cluster.create("rollout", functools.partial(RolloutWorker, model_path, engine=str(ro.name), device=device,
-                                                seed=seed, train_sampling=train_sampling, val_sampling=val_sampling,
-                                                engine_opts=engine_opts), num_gpus=gpu)
+    cluster.create(
+        "rollout",
+        functools.partial(
+            RolloutWorker,
+            model_path,
+            engine=str(ro.name),
+            device=device,
+            seed=seed,
+            train_sampling=train_sampling,
+            val_sampling=val_sampling,
+            engine_opts=engine_opts,
+        ),
+        num_gpus=gpu,
+    )
     tok = load_tokenizer(tokenizer_path)
     pad = int(tok.pad_token_id)
     rc = _plain(cfg.algorithm.rollout_correction)
     actor_cfg = _plain(arr.actor)
     if rc.get("bypass_mode"):
         actor_cfg.setdefault("policy_loss", {})["loss_mode"] = "bypass_mode"
-    cluster.create("actor", functools.partial(
-        ActorWorker, model_path, actor_cfg, pad_token_id=pad, temperature=float(ro.temperature),
-        rollout_n=int(ro.n), total_steps=_scheduler_steps(cfg), device=device, seed=seed,
-        log_prob_micro_batch_size=ro.get("log_prob_micro_batch_size_per_gpu"), rollout_correction=rc), num_gpus=gpu)
-    cluster.create("reward", functools.partial(
-        RewardWorker, tokenizer_path, max_resp_len=max_new, overlong_buffer=_plain(cfg.reward_model.overlong_buffer),
-        num_workers=int(cfg.reward_model.num_workers), timeout_s=float(cfg.reward_model.timeout_s)))
+    cluster.create(
+        "actor",
+        functools.partial(
+            ActorWorker,
+            model_path,
+            actor_cfg,
+            pad_token_id=pad,
+            temperature=float(ro.temperature),
+            rollout_n=int(ro.n),
+            total_steps=_scheduler_steps(cfg),
+            device=device,
+            seed=seed,
+            log_prob_micro_batch_size=ro.get("log_prob_micro_batch_size_per_gpu"),
+            rollout_correction=rc,
+        ),
+        num_gpus=gpu,
+    )
+    cluster.create(
+        "reward",
+        functools.partial(
+            RewardWorker,
+            tokenizer_path,
+            max_resp_len=max_new,
+            overlong_buffer=_plain(cfg.reward_model.overlong_buffer),
+            num_workers=int(cfg.reward_model.num_workers),
+            timeout_s=float(cfg.reward_model.timeout_s),
+        ),
+    )
     procs = 2
     if need_reference_policy(cfg):
-        cluster.create("ref", functools.partial(RefWorker, model_path, pad_token_id=pad,
-                                                temperature=float(ro.temperature), device=device,
-                                                micro_batch_size=arr.ref.get("log_prob_micro_batch_size_per_gpu")),
-                       num_gpus=gpu)
+        cluster.create(
+            "ref",
+            functools.partial(
+                RefWorker,
+                model_path,
+                pad_token_id=pad,
+                temperature=float(ro.temperature),
+                device=device,
+                micro_batch_size=arr.ref.get("log_prob_micro_batch_size_per_gpu"),
+            ),
+            num_gpus=gpu,
+        )
         procs += 1
     if use_critic(cfg):
         critic_cfg = _plain(cfg.critic)
         for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "shuffle"):
             if critic_cfg.get(key) is None:  # verl: unset critic batch settings follow the actor's
                 critic_cfg[key] = actor_cfg.get(key)
-        cluster.create("critic", functools.partial(CriticWorker, model_path, critic_cfg, pad_token_id=pad,
-                                                   rollout_n=int(ro.n), device=device, seed=seed), num_gpus=gpu)
+        cluster.create(
+            "critic",
+            functools.partial(
+                CriticWorker,
+                model_path,
+                critic_cfg,
+                pad_token_id=pad,
+                rollout_n=int(ro.n),
+                device=device,
+                seed=seed,
+            ),
+            num_gpus=gpu,
+        )
         procs += 1
     return procs
 
@@ -152,10 +223,14 @@ def open_run(cfg, run_id: str) -> runtime.Runtime:
     """Open (or create) `runs/<run_id>/`, start the workers, build samplers and register the runtime for tasks."""
     root = Path(cfg.trainer.runs_dir) / run_id
     store = RunStore(root)
-    if str(cfg.trainer.resume_mode) == "disable" and (store.checkpoints.latest_step() is not None or store.steps()):
+    if str(cfg.trainer.resume_mode) == "disable" and (
+        store.checkpoints.latest_step() is not None or store.steps()
+    ):
         store.close()
-        raise RuntimeError(f"run {run_id} already has outputs in {root} and trainer.resume_mode=disable: "
-                           f"choose a new trainer.experiment_name, delete the folder, or set trainer.resume_mode=auto")
+        raise RuntimeError(
+            f"run {run_id} already has outputs in {root} and trainer.resume_mode=disable: "
+            f"choose a new trainer.experiment_name, delete the folder, or set trainer.resume_mode=auto"
+        )
     (root / "config.yaml").write_text(to_yaml(cfg))
     model_path = default_model_path(cfg)
     tokenizer_path = str(cfg.actor_rollout_ref.model.tokenizer_path or model_path)
@@ -165,28 +240,57 @@ def open_run(cfg, run_id: str) -> runtime.Runtime:
     try:
         tokenizer = load_tokenizer(tokenizer_path)
         # Data first (cheap, and a wrong path should fail before workers spend minutes loading models).
-        sampler = ChunkSampler(PromptSampler(read_table(cfg.data.train_files), tokenizer, batch_size=1,
-                                             seed=int(cfg.data.seed), shuffle=bool(cfg.data.shuffle),
-                                             max_prompt_length=int(cfg.data.max_prompt_length),
-                                             truncation=str(cfg.data.truncation)))
+        sampler = ChunkSampler(
+            PromptSampler(
+                read_table(cfg.data.train_files),
+                tokenizer,
+                batch_size=1,
+                seed=int(cfg.data.seed),
+                shuffle=bool(cfg.data.shuffle),
+                max_prompt_length=int(cfg.data.max_prompt_length),
+                truncation=str(cfg.data.truncation),
+            )
+        )
         val_table = val_prompts(cfg, tokenizer)
         alg = cfg.algorithm
-        kl_ctrl = get_kl_controller(str(alg.kl_ctrl.type), float(alg.kl_ctrl.kl_coef), int(alg.kl_ctrl.horizon),
-                                    float(alg.kl_ctrl.target_kl))
+        kl_ctrl = get_kl_controller(
+            str(alg.kl_ctrl.type),
+            float(alg.kl_ctrl.kl_coef),
+            int(alg.kl_ctrl.horizon),
+            float(alg.kl_ctrl.target_kl),
+        )
         tracker = Tracker(root, list(cfg.trainer.logger))
-        cluster = Cluster(run_id, use_ray=use_ray, address=cfg.trainer.get("ray_address"), device=device,
-                          num_threads=int(os.environ.get("DAPO_WORKER_THREADS", "1")))
+        cluster = Cluster(
+            run_id,
+            use_ray=use_ray,
+            address=cfg.trainer.get("ray_address"),
+            device=device,
+            num_threads=int(os.environ.get("DAPO_WORKER_THREADS", "1")),
+        )
         _create_workers(cfg, cluster, model_path, tokenizer_path, device)
-        rt = runtime.Runtime(run_id=run_id, cfg=cfg, store=store, cluster=cluster,
-                             pad_token_id=int(tokenizer.pad_token_id), vocab_size=len(tokenizer), extras={
-                                 "sampler": sampler, "val_table": val_table, "kl_ctrl": kl_ctrl,
-                                 "keep_rate": KeepRateEstimator(),
-                                 "checkpoints": store.checkpoints, "model_path": model_path,
-                                 "tracker": tracker,
-                                 "progress": StepProgress(run_id, enabled=sys.stdout.isatty()
-                                                          or "console" in cfg.trainer.logger),
-                             })
-    except BaseException:  # nothing of a half-opened run may outlive it (Ray actors, a Ray we started, the store)
+        rt = runtime.Runtime(
+            run_id=run_id,
+            cfg=cfg,
+            store=store,
+            cluster=cluster,
+            pad_token_id=int(tokenizer.pad_token_id),
+            vocab_size=len(tokenizer),
+            extras={
+                "sampler": sampler,
+                "val_table": val_table,
+                "kl_ctrl": kl_ctrl,
+                "keep_rate": KeepRateEstimator(),
+                "checkpoints": store.checkpoints,
+                "model_path": model_path,
+                "tracker": tracker,
+                "progress": StepProgress(
+                    run_id, enabled=sys.stdout.isatty() or "console" in cfg.trainer.logger
+                ),
+            },
+        )
+    except (
+        BaseException
+    ):  # nothing of a half-opened run may outlive it (Ray actors, a Ray we started, the store)
         if cluster is not None:
             cluster.shutdown()
         if tracker is not None:
@@ -232,8 +336,10 @@ def _resume_path_dir(given: Path, ckpts, step: int) -> Path:
 
     for name in (MANIFEST_NAME, "driver_state.json", "actor"):
         if not (given / name).exists():
-            raise ValueError(f"trainer.resume_from_path={str(given)!r} is not a complete checkpoint ({name} is "
-                             f"missing): point it at a ckpt/step_<n> folder written by dapo-train")
+            raise ValueError(
+                f"trainer.resume_from_path={str(given)!r} is not a complete checkpoint ({name} is "
+                f"missing): point it at a ckpt/step_<n> folder written by dapo-train"
+            )
     return given
 
 
@@ -288,12 +394,17 @@ def step_metrics(run_id: str, step: int, adv_uri: str, metrics: dict) -> dict:
     """Data, timing and throughput metrics of a finished step (reference §7.1–7.2 key names)."""
     rt = runtime.get(run_id)
     table = rt.store.read_uri(adv_uri)
-    t = B.to_padded(table, rt.pad_token_id, columns=["advantages", "returns", "token_level_rewards"]
-                    + (["values"] if "values" in table.column_names else []))
+    t = B.to_padded(
+        table,
+        rt.pad_token_id,
+        columns=["advantages", "returns", "token_level_rewards"]
+        + (["values"] if "values" in table.column_names else []),
+    )
     from dapo_core.stages import place_scalar_at_last_token
 
-    t["token_level_scores"] = place_scalar_at_last_token(table.column("reward").to_pylist(),
-                                                         B.response_lengths(table), t["responses"].shape[1])
+    t["token_level_scores"] = place_scalar_at_last_token(
+        table.column("reward").to_pylist(), B.response_lengths(table), t["responses"].shape[1]
+    )
     out = dict(compute_data_metrics(t, use_critic="values" in table.column_names))
     timing = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("timing_s/")}
     timing.setdefault("gen", timing.get("generate", 0.0))  # the reference's timer names (§7.2) for our stages
@@ -301,7 +412,9 @@ def step_metrics(run_id: str, step: int, adv_uri: str, metrics: dict) -> dict:
         timing.setdefault("adv", timing["advantage"])
     out.update(compute_timing_metrics(t, timing))
     out.update(compute_throughput_metrics(t, timing, n_gpus=1))
-    out["critic/acc/mean"] = float(sum(bool(a) for a in table.column("acc").to_pylist()) / max(table.num_rows, 1))
+    out["critic/acc/mean"] = float(
+        sum(bool(a) for a in table.column("acc").to_pylist()) / max(table.num_rows, 1)
+    )
     return out
 
 

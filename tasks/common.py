@@ -1,4 +1,5 @@
 """The commit discipline shared by every stage task: skip if committed, else compute → validate → commit."""
+
 from __future__ import annotations
 
 import re
@@ -16,8 +17,16 @@ StageResult = tuple[str, dict[str, float]]
 _STAGE_SUFFIX = re.compile(r"_(?:g[a-z]?\d*|p\d+)$")
 
 
-def run_stage(rt: Runtime, step: int, stage: str, compute: Callable[[], tuple[pa.Table, dict[str, float]]], *,
-              schema: str | None = None, n: int | None = None, meta: dict | None = None) -> StageResult:
+def run_stage(
+    rt: Runtime,
+    step: int,
+    stage: str,
+    compute: Callable[[], tuple[pa.Table, dict[str, float]]],
+    *,
+    schema: str | None = None,
+    n: int | None = None,
+    meta: dict | None = None,
+) -> StageResult:
     """Return the committed output of (step, stage) if it exists, else compute, validate against `schema`, commit.
 
     The run store is the single source of truth: a retried task, a retried flow run or a resumed run skips work
@@ -30,9 +39,14 @@ def run_stage(rt: Runtime, step: int, stage: str, compute: Callable[[], tuple[pa
     table, metrics = compute()
     if schema is not None:
         cfg = rt.cfg
-        validate_stage(schema, table, n=n, vocab_size=rt.vocab_size,
-                       max_prompt_length=int(cfg.data.max_prompt_length),
-                       max_response_length=int(cfg.data.max_response_length))
+        validate_stage(
+            schema,
+            table,
+            n=n,
+            vocab_size=rt.vocab_size,
+            max_prompt_length=int(cfg.data.max_prompt_length),
+            max_response_length=int(cfg.data.max_response_length),
+        )
     metrics = dict(metrics)
     metrics[f"timing_s/{_STAGE_SUFFIX.sub('', stage)}"] = time.perf_counter() - t0
     uri = rt.store.write_stage(step, stage, table, meta={**(meta or {}), "metrics": metrics})

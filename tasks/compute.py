@@ -1,4 +1,5 @@
 """Compute-side stage tasks: old_log_prob, ref, values, advantage."""
+
 from __future__ import annotations
 
 from prefect import task
@@ -25,7 +26,9 @@ def old_log_prob(run_id: str, step: int, batch_uri: str, part: int | None = None
             return table.append_column("old_log_probs", table.column("rollout_log_probs")), {}
         out = rt.worker("actor").call("compute_log_prob", table, True)
         t = B.to_padded(out, rt.pad_token_id, columns=["entropy"])
-        ent = agg_loss(t["entropy"], t["response_mask"].float(), str(cfg.actor_rollout_ref.actor.loss_agg_mode))
+        ent = agg_loss(
+            t["entropy"], t["response_mask"].float(), str(cfg.actor_rollout_ref.actor.loss_agg_mode)
+        )
         return out, {"actor/entropy": float(ent)}
 
     return run_stage(rt, step, stage_name("old_log_prob", part), compute, schema="old_log_prob", n=rt.n)
@@ -35,18 +38,28 @@ def old_log_prob(run_id: str, step: int, batch_uri: str, part: int | None = None
 def ref(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Reference-policy log-probs (only when a KL term is used)."""
     rt = runtime.get(run_id)
-    return run_stage(rt, step, stage_name("ref", part), lambda: (rt.worker("ref").call("compute_ref_log_prob",
-                                                                      rt.store.read_uri(in_uri)), {}),
-                     schema="ref", n=rt.n)
+    return run_stage(
+        rt,
+        step,
+        stage_name("ref", part),
+        lambda: (rt.worker("ref").call("compute_ref_log_prob", rt.store.read_uri(in_uri)), {}),
+        schema="ref",
+        n=rt.n,
+    )
 
 
 @task(name="values", task_run_name=run_name("values"), **_OPTS)
 def values(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Critic values per response token (only for GAE-style estimators)."""
     rt = runtime.get(run_id)
-    return run_stage(rt, step, stage_name("values", part), lambda: (rt.worker("critic").call("compute_values",
-                                                                            rt.store.read_uri(in_uri)), {}),
-                     schema="values", n=rt.n)
+    return run_stage(
+        rt,
+        step,
+        stage_name("values", part),
+        lambda: (rt.worker("critic").call("compute_values", rt.store.read_uri(in_uri)), {}),
+        schema="values",
+        n=rt.n,
+    )
 
 
 @task(name="advantage", task_run_name=run_name("advantage"), **_OPTS)
@@ -62,10 +75,17 @@ def advantage(run_id: str, step: int, in_uri: str, part: int | None = None) -> S
         rc = OmegaConf.to_container(alg.rollout_correction, resolve=True)
         enabled = rc.get("rollout_is") is not None or rc.get("rollout_rs") is not None
         out, metrics = compute_advantage_table(
-            table, pad_token_id=rt.pad_token_id, adv_estimator=str(alg.adv_estimator), gamma=float(alg.gamma),
-            lam=float(alg.lam), norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo),
-            use_kl_in_reward=bool(alg.use_kl_in_reward), kl_ctrl=rt.extras.get("kl_ctrl"),
-            kl_penalty_kind=str(alg.kl_penalty), rollout_correction=rc if enabled else None)
+            table,
+            pad_token_id=rt.pad_token_id,
+            adv_estimator=str(alg.adv_estimator),
+            gamma=float(alg.gamma),
+            lam=float(alg.lam),
+            norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo),
+            use_kl_in_reward=bool(alg.use_kl_in_reward),
+            kl_ctrl=rt.extras.get("kl_ctrl"),
+            kl_penalty_kind=str(alg.kl_penalty),
+            rollout_correction=rc if enabled else None,
+        )
         return out, metrics
 
     kl_ctrl = rt.extras.get("kl_ctrl")
@@ -76,5 +96,3 @@ def advantage(run_id: str, step: int, in_uri: str, part: int | None = None) -> S
         if value_before is not None:  # a retried attempt must not update the adaptive KL coefficient twice
             kl_ctrl.value = value_before
         raise
-
-

@@ -17,6 +17,7 @@ Every stage commits through `tasks.common.run_stage`, so a committed (step, stag
 Ledger writes come after the stage they describe is committed, and each is idempotent (only uids the ledger does
 not know are registered; only groups not yet finished are added), so a crash between the two duplicates nothing.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -51,10 +52,13 @@ def buffer(rt: runtime.Runtime) -> ReplayBuffer:
         cfg = rt.cfg
         fg = cfg.algorithm.filter_groups
         rt.extras[_BUFFER] = ReplayBuffer(
-            rt.store, train_batch_size=int(cfg.data.train_batch_size), n=rt.n,
+            rt.store,
+            train_batch_size=int(cfg.data.train_batch_size),
+            n=rt.n,
             filter_groups_metric=filter_column(str(fg.metric)) if fg.enable else None,
             max_off_policy_threshold=int(cfg.trainer.max_off_policy_threshold),
-            max_off_policy_strategy=str(cfg.trainer.max_off_policy_strategy))
+            max_off_policy_strategy=str(cfg.trainer.max_off_policy_strategy),
+        )
     return rt.extras[_BUFFER]
 
 
@@ -106,8 +110,13 @@ def draw_prompts(run_id: str, step: int, tag: str, num_prompts: int) -> StageRes
         before = sampler.state_dict()
         try:
             table = B.repeat_interleave_prompts(sampler.next_batch(int(num_prompts)), rt.n, uid_fn=uid_fn)
-            uri, metrics = run_stage(rt, step, stage, lambda: (table, {"train/epoch": float(sampler.epoch)}),
-                                     meta={"sampler_state": sampler.state_dict()})
+            uri, metrics = run_stage(
+                rt,
+                step,
+                stage,
+                lambda: (table, {"train/epoch": float(sampler.epoch)}),
+                meta={"sampler_state": sampler.state_dict()},
+            )
         except BaseException:
             sampler.load_state_dict(before)  # a retry draws the same prompts (none skipped)
             raise
@@ -159,8 +168,10 @@ def collect_generation(run_id: str, step: int, tag: str) -> dict[str, float]:
     def generate():
         out = handle.wait(entry["ref"])
         lens = B.response_lengths(out)
-        return out, {"response_length/gen_mean": float(sum(lens) / max(len(lens), 1)),
-                     "perf/gen_tokens": float(sum(lens))}
+        return out, {
+            "response_length/gen_mean": float(sum(lens) / max(len(lens), 1)),
+            "perf/gen_tokens": float(sum(lens)),
+        }
 
     gen_uri, metrics = run_stage(rt, step, f"generate_{tag}", generate, schema="generate", n=rt.n)
     inflight.pop((step, tag), None)
@@ -173,8 +184,11 @@ def collect_generation(run_id: str, step: int, tag: str) -> dict[str, float]:
     metrics = {**metrics, **m}
     table = rt.store.read_uri(reward_uri)
     tags = rt.store.get_many(_uids(table))
-    todo = [u for u in _uids(table) if tags.get(u, {}).get("status") != "finished"
-            and tags.get(u, {}).get("consumed_step") is None]
+    todo = [
+        u
+        for u in _uids(table)
+        if tags.get(u, {}).get("status") != "finished" and tags.get(u, {}).get("consumed_step") is None
+    ]
     if todo:
         part = _rows_of(table, todo)
         buffer(rt).add_groups(part, step)
@@ -194,8 +208,11 @@ def regenerate_reissued(run_id: str, step: int, fallback_gen_step: int) -> int:
     launched with (same seeds; `fallback_gen_step` if it never was). Returns the number of groups."""
     rt = runtime.get(run_id)
     owned = {u for e in rt.extras.get(_INFLIGHT, {}).values() for u in e["uids"]}
-    items = [(k, t) for k, t in rt.store.items("train", is_prompt=True)
-             if t.get("status") in ("pending", "running") and k not in owned]
+    items = [
+        (k, t)
+        for k, t in rt.store.items("train", is_prompt=True)
+        if t.get("status") in ("pending", "running") and k not in owned
+    ]
     if not items:
         return 0
     for stage in rt.store.committed_stages(step):  # left by an earlier attempt at this step
@@ -205,8 +222,10 @@ def regenerate_reissued(run_id: str, step: int, fallback_gen_step: int) -> int:
     for key, tags in items:
         _, payload = rt.store.get(key)
         if payload is None:
-            raise RuntimeError(f"prompt {key} of run {run_id} is in flight in the ledger but has no payload to "
-                               f"regenerate it from; register prompts with ReplayBuffer.register_prompts(payloads=)")
+            raise RuntimeError(
+                f"prompt {key} of run {run_id} is in flight in the ledger but has no payload to "
+                f"regenerate it from; register prompts with ReplayBuffer.register_prompts(payloads=)"
+            )
         by_gen_step.setdefault(int(tags.get("gen_step", fallback_gen_step)), []).append(_from_ipc(payload))
     for j, (gen_step, tables) in enumerate(sorted(by_gen_step.items())):
         table = pa.concat_tables(tables, promote_options="default")
@@ -223,7 +242,9 @@ def sample_batch(run_id: str, step: int) -> tuple[str | None, dict[str, float]]:
     `batch`; returns `(None, metrics)` with `refill_needed` (prompts) / `must_wait` when the buffer is short."""
     rt = runtime.get(run_id)
     if rt.store.is_committed(step, "batch"):
-        return rt.store.stage_uri(step, "batch"), dict((rt.store.meta(step, "batch") or {}).get("metrics", {}))
+        return rt.store.stage_uri(step, "batch"), dict(
+            (rt.store.meta(step, "batch") or {}).get("metrics", {})
+        )
     buf = buffer(rt)
     latest = rt.extras["checkpoints"].latest_step()
     if latest is not None:
@@ -243,13 +264,17 @@ def split_batch(run_id: str, step: int, batch_uri: str, parts: int) -> list[str]
     rt = runtime.get(run_id)
     table = rt.store.read_uri(batch_uri)
     if table.num_rows % (parts * rt.n):
-        raise ValueError(f"step {step}: batch of {table.num_rows // rt.n} groups does not split into "
-                         f"trainer.parameter_sync_step={parts} equal parts; choose a divisor of data.train_batch_size")
+        raise ValueError(
+            f"step {step}: batch of {table.num_rows // rt.n} groups does not split into "
+            f"trainer.parameter_sync_step={parts} equal parts; choose a divisor of data.train_batch_size"
+        )
     uris = []
     for i, part in enumerate(B.chunk(table, parts)):
         if bool(rt.cfg.trainer.balance_batch):
             part = B.balance_batch(part, dp_size=int(rt.extras.get("dp_size", 1)))
-        uris.append(run_stage(rt, step, f"batch_p{i}", lambda part=part: (part, {}), schema="reward", n=rt.n)[0])
+        uris.append(
+            run_stage(rt, step, f"batch_p{i}", lambda part=part: (part, {}), schema="reward", n=rt.n)[0]
+        )
     return uris
 
 

@@ -1,4 +1,5 @@
 """Rollout-side stage tasks: sample prompts, generate, reward, filter groups (dynamic sampling), assemble the batch."""
+
 from __future__ import annotations
 
 import pyarrow as pa
@@ -34,8 +35,13 @@ def sample_prompts(run_id: str, step: int, gen_idx: int, num_prompts: int) -> St
         table = B.repeat_interleave_prompts(prompts, rt.n, uid_fn=uid_fn)
         uids = sorted(set(table.column("uid").to_pylist()))
         rt.store.put_many([(u, {"is_prompt": True, "status": "pending", "global_steps": step}) for u in uids])
-        return run_stage(rt, step, stage, lambda: (table, {"train/epoch": float(sampler.epoch)}),
-                         meta={"sampler_state": sampler.state_dict()})
+        return run_stage(
+            rt,
+            step,
+            stage,
+            lambda: (table, {"train/epoch": float(sampler.epoch)}),
+            meta={"sampler_state": sampler.state_dict()},
+        )
     except BaseException:
         sampler.load_state_dict(before)  # a retry draws the same prompts (none skipped)
         raise
@@ -52,8 +58,10 @@ def generate(run_id: str, step: int, gen_idx: int, gen_step: int, prompts_uri: s
         rt.store.update_tags(uids, status="running")
         out = rt.worker("rollout").call("generate", table, gen_step)
         lens = B.response_lengths(out)
-        return out, {"response_length/gen_mean": float(sum(lens) / max(len(lens), 1)),
-                     "perf/gen_tokens": float(sum(lens))}
+        return out, {
+            "response_length/gen_mean": float(sum(lens) / max(len(lens), 1)),
+            "perf/gen_tokens": float(sum(lens)),
+        }
 
     return run_stage(rt, step, f"generate_g{gen_idx}", compute, schema="generate", n=rt.n)
 
@@ -68,8 +76,12 @@ def reward(run_id: str, step: int, gen_idx: int, gen_uri: str) -> StageResult:
         out, metrics = rt.worker("reward").call("score", table)
         uids = table.column("uid").to_pylist()
         samples = table.column("sample_idx").to_pylist()
-        rt.store.put_many([(f"{u}_{s}", {"is_prompt": False, "status": "finished", "global_steps": step})
-                           for u, s in zip(uids, samples)])
+        rt.store.put_many(
+            [
+                (f"{u}_{s}", {"is_prompt": False, "status": "finished", "global_steps": step})
+                for u, s in zip(uids, samples)
+            ]
+        )
         rt.store.update_tags(sorted(set(uids)), status="finished")
         return out, metrics
 
@@ -84,8 +96,11 @@ def filter_groups(run_id: str, step: int, gen_idx: int, reward_uri: str) -> Stag
     def compute():
         table = rt.store.read_uri(reward_uri)
         outcome = apply_group_filter(table, str(rt.cfg.algorithm.filter_groups.metric))
-        return outcome.kept, {**outcome.metrics, "train/num_groups": float(outcome.num_groups),
-                              "train/num_kept_groups": float(outcome.num_kept_groups)}
+        return outcome.kept, {
+            **outcome.metrics,
+            "train/num_groups": float(outcome.num_groups),
+            "train/num_kept_groups": float(outcome.num_kept_groups),
+        }
 
     return run_stage(rt, step, f"kept_g{gen_idx}", compute)
 
@@ -101,7 +116,9 @@ def assemble_batch(run_id: str, step: int, kept_uris: list[str], num_gen_batches
         table, dropped = truncate_to_groups(table, int(rt.cfg.data.train_batch_size), rt.n)
         if bool(rt.cfg.trainer.balance_batch):
             table = B.balance_batch(table, dp_size=int(rt.extras.get("dp_size", 1)))
-        return table, {"train/num_gen_batches": float(num_gen_batches),
-                       "train/discarded_surplus_groups": float(dropped)}
+        return table, {
+            "train/num_gen_batches": float(num_gen_batches),
+            "train/discarded_surplus_groups": float(dropped),
+        }
 
     return run_stage(rt, step, "batch", compute, schema="reward", n=rt.n)

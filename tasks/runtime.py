@@ -3,6 +3,7 @@
 Tasks receive the run id (a small, hashable value) and look the rest up here, so no batch or actor handle ever
 becomes a Prefect task input.
 """
+
 from __future__ import annotations
 
 import threading
@@ -54,5 +55,7 @@ def get(run_id: str) -> Runtime:
     """The runtime of `run_id` (RuntimeError if the flow did not register it in this process)."""
     with _LOCK:
         if run_id not in _RUNTIMES:
-            raise RuntimeError(f"run {run_id!r} has no runtime in this process; tasks must run inside dapo-train")
+            raise RuntimeError(
+                f"run {run_id!r} has no runtime in this process; tasks must run inside dapo-train"
+            )
         return _RUNTIMES[run_id]

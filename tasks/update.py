@@ -1,4 +1,5 @@
 """Update-side stage tasks: update_critic, update_actor, weight sync, checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,15 @@ def _marker(step: int, part: int | None) -> pa.Table:
 def update_critic(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Clipped value-loss updates of the critic."""
     rt = runtime.get(run_id)
-    return run_stage(rt, step, stage_name("update_critic", part),
-                     lambda: (_marker(step, part), rt.worker("critic").call("update_critic", rt.store.read_uri(in_uri), step)))
+    return run_stage(
+        rt,
+        step,
+        stage_name("update_critic", part),
+        lambda: (
+            _marker(step, part),
+            rt.worker("critic").call("update_critic", rt.store.read_uri(in_uri), step),
+        ),
+    )
 
 
 @task(name="update_actor", task_run_name=run_name("update_actor"), **_OPTS)
@@ -31,8 +39,15 @@ def update_actor(run_id: str, step: int, in_uri: str, part: int | None = None) -
     """The DAPO policy update (PPO mini-batches/epochs with the configured loss); not retried automatically,
     since a half-applied update cannot be undone — the flow resumes from the last checkpoint instead."""
     rt = runtime.get(run_id)
-    return run_stage(rt, step, stage_name("update_actor", part),
-                     lambda: (_marker(step, part), rt.worker("actor").call("update_actor", rt.store.read_uri(in_uri), step)))
+    return run_stage(
+        rt,
+        step,
+        stage_name("update_actor", part),
+        lambda: (
+            _marker(step, part),
+            rt.worker("actor").call("update_actor", rt.store.read_uri(in_uri), step),
+        ),
+    )
 
 
 @task(name="sync_weights", task_run_name="sync_weights-step{step}", cache_policy=NO_CACHE, retries=2)

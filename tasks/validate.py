@@ -1,5 +1,6 @@
 """Validation task: generate on the held-out prompts with the validation sampling settings, score, and compute
 `val-core/…` / `val-aux/…` metrics (mean@k, best@k, maj@k, pass@k per data source)."""
+
 from __future__ import annotations
 
 from prefect import task
@@ -20,7 +21,9 @@ def validate(run_id: str, step: int, gen_step: int) -> StageResult:
 
     def compute():
         prompts = rt.extras["val_table"]
-        table = B.repeat_interleave_prompts(prompts, int(vk.n), uid_fn=uid_factory(rt.cfg.trainer.seed, "val", step))
+        table = B.repeat_interleave_prompts(
+            prompts, int(vk.n), uid_fn=uid_factory(rt.cfg.trainer.seed, "val", step)
+        )
         out = rt.worker("rollout").call("generate", table, gen_step, True)
         out, _ = rt.worker("reward").call("score", out)
         return out, validation_summary(out)

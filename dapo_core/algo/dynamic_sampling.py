@@ -64,7 +64,9 @@ def filter_groups(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np
     return keep[inverse]
 
 
-def group_keep_stats(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np.ndarray) -> dict[str, float]:
+def group_keep_stats(
+    uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np.ndarray
+) -> dict[str, float]:
     """Counts behind :func:`filter_groups`: ``num_groups``, ``num_kept_groups``, ``num_rows``, ``num_kept_rows``,
     ``num_singleton_groups``, ``num_constant_groups`` (dropped: all values equal) and ``keep_rate``
     (kept / groups, 0.0 for an empty batch)."""
@@ -128,7 +130,9 @@ def next_gen_batch_size(
         size = int(base)
     else:
         if not (0.0 <= float(keep_rate) <= 1.0):
-            raise ValueError(f"keep_rate={keep_rate} must be in [0, 1] (kept groups / generated groups) or None")
+            raise ValueError(
+                f"keep_rate={keep_rate} must be in [0, 1] (kept groups / generated groups) or None"
+            )
         size = math.ceil(int(deficit_groups) / max(float(keep_rate), keep_rate_floor) * safety)
     size = max(size, int(min_size))
     if max_size is not None:
@@ -160,9 +164,7 @@ class KeepRateEstimator:
     def update(self, num_kept_groups: int, num_groups: int) -> None:
         """Record one filtered generation batch."""
         if num_groups < 0 or num_kept_groups < 0 or num_kept_groups > num_groups:
-            raise ValueError(
-                f"need 0 <= num_kept_groups ({num_kept_groups}) <= num_groups ({num_groups})"
-            )
+            raise ValueError(f"need 0 <= num_kept_groups ({num_kept_groups}) <= num_groups ({num_groups})")
         self.kept = self.kept * self.decay + num_kept_groups
         self.seen = self.seen * self.decay + num_groups
 

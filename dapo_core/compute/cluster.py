@@ -12,6 +12,7 @@ object created and stops Ray only if this object started it.
 On CPU each actor asks for `num_cpus=1` and runs torch with one thread (stack notes: two threads collapse under a
 neighbour's load); on GPU the model-holding roles ask for `num_gpus` each.
 """
+
 from __future__ import annotations
 
 import logging
@@ -109,9 +110,17 @@ class Cluster:
     `num_threads` torch threads per worker process.
     """
 
-    def __init__(self, run_id: str, *, use_ray: bool = True, address: str | None = None,
-                 num_cpus: int | None = None, device: str = "cpu", num_threads: int = 1,
-                 start_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        use_ray: bool = True,
+        address: str | None = None,
+        num_cpus: int | None = None,
+        device: str = "cpu",
+        num_threads: int = 1,
+        start_timeout_s: float = 600.0,
+    ):
         self.run_id = run_id
         self.use_ray = use_ray
         self.device = device
@@ -130,12 +139,18 @@ class Cluster:
                     # Logical CPUs: every worker holds one for its lifetime (rollout, actor, reward, ref, critic)
                     # even on a 2-core machine, where the sync step order runs them one after another.
                     ncpu = num_cpus or max(8, os.cpu_count() or 2)
-                    ray.init(num_cpus=ncpu, include_dashboard=False, namespace=NAMESPACE,
-                             log_to_driver=True, configure_logging=False)
+                    ray.init(
+                        num_cpus=ncpu,
+                        include_dashboard=False,
+                        namespace=NAMESPACE,
+                        log_to_driver=True,
+                        configure_logging=False,
+                    )
                     self._started_ray = True
 
-    def create(self, role: str, factory: Callable[[], Any], *, num_gpus: float = 0.0,
-               num_cpus: float = 1.0) -> Handle:
+    def create(
+        self, role: str, factory: Callable[[], Any], *, num_gpus: float = 0.0, num_cpus: float = 1.0
+    ) -> Handle:
         """Create the worker `role` from a zero-argument `factory` (a picklable callable) and return its handle.
 
         An existing actor of the same name (e.g. left by a crashed driver) is killed and replaced, so a resumed run
@@ -157,15 +172,17 @@ class Cluster:
         except ValueError:
             pass
         remote_cls = ray.remote(_RayHost)
-        actor = remote_cls.options(name=name, namespace=NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus,
-                                   max_concurrency=1).remote(factory, self.num_threads)
+        actor = remote_cls.options(
+            name=name, namespace=NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1
+        ).remote(factory, self.num_threads)
         ready, _ = ray.wait([actor.ping.remote()], timeout=self.start_timeout_s)
         if not ready:
             ray.kill(actor)
             raise RuntimeError(
                 f"worker '{role}' of run {self.run_id} did not start within {self.start_timeout_s:.0f}s; it asked for "
                 f"num_cpus={num_cpus}, num_gpus={num_gpus} and the cluster has {ray.available_resources()} free — "
-                f"free resources, or start Ray with more (RAY_ADDRESS / ray start --num-cpus)")
+                f"free resources, or start Ray with more (RAY_ADDRESS / ray start --num-cpus)"
+            )
         ray.get(ready[0])  # surface construction errors here, with the role in the traceback
         handle = Handle(role=role, ray_actor=actor)
         self._owned[role] = handle
@@ -190,7 +207,9 @@ class Cluster:
         import ray
 
         if not ray.is_initialized():
-            raise RuntimeError(f"worker '{role}' of run {run_id} is not in this process and Ray is not initialised")
+            raise RuntimeError(
+                f"worker '{role}' of run {run_id} is not in this process and Ray is not initialised"
+            )
         return Handle(role=role, ray_actor=ray.get_actor(actor_name(run_id, role), namespace=NAMESPACE))
 
     def sync_weights(self, src: str = "actor", dst: str = "rollout") -> None:

@@ -145,7 +145,9 @@ def warmup_sft(
         raise SFTError("rows is empty; pass the training split to warm up on")
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
-        raise SFTError(f"{model_dir} has no config.json; build the base model first (models.build_tiny_model)")
+        raise SFTError(
+            f"{model_dir} has no config.json; build the base model first (models.build_tiny_model)"
+        )
 
     t0 = time.perf_counter()
     examples = [encode_sft_example(tokenizer, r, solution_fn(r)) for r in rows]
@@ -182,7 +184,9 @@ def warmup_sft(
             group["lr"] = _lr_at(step, steps, lr, warmup, min_lr_ratio)
         logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1]
         target = labels[:, 1:]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=-100)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=-100
+        )
         optim.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip > 0:
@@ -191,7 +195,10 @@ def warmup_sft(
         losses.append(float(loss.detach()))
         tokens += int((target != -100).sum())
         if log_every and (step % log_every == 0 or step == steps - 1):
-            print(f"[sft] step {step}/{steps} loss {losses[-1]:.4f} lr {optim.param_groups[0]['lr']:.2e}", flush=True)
+            print(
+                f"[sft] step {step}/{steps} loss {losses[-1]:.4f} lr {optim.param_groups[0]['lr']:.2e}",
+                flush=True,
+            )
 
     model.eval()
     model.save_pretrained(str(model_dir), safe_serialization=True)

@@ -72,8 +72,7 @@ def _list_array(table: pa.Table, name: str) -> pa.Array:
     """Return column ``name`` as one (Large)ListArray, raising a BatchError naming the column if absent."""
     if name not in table.column_names:
         raise BatchError(
-            f"batch has no column {name!r} (columns: {table.column_names}); "
-            f"run the stage that adds it first"
+            f"batch has no column {name!r} (columns: {table.column_names}); run the stage that adds it first"
         )
     col = table.column(name)
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
@@ -350,7 +349,9 @@ def from_packed(
     cu = torch.as_tensor(cu_seqlens).to(torch.int64).cpu().numpy()
     seq_len = np.diff(cu)
     if flat.dim() != 1 or flat.shape[0] != int(cu[-1]):
-        raise BatchError(f"from_packed: tensor of shape {tuple(flat.shape)} does not match cu_seqlens[-1]={cu[-1]}")
+        raise BatchError(
+            f"from_packed: tensor of shape {tuple(flat.shape)} does not match cu_seqlens[-1]={cu[-1]}"
+        )
     t = flat.detach().cpu()
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.float()
@@ -478,9 +479,7 @@ def reorder(table: pa.Table, perm: Sequence[int] | np.ndarray | torch.Tensor) ->
     return table.take(pa.array(p))
 
 
-def repeat_interleave_prompts(
-    table: pa.Table, n: int, *, uid_fn: Callable[[], str] = uuid4_hex
-) -> pa.Table:
+def repeat_interleave_prompts(table: pa.Table, n: int, *, uid_fn: Callable[[], str] = uuid4_hex) -> pa.Table:
     """Repeat every prompt row ``n`` times interleaved (``[p0×n, p1×n, …]``).
 
     Each source row gets one fresh ``uid`` (from ``uid_fn``, shared by its ``n`` copies, replacing any

@@ -178,8 +178,13 @@ def _rows_to_table(rows: Sequence[dict[str, Any]]) -> pa.Table:
         "prompt": pa.array([r["prompt"] for r in rows], PROMPT_TYPE),
         "ability": pa.array([r.get("ability", "MATH") for r in rows], pa.string()),
         "reward_model": pa.array(
-            [{"ground_truth": str(r["reward_model"]["ground_truth"]),
-              "style": r["reward_model"].get("style", "rule")} for r in rows],
+            [
+                {
+                    "ground_truth": str(r["reward_model"]["ground_truth"]),
+                    "style": r["reward_model"].get("style", "rule"),
+                }
+                for r in rows
+            ],
             REWARD_MODEL_TYPE,
         ),
     }
@@ -209,7 +214,9 @@ def read_parquet(path_or_url: str | Path) -> pa.Table:
         with fsspec.open(path, "rb") as f:
             table = pq.read_table(f)
     except FileNotFoundError as e:
-        raise DataError(f"parquet file {path!r} does not exist; check data.train_files / data.val_files") from e
+        raise DataError(
+            f"parquet file {path!r} does not exist; check data.train_files / data.val_files"
+        ) from e
     missing = [c for c in _REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise DataError(
@@ -251,8 +258,11 @@ def load_dapo_math(paths: str | Path | Sequence[str | Path], dedup: bool) -> tup
             table = pa.concat_tables(tables, promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             # e.g. extra_info.index is a uuid string in DAPO-Math but int64 in AIME: keep common core columns.
-            keep = [c for c in ("data_source", "prompt", "ability", "reward_model")
-                    if all(c in t.column_names for t in tables)]
+            keep = [
+                c
+                for c in ("data_source", "prompt", "ability", "reward_model")
+                if all(c in t.column_names for t in tables)
+            ]
             table = pa.concat_tables([t.select(keep) for t in tables], promote_options="permissive")
     n = table.num_rows
     keys = _prompt_keys(table)
@@ -268,7 +278,9 @@ def load_dapo_math(paths: str | Path | Sequence[str | Path], dedup: bool) -> tup
         "unique": unique,
         "duplicates": n - unique,
         "max_copies": int(pc.max(grouped.column("row_count")).as_py() or 0),
-        "conflicting_ground_truths": int(pc.sum(pc.greater(grouped.column("gt_count_distinct"), 1)).as_py() or 0),
+        "conflicting_ground_truths": int(
+            pc.sum(pc.greater(grouped.column("gt_count_distinct"), 1)).as_py() or 0
+        ),
     }
     if dedup:
         first = np.sort(grouped.column("row_min").to_numpy())
@@ -364,7 +376,9 @@ class PromptSampler:
                     f"prompt of row {row} has {len(ids)} tokens > max_prompt_length={self.max_prompt_length}; "
                     "raise data.max_prompt_length or set data.truncation=left"
                 )
-            ids = ids[-self.max_prompt_length:] if self.truncation == "left" else ids[: self.max_prompt_length]
+            ids = (
+                ids[-self.max_prompt_length :] if self.truncation == "left" else ids[: self.max_prompt_length]
+            )
         return ids
 
     def next_batch(self) -> pa.Table:
@@ -399,8 +413,12 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore (epoch, position); refuses a state taken on a different dataset, seed or batch size."""
-        have = {"num_rows": self._table.num_rows, "seed": self.seed, "batch_size": self.batch_size,
-                "shuffle": self.shuffle}
+        have = {
+            "num_rows": self._table.num_rows,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+        }
         for key, value in have.items():
             if key in state and state[key] != value:
                 raise DataError(

@@ -117,6 +117,7 @@ def _required(stage: str) -> list[str]:
 STAGE_COLUMNS: dict[str, list[str]] = {s: _required(s) for s in STAGES}
 """Columns each stage's output must have (cumulative)."""
 
+
 def _optional(stage: str) -> list[str]:
     i = STAGES.index(stage)
     out = [c for c, s in _CONDITIONAL.items() if i > STAGES.index(s)]
@@ -245,56 +246,134 @@ def _row_checks(
     cols = set(STAGE_COLUMNS[stage]) | (set(OPTIONAL_COLUMNS[stage]) & present)
     checks = [
         _RowCheck("uid", "uid is empty or contains '_'", "use uuid4().hex per sampled prompt", _uid_format),
-        _RowCheck("prompt_ids", f"token id outside [0, {vocab_size})",
-                  "tokenize with the model's tokenizer / check vocab_size", _ids_in_vocab("prompt_ids", vocab_size)),
-        _RowCheck("prompt_ids", f"prompt longer than max_prompt_length={max_p}",
-                  "filter or truncate prompts in data prep (data.max_prompt_length)",
-                  _len_at_most("prompt_ids", max_p)),
+        _RowCheck(
+            "prompt_ids",
+            f"token id outside [0, {vocab_size})",
+            "tokenize with the model's tokenizer / check vocab_size",
+            _ids_in_vocab("prompt_ids", vocab_size),
+        ),
+        _RowCheck(
+            "prompt_ids",
+            f"prompt longer than max_prompt_length={max_p}",
+            "filter or truncate prompts in data prep (data.max_prompt_length)",
+            _len_at_most("prompt_ids", max_p),
+        ),
     ]
     if n is not None:
-        checks.append(_RowCheck("uid", f"uid group does not have exactly n={n} rows",
-                                "keep or drop whole groups (filter_groups) and repeat each prompt n times",
-                                _group_size(n)))
-        checks.append(_RowCheck("sample_idx", f"sample_idx outside [0, {n})",
-                                "number the samples of a prompt 0..n-1", _sample_idx_range(n)))
+        checks.append(
+            _RowCheck(
+                "uid",
+                f"uid group does not have exactly n={n} rows",
+                "keep or drop whole groups (filter_groups) and repeat each prompt n times",
+                _group_size(n),
+            )
+        )
+        checks.append(
+            _RowCheck(
+                "sample_idx",
+                f"sample_idx outside [0, {n})",
+                "number the samples of a prompt 0..n-1",
+                _sample_idx_range(n),
+            )
+        )
     if "finish_reason" in cols:
-        checks.append(_RowCheck("finish_reason", "finish_reason not 'stop' or 'length'",
-                                "map the engine's stop reason to 'stop' (EOS/stop string) or 'length'",
-                                _finish_reason_ok))
+        checks.append(
+            _RowCheck(
+                "finish_reason",
+                "finish_reason not 'stop' or 'length'",
+                "map the engine's stop reason to 'stop' (EOS/stop string) or 'length'",
+                _finish_reason_ok,
+            )
+        )
     if "response_ids" in cols:
-        checks.append(_RowCheck("response_ids", f"token id outside [0, {vocab_size})",
-                                "check the engine's vocab / tokenizer pairing",
-                                _ids_in_vocab("response_ids", vocab_size)))
-        checks.append(_RowCheck("response_ids", f"response longer than max_response_length={max_r}",
-                                "pass max_new_tokens=data.max_response_length to the engine",
-                                _len_at_most("response_ids", max_r)))
+        checks.append(
+            _RowCheck(
+                "response_ids",
+                f"token id outside [0, {vocab_size})",
+                "check the engine's vocab / tokenizer pairing",
+                _ids_in_vocab("response_ids", vocab_size),
+            )
+        )
+        checks.append(
+            _RowCheck(
+                "response_ids",
+                f"response longer than max_response_length={max_r}",
+                "pass max_new_tokens=data.max_response_length to the engine",
+                _len_at_most("response_ids", max_r),
+            )
+        )
     logprob_cols = {"rollout_log_probs", "old_log_probs", "ref_log_probs"}
-    per_token = ["rollout_log_probs", "old_log_probs", "entropy", "ref_log_probs", "values",
-                 "token_level_rewards", "advantages", "returns", "response_mask", "rollout_is_weights"]
+    per_token = [
+        "rollout_log_probs",
+        "old_log_probs",
+        "entropy",
+        "ref_log_probs",
+        "values",
+        "token_level_rewards",
+        "advantages",
+        "returns",
+        "response_mask",
+        "rollout_is_weights",
+    ]
     for c in per_token:
         if c not in cols:
             continue
-        checks.append(_RowCheck(c, "list length differs from response_ids",
-                                "compute it over exactly the response tokens of each row", _len_matches(c)))
+        checks.append(
+            _RowCheck(
+                c,
+                "list length differs from response_ids",
+                "compute it over exactly the response tokens of each row",
+                _len_matches(c),
+            )
+        )
         if c in logprob_cols:
-            checks.append(_RowCheck(c, f"log-prob not finite or > {LOGPROB_TOL}",
-                                    "take log_softmax in float32 and gather the sampled tokens",
-                                    _finite(c, hi=LOGPROB_TOL)))
+            checks.append(
+                _RowCheck(
+                    c,
+                    f"log-prob not finite or > {LOGPROB_TOL}",
+                    "take log_softmax in float32 and gather the sampled tokens",
+                    _finite(c, hi=LOGPROB_TOL),
+                )
+            )
         elif c == "entropy":
-            checks.append(_RowCheck(c, "entropy not finite or negative",
-                                    "compute entropy from float32 logits", _finite(c, lo=-LOGPROB_TOL)))
+            checks.append(
+                _RowCheck(
+                    c,
+                    "entropy not finite or negative",
+                    "compute entropy from float32 logits",
+                    _finite(c, lo=-LOGPROB_TOL),
+                )
+            )
         elif c == "response_mask":
             checks.append(_RowCheck(c, "mask value not 0/1", "store the mask as 0/1 int8", _mask_binary))
         elif c == "rollout_is_weights":
-            checks.append(_RowCheck(c, "IS weight not finite or negative",
-                                    "check rollout_is_threshold / log-ratio clamping", _finite(c, lo=0.0)))
+            checks.append(
+                _RowCheck(
+                    c,
+                    "IS weight not finite or negative",
+                    "check rollout_is_threshold / log-ratio clamping",
+                    _finite(c, lo=0.0),
+                )
+            )
         else:
-            checks.append(_RowCheck(c, "value not finite (NaN/inf)",
-                                    "look for division by zero / overflow upstream", _finite(c)))
+            checks.append(
+                _RowCheck(
+                    c,
+                    "value not finite (NaN/inf)",
+                    "look for division by zero / overflow upstream",
+                    _finite(c),
+                )
+            )
     for c in ("score", "overlong_reward", "reward"):
         if c in cols:
-            checks.append(_RowCheck(c, "value not finite (NaN/inf)",
-                                    "make the reward function return a finite float", _finite(c)))
+            checks.append(
+                _RowCheck(
+                    c,
+                    "value not finite (NaN/inf)",
+                    "make the reward function return a finite float",
+                    _finite(c),
+                )
+            )
     return checks
 
 
@@ -361,9 +440,14 @@ def _fast_schema(
     null count) and all cross-field predicates run in one fused check. On failure every predicate is
     re-run separately to name each failing column (only the failure path pays for that)."""
     null_checks = [
-        _RowCheck(c, "null values", f"fill '{c}' in every row (nulls are only allowed in {sorted(NULLABLE)})",
-                  _not_null(c))
-        for c in _stage_cols(stage, present) if c not in NULLABLE
+        _RowCheck(
+            c,
+            "null values",
+            f"fill '{c}' in every row (nulls are only allowed in {sorted(NULLABLE)})",
+            _not_null(c),
+        )
+        for c in _stage_cols(stage, present)
+        if c not in NULLABLE
     ]
     rcs = tuple(null_checks + _row_checks(stage, present, n, vocab_size, max_p, max_r))
     schema = ppa.DataFrameSchema(
@@ -447,8 +531,15 @@ def validate_stage(
         if any(getattr(getattr(e, "check", None), "name", None) == "cross_field" for e in errs.schema_errors):
             failures += _explain_rows(rcs, table)
     except pa_errors.SchemaError as err:  # pragma: no cover - lazy=True always groups errors
-        failures = [{"column": getattr(err, "column_name", None) or "?", "what": str(err), "uids": [],
-                     "rows": None, "hint": "see pandera message"}]
+        failures = [
+            {
+                "column": getattr(err, "column_name", None) or "?",
+                "what": str(err),
+                "uids": [],
+                "rows": None,
+                "hint": "see pandera message",
+            }
+        ]
     lines = [f"[{stage}] batch failed {len(failures)} schema check(s) ({table.num_rows} rows):"]
     for f in failures:
         uids = f["uids"]
@@ -466,14 +557,28 @@ def _explain_rows(rcs: tuple[_RowCheck, ...], table: pa.Table) -> list[dict]:
         try:
             ok = rc.fn(table)
         except Exception as exc:  # noqa: BLE001 - a predicate crashing on bad data is itself a finding
-            out.append({"column": rc.column, "what": f"check '{rc.what}' could not run ({exc})",
-                        "hint": rc.hint, "rows": None, "uids": []})
+            out.append(
+                {
+                    "column": rc.column,
+                    "what": f"check '{rc.what}' could not run ({exc})",
+                    "hint": rc.hint,
+                    "rows": None,
+                    "uids": [],
+                }
+            )
             continue
         if ok.all():
             continue
         bad = table.filter(pa.array(~ok)).select(["uid"]) if "uid" in table.column_names else None
-        out.append({"column": rc.column, "what": rc.what, "hint": rc.hint,
-                    "rows": int((~ok).sum()), "uids": _uids_of(bad)})
+        out.append(
+            {
+                "column": rc.column,
+                "what": rc.what,
+                "hint": rc.hint,
+                "rows": int((~ok).sum()),
+                "uids": _uids_of(bad),
+            }
+        )
     return out
 
 
@@ -488,9 +593,15 @@ def _collect(errs: pa_errors.SchemaErrors, rcs: tuple[_RowCheck, ...], table: pa
             continue  # detailed by _explain_rows
         if name in by_name:
             rc = by_name[name]
-            failures.append({"column": rc.column, "what": rc.what, "hint": rc.hint,
-                             "rows": fc.num_rows if isinstance(fc, pa.Table) else None,
-                             "uids": _uids_of(fc)})
+            failures.append(
+                {
+                    "column": rc.column,
+                    "what": rc.what,
+                    "hint": rc.hint,
+                    "rows": fc.num_rows if isinstance(fc, pa.Table) else None,
+                    "uids": _uids_of(fc),
+                }
+            )
             continue
         column = getattr(getattr(err, "schema", None), "name", None) or "?"
         reason = getattr(err, "reason_code", None)
@@ -531,13 +642,20 @@ def _dataset_schema() -> ppa.DataFrameSchema:
         return ok.fill_null(False)
 
     return ppa.DataFrameSchema(
-        {"data_source": ppa.Column(pa.string(), nullable=False),
-         "prompt": ppa.Column(nullable=False),
-         "reward_model": ppa.Column(nullable=False)},
-        checks=[ppa.Check(prompt_nonempty, name="prompt_nonempty", error="prompt: empty message list"),
-                ppa.Check(ground_truth_present, name="ground_truth",
-                          error="reward_model.ground_truth: missing or empty")],
-        strict=False, name="dapo.dataset")
+        {
+            "data_source": ppa.Column(pa.string(), nullable=False),
+            "prompt": ppa.Column(nullable=False),
+            "reward_model": ppa.Column(nullable=False),
+        },
+        checks=[
+            ppa.Check(prompt_nonempty, name="prompt_nonempty", error="prompt: empty message list"),
+            ppa.Check(
+                ground_truth_present, name="ground_truth", error="reward_model.ground_truth: missing or empty"
+            ),
+        ],
+        strict=False,
+        name="dapo.dataset",
+    )
 
 
 def validate_dataset(table: pa.Table, *, name: str = "dataset") -> pa.Table:
@@ -547,16 +665,25 @@ def validate_dataset(table: pa.Table, *, name: str = "dataset") -> pa.Table:
     """
     missing = [c for c in ("data_source", "prompt", "reward_model") if c not in table.column_names]
     if missing:
-        raise SchemaError(f"{name}: missing column(s) {missing}; a verl/DAPO parquet needs data_source, prompt "
-                          f"(list of {{role, content}}), reward_model {{ground_truth, style}}")
+        raise SchemaError(
+            f"{name}: missing column(s) {missing}; a verl/DAPO parquet needs data_source, prompt "
+            f"(list of {{role, content}}), reward_model {{ground_truth, style}}"
+        )
     try:
         _dataset_schema().validate(table, lazy=True)
     except pa_errors.SchemaErrors as errs:
         fc = errs.failure_cases
         lines = []
         for check in sorted(set(fc.column("check").to_pylist())) if fc is not None else []:
-            rows = [i for i, c in zip(fc.column("index").to_pylist(), fc.column("check").to_pylist()) if c == check]
+            rows = [
+                i
+                for i, c in zip(fc.column("index").to_pylist(), fc.column("check").to_pylist())
+                if c == check
+            ]
             lines.append(f"  {check}: rows {rows[:MAX_UIDS_IN_MESSAGE]}")
-        raise SchemaError(f"{name}: invalid dataset rows —\n" + "\n".join(lines)
-                          + "\n  fix: regenerate the file with `dapo prepare` or repair those rows") from None
+        raise SchemaError(
+            f"{name}: invalid dataset rows —\n"
+            + "\n".join(lines)
+            + "\n  fix: regenerate the file with `dapo prepare` or repair those rows"
+        ) from None
     return table

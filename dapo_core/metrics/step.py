@@ -61,7 +61,9 @@ _NAN = float("nan")
 # batch access
 
 
-def _tensor_batch(batch: Mapping[str, Any] | pa.Table, wanted: Sequence[str], **pad_kw: Any) -> dict[str, Any]:
+def _tensor_batch(
+    batch: Mapping[str, Any] | pa.Table, wanted: Sequence[str], **pad_kw: Any
+) -> dict[str, Any]:
     """Dict of tensors from a dict batch (returned as is) or an Arrow table (padded here)."""
     if not isinstance(batch, pa.Table):
         return dict(batch)
@@ -72,7 +74,9 @@ def _tensor_batch(batch: Mapping[str, Any] | pa.Table, wanted: Sequence[str], **
     L = out["responses"].shape[1]
     if "reward" in batch.column_names:
         # Σ token_level_scores = the scalar reward placed at the last valid token (score + overlong).
-        reward = torch.tensor(np.array(batch.column("reward").to_numpy(zero_copy_only=False)), dtype=torch.float32)
+        reward = torch.tensor(
+            np.array(batch.column("reward").to_numpy(zero_copy_only=False)), dtype=torch.float32
+        )
         scores = torch.zeros(batch.num_rows, L)
         idx = (out["response_length"] - 1).clamp(min=0)
         if L:
@@ -132,8 +136,9 @@ def compute_data_metrics(
     ``max_*_length`` so the clip ratios refer to them (default: the longest row).
     """
     wanted = ["advantages", "returns", "token_level_rewards"] + (["values"] if use_critic else [])
-    b = _tensor_batch(batch, wanted, max_prompt_length=max_prompt_length,
-                      max_response_length=max_response_length)
+    b = _tensor_batch(
+        batch, wanted, max_prompt_length=max_prompt_length, max_response_length=max_response_length
+    )
     pl, rl, P, L = _lengths(b)
     mask = b["response_mask"].bool()
     non_aborted = rl > 0
@@ -171,8 +176,13 @@ def compute_data_metrics(
         if key in b:
             x = torch.as_tensor(np.asarray(b[key], dtype=np.float64))
             s = _stats(name, x)
-            metrics.update({f"{name}/min": s[f"{name}/min"], f"{name}/max": s[f"{name}/max"],
-                            f"{name}/mean": s[f"{name}/mean"]})
+            metrics.update(
+                {
+                    f"{name}/min": s[f"{name}/min"],
+                    f"{name}/max": s[f"{name}/max"],
+                    f"{name}/mean": s[f"{name}/mean"],
+                }
+            )
     return metrics
 
 
@@ -195,7 +205,9 @@ def _token_counts(batch: Mapping[str, Any] | pa.Table) -> tuple[int, int]:
 _ALL_TOKEN_SECTIONS = ("ref", "values", "adv", "update_critic", "update_actor")
 
 
-def compute_timing_metrics(batch: Mapping[str, Any] | pa.Table, timing_raw: Mapping[str, float]) -> dict[str, float]:
+def compute_timing_metrics(
+    batch: Mapping[str, Any] | pa.Table, timing_raw: Mapping[str, float]
+) -> dict[str, float]:
     """``timing_s/{name}`` for every timer and ``timing_per_token_ms/{name}`` for ``gen`` (per response
     token) and ``ref, values, adv, update_critic, update_actor`` (per prompt+response token); 0.0 when
     the batch has no such tokens."""
@@ -216,12 +228,16 @@ def compute_throughput_metrics(
     ``perf/throughput = total / (time · n_gpus)``."""
     if not isinstance(batch, pa.Table) and "global_token_num" in batch:
         total = int(np.sum(np.asarray(batch["global_token_num"])))
-    elif not isinstance(batch, pa.Table) and "meta_info" in batch and "global_token_num" in batch["meta_info"]:
+    elif (
+        not isinstance(batch, pa.Table) and "meta_info" in batch and "global_token_num" in batch["meta_info"]
+    ):
         total = int(np.sum(np.asarray(batch["meta_info"]["global_token_num"])))
     else:
         total = _token_counts(batch)[1]
     if "step" not in timing_raw:
-        raise KeyError("compute_throughput_metrics: timing_raw has no 'step' timer; time the whole step as 'step'")
+        raise KeyError(
+            "compute_throughput_metrics: timing_raw has no 'step' timer; time the whole step as 'step'"
+        )
     t = float(timing_raw["step"])
     return {
         "perf/total_num_tokens": total,
@@ -242,7 +258,9 @@ def _masked_sum(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.where(m.bool(), x, torch.zeros_like(x)).sum(-1)
 
 
-def compute_variance_proxy_metrics(batch: Mapping[str, Any], gradient_norm: float | None = None) -> dict[str, float]:
+def compute_variance_proxy_metrics(
+    batch: Mapping[str, Any], gradient_norm: float | None = None
+) -> dict[str, float]:
     """Gradient-variance proxies from the W-score ``W_i = Σ_t (1 − 2π_t + Σπ²_t)`` (§7.3).
 
     Needs ``sum_pi_squared``, ``old_log_probs``, ``advantages`` (else ``{}``) and ``response_mask``;
@@ -360,13 +378,17 @@ def process_validation_metrics(
     ``pred`` variable exists. ``with_pass_at_k`` adds ``pass@N`` (unbiased) for ``acc``-like
     variables, counting values > 0 as correct.
     """
-    grouped: dict[str, dict[str, dict[str, list]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    grouped: dict[str, dict[str, dict[str, list]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
     for i, ds in enumerate(data_sources):
         var2vals = grouped[ds][sample_uids[i]]
         for var, vals in infos_dict.items():
             var2vals[var].append(vals[i])
 
-    per_ds: dict[str, dict[str, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    per_ds: dict[str, dict[str, dict[str, list[float]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
     for ds, uid2vars in grouped.items():
         for var2vals in uid2vars.values():
             preds = var2vals.get("pred")
@@ -384,7 +406,10 @@ def process_validation_metrics(
                         if preds is not None:
                             votes = [{"val": v, "pred": p} for v, p in zip(vals, preds, strict=True)]
                             [(mm, ms)] = bootstrap_metric(
-                                votes, N, [lambda d: calc_maj_val(d, vote_key="pred", val_key="val")], seed=seed
+                                votes,
+                                N,
+                                [lambda d: calc_maj_val(d, vote_key="pred", val_key="val")],
+                                seed=seed,
                             )
                             m[f"maj@{N}/mean"], m[f"maj@{N}/std"] = mm, ms
                 if with_pass_at_k and var == "acc":
@@ -411,8 +436,7 @@ def val_metrics_to_keys(nested: Mapping[str, Mapping[str, Mapping[str, float]]])
         for var, metrics in var2metric.items():
             n_max = max(int(name.split("@")[-1].split("/")[0]) for name in metrics)
             for name, val in metrics.items():
-                is_core = (var == core and name.startswith(("mean", "maj", "best"))
-                           and f"@{n_max}" in name)
+                is_core = var == core and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
                 out[f"{'val-core' if is_core else 'val-aux'}/{ds}/{var}/{name}"] = val
     return out
 
@@ -430,11 +454,16 @@ def count_routed_experts(
     sequence's last valid token (it has no routing record). Returns None (with a warning) on bad
     shapes or expert ids outside ``[0, num_experts)``.
     """
-    re = torch.as_tensor(np.asarray(routed_experts) if not torch.is_tensor(routed_experts) else routed_experts)
+    re = torch.as_tensor(
+        np.asarray(routed_experts) if not torch.is_tensor(routed_experts) else routed_experts
+    )
     mask = torch.as_tensor(np.asarray(response_mask) if not torch.is_tensor(response_mask) else response_mask)
     if re.dim() != 4 or mask.dim() != 2 or re.shape[0] != mask.shape[0] or re.shape[1] < mask.shape[1]:
-        warnings.warn(f"MoE metrics skipped: routed_experts shape {tuple(re.shape)} does not fit "
-                      f"response_mask {tuple(mask.shape)}", stacklevel=2)
+        warnings.warn(
+            f"MoE metrics skipped: routed_experts shape {tuple(re.shape)} does not fit "
+            f"response_mask {tuple(mask.shape)}",
+            stacklevel=2,
+        )
         return None
     L = mask.shape[1]
     resp = re[:, -L:].long()
@@ -467,7 +496,11 @@ def compute_moe_lb_metrics(counts: np.ndarray, prefix: str = "rollout/moe") -> d
         if total <= 0:
             continue
         dev = counts[i] / total * E - 1.0
-        vals = {"max_vio": float(dev.max()), "min_vio": float(dev.min()), "avg_vio": float(np.abs(dev).mean())}
+        vals = {
+            "max_vio": float(dev.max()),
+            "min_vio": float(dev.min()),
+            "avg_vio": float(np.abs(dev).mean()),
+        }
         for k, v in vals.items():
             out[f"{prefix}/{k}/layer_{i}"] = v
             per[k].append(v)
@@ -489,7 +522,9 @@ class MoELoadBalanceAccumulator:
         self.interval = interval
         self.counts: np.ndarray | None = None
 
-    def update(self, routed_experts: torch.Tensor | np.ndarray, response_mask: torch.Tensor | np.ndarray) -> None:
+    def update(
+        self, routed_experts: torch.Tensor | np.ndarray, response_mask: torch.Tensor | np.ndarray
+    ) -> None:
         """Add the counts of one batch (ignored with a warning if the inputs are invalid)."""
         c = count_routed_experts(routed_experts, response_mask, self.num_experts)
         if c is None:
@@ -531,7 +566,10 @@ def compute_spec_decode_metrics(
         return {"rollout/spec_accept_rate": 0.0, "rollout/spec_accept_length": 0.0}
     rate = np.divide(a, d, out=np.zeros_like(a), where=d > 0)
     length = np.where(v > 0, 1.0 + np.divide(a, v, out=np.zeros_like(a), where=v > 0), 0.0)
-    return {"rollout/spec_accept_rate": float(rate.mean()), "rollout/spec_accept_length": float(length.mean())}
+    return {
+        "rollout/spec_accept_rate": float(rate.mean()),
+        "rollout/spec_accept_length": float(length.mean()),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -541,7 +579,11 @@ def compute_spec_decode_metrics(
 def _mmm(prefix: str, x: np.ndarray) -> dict[str, float]:
     if x.size == 0:
         return {}
-    return {f"{prefix}/mean": float(x.mean()), f"{prefix}/max": float(x.max()), f"{prefix}/min": float(x.min())}
+    return {
+        f"{prefix}/mean": float(x.mean()),
+        f"{prefix}/max": float(x.max()),
+        f"{prefix}/min": float(x.min()),
+    }
 
 
 def compute_staleness_metrics(
@@ -629,8 +671,12 @@ class Metric:
         """The aggregate of the values so far (NaN when empty)."""
         if not self.values:
             return _NAN
-        fn = {AggregationType.MEAN: np.mean, AggregationType.SUM: np.sum,
-              AggregationType.MIN: np.min, AggregationType.MAX: np.max}[self.aggregation]
+        fn = {
+            AggregationType.MEAN: np.mean,
+            AggregationType.SUM: np.sum,
+            AggregationType.MIN: np.min,
+            AggregationType.MAX: np.max,
+        }[self.aggregation]
         return float(fn(self.values))
 
     @staticmethod
@@ -662,8 +708,9 @@ def reduce_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
         if isinstance(v, Metric):
             out[k] = v.aggregate()
             continue
-        arr = np.asarray([x.item() if torch.is_tensor(x) else x for x in v] if isinstance(v, list) else v,
-                         dtype=np.float64)
+        arr = np.asarray(
+            [x.item() if torch.is_tensor(x) else x for x in v] if isinstance(v, list) else v, dtype=np.float64
+        )
         if "max" in k:
             out[k] = float(np.max(arr))
         elif "min" in k:

@@ -3,6 +3,7 @@
 A `Tracker` fans out to the configured backends (`trainer.logger`: console | jsonl | tensorboard); with none
 configured it is a null logger, so the training loop never branches on "is logging on".
 """
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,15 @@ class TensorBoardBackend:
         self.writer.close()
 
 
-CONSOLE_KEYS = ("critic/score/mean", "val-core", "actor/entropy", "response_length/mean", "actor/pg_clipfrac",
-                "train/num_gen_batches", "timing_s/step")
+CONSOLE_KEYS = (
+    "critic/score/mean",
+    "val-core",
+    "actor/entropy",
+    "response_length/mean",
+    "actor/pg_clipfrac",
+    "train/num_gen_batches",
+    "timing_s/step",
+)
 
 
 class ConsoleBackend:
@@ -90,7 +98,9 @@ class Tracker:
             elif name == "console":
                 self.backends.append(ConsoleBackend(printer))
             else:
-                raise ValueError(f"trainer.logger: unknown backend {name!r}; use console, jsonl or tensorboard")
+                raise ValueError(
+                    f"trainer.logger: unknown backend {name!r}; use console, jsonl or tensorboard"
+                )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Log the numeric entries of `metrics` at `step`."""
@@ -126,12 +136,21 @@ def plot_run(jsonl_path: str | Path, out_png: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_jsonl(jsonl_path)
-    panels = [("critic/score/mean", "train score (±1)"), ("val_acc", "held-out accuracy"),
-              ("actor/entropy", "entropy"), ("response_length/mean", "response length")]
+    panels = [
+        ("critic/score/mean", "train score (±1)"),
+        ("val_acc", "held-out accuracy"),
+        ("actor/entropy", "entropy"),
+        ("response_length/mean", "response length"),
+    ]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (key, title) in zip(axes.flat, panels):
         if key == "val_acc":
-            pts = [(r["step"], v) for r in rows for k, v in r.items() if k.startswith("val-core/") and "/acc/mean@" in k]
+            pts = [
+                (r["step"], v)
+                for r in rows
+                for k, v in r.items()
+                if k.startswith("val-core/") and "/acc/mean@" in k
+            ]
         else:
             pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:

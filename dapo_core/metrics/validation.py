@@ -1,5 +1,6 @@
 """Validation / evaluation summaries of a scored table: mean@k, std@k, best@k, maj@k (reference §7.4) and pass@k,
 per data source, with the reference's `val-core/…` / `val-aux/…` key names."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -14,9 +15,11 @@ def validation_summary(table: pa.Table, *, seed: int = 42) -> dict[str, float]:
     """Flat metric dict for a scored table with columns uid, data_source, acc, reward, pred (k rows per uid)."""
     sources = table.column("data_source").to_pylist()
     uids = table.column("uid").to_pylist()
-    infos = {"acc": [float(bool(a)) for a in table.column("acc").to_pylist()],
-             "reward": [float(r) for r in table.column("reward").to_pylist()],
-             "pred": [p if p is not None else "" for p in table.column("pred").to_pylist()]}
+    infos = {
+        "acc": [float(bool(a)) for a in table.column("acc").to_pylist()],
+        "reward": [float(r) for r in table.column("reward").to_pylist()],
+        "pred": [p if p is not None else "" for p in table.column("pred").to_pylist()],
+    }
     nested = process_validation_metrics(sources, uids, infos, seed=seed)
     out = dict(val_metrics_to_keys(nested))
     out.update(pass_at_k_by_source(sources, uids, infos["acc"]))
@@ -46,5 +49,7 @@ def pass_at_k_by_source(sources, uids, acc) -> dict[str, float]:
         n = min(len(g) for g in groups_s)
         ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n} | {n})
         for k in ks:
-            out[f"val-core/{s}/acc/pass@{k}"] = float(np.mean([pass_at_k(len(g), int(sum(g)), k) for g in groups_s]))
+            out[f"val-core/{s}/acc/pass@{k}"] = float(
+                np.mean([pass_at_k(len(g), int(sum(g)), k) for g in groups_s])
+            )
     return out

@@ -72,8 +72,10 @@ class OverlongBufferConfig:
         if isinstance(obj, Mapping):
             get = obj.get
         else:
+
             def get(k: str, d: Any = None) -> Any:
                 return getattr(obj, k, d)
+
         unknown = set(obj) - {"enable", "len", "penalty_factor", "log"} if isinstance(obj, Mapping) else set()
         if unknown:
             raise RewardConfigError(
@@ -82,7 +84,9 @@ class OverlongBufferConfig:
         return cls(
             enable=bool(get("enable", False)),
             len=int(get("len", 0) or 0),
-            penalty_factor=float(get("penalty_factor", 1.0) if get("penalty_factor", 1.0) is not None else 1.0),
+            penalty_factor=float(
+                get("penalty_factor", 1.0) if get("penalty_factor", 1.0) is not None else 1.0
+            ),
             log=bool(get("log", False)),
         )
 
@@ -215,7 +219,9 @@ class RewardManager:
                     "max_resp_len=data.max_response_length"
                 )
             if buf.len <= 0:
-                raise RewardConfigError(f"overlong_buffer.len={buf.len} must be > 0 when the buffer is enabled")
+                raise RewardConfigError(
+                    f"overlong_buffer.len={buf.len} must be > 0 when the buffer is enabled"
+                )
             if int(max_resp_len) < buf.len:
                 raise RewardConfigError(
                     f"max_resp_len must be larger than overlong_buffer.len (got max_resp_len={max_resp_len}, "
@@ -228,7 +234,9 @@ class RewardManager:
         if int(num_workers) < 1:
             raise RewardConfigError(f"num_workers={num_workers} must be >= 1 (reward_model.num_workers)")
         if not (float(timeout_s) > 0 and math.isfinite(float(timeout_s))):
-            raise RewardConfigError(f"timeout_s={timeout_s} must be a finite number > 0 (reward_model.timeout_s)")
+            raise RewardConfigError(
+                f"timeout_s={timeout_s} must be a finite number > 0 (reward_model.timeout_s)"
+            )
         if int(chunk_size) < 1:
             raise RewardConfigError(f"chunk_size={chunk_size} must be >= 1")
         self.max_resp_len = None if max_resp_len is None else int(max_resp_len)
@@ -400,7 +408,9 @@ class RewardManager:
         started = time.monotonic()
         for pos, (idx, _) in enumerate(tasks):
             try:
-                got_idx, kind, value = results.get(timeout=max(started + self.timeout_s - time.monotonic(), 0.0))
+                got_idx, kind, value = results.get(
+                    timeout=max(started + self.timeout_s - time.monotonic(), 0.0)
+                )
             except queue.Empty:
                 stop.set()
                 self._inline_ok = False  # the abandoned thread may still be running
@@ -462,7 +472,10 @@ class RewardManager:
             if kind == "ok":
                 if isinstance(value, Mapping):
                     if "score" not in value:
-                        kind, value = "error", f"compute_score returned a dict without 'score' (keys {sorted(value)})"
+                        kind, value = (
+                            "error",
+                            f"compute_score returned a dict without 'score' (keys {sorted(value)})",
+                        )
                     else:
                         score = float(value["score"])
                         acc = bool(value.get("acc", score > 0))
@@ -476,15 +489,21 @@ class RewardManager:
                         score = float(value)
                         acc, pred = score > 0, None
                     except (TypeError, ValueError):
-                        kind, value = "error", f"compute_score returned {type(value).__name__}, not a dict or number"
+                        kind, value = (
+                            "error",
+                            f"compute_score returned {type(value).__name__}, not a dict or number",
+                        )
             if kind != "ok":
                 num_timeouts += kind == "timeout"
                 res.failures.append((str(row["uid"]), str(value)))
-                logger.warning("reward failure uid=%s data_source=%s: %s", row["uid"], row["data_source"], value)
+                logger.warning(
+                    "reward failure uid=%s data_source=%s: %s", row["uid"], row["data_source"], value
+                )
                 score, acc, pred = self.failure_score, False, None
             if buf is not None and buf.enable:
-                over = overlong_penalty(int(row["valid_response_length"]), self.max_resp_len, buf.len,
-                                        buf.penalty_factor)
+                over = overlong_penalty(
+                    int(row["valid_response_length"]), self.max_resp_len, buf.len, buf.penalty_factor
+                )
             else:
                 over = 0.0
             res.score.append(score)

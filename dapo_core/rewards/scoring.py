@@ -49,7 +49,9 @@ def overlong_penalty(
     16384 → 0.0, 18432 → −0.5, 20480 → −1.0.
     """
     if int(buffer_len) <= 0:
-        raise ValueError(f"overlong_buffer.len={buffer_len} must be > 0 (the tokens over which the penalty ramps)")
+        raise ValueError(
+            f"overlong_buffer.len={buffer_len} must be > 0 (the tokens over which the penalty ramps)"
+        )
     if max_resp_len is None or int(max_resp_len) < int(buffer_len):
         raise ValueError(
             f"max_resp_len={max_resp_len} must be >= overlong_buffer.len={buffer_len}; set "

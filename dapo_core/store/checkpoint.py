@@ -98,7 +98,9 @@ class CheckpointDir:
         except FileNotFoundError:
             return None
         if not text.isdigit():
-            raise CheckpointError(f"{self.dir / LATEST_NAME} holds {text!r}, not a step number: fix or delete it")
+            raise CheckpointError(
+                f"{self.dir / LATEST_NAME} holds {text!r}, not a step number: fix or delete it"
+            )
         return int(text)
 
     def _write_latest(self, step: int | None) -> None:
@@ -108,8 +110,14 @@ class CheckpointDir:
         else:
             atomic_write_bytes(self.dir / LATEST_NAME, f"{step}\n".encode())
 
-    def save(self, step: int, write_fn: Callable[[Path], Any], meta: Mapping[str, Any] | None = None,
-             *, overwrite: bool = False) -> Path:
+    def save(
+        self,
+        step: int,
+        write_fn: Callable[[Path], Any],
+        meta: Mapping[str, Any] | None = None,
+        *,
+        overwrite: bool = False,
+    ) -> Path:
         """Save checkpoint ``step`` atomically: ``write_fn(tmp_dir)`` writes the files; returns the final path.
 
         An existing ``step_<n>`` that ``latest`` does not point at (left by a crash before the pointer was
@@ -126,7 +134,9 @@ class CheckpointDir:
         final = self.path(step)
         latest = self.latest_step()
         if final.exists() and latest == step and not overwrite:
-            raise CheckpointError(f"checkpoint {final} exists and is the latest: pass overwrite=True to replace it")
+            raise CheckpointError(
+                f"checkpoint {final} exists and is the latest: pass overwrite=True to replace it"
+            )
         tmp = self.dir / f".tmp-step_{step}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -137,7 +147,9 @@ class CheckpointDir:
                     continue
                 rel = p.relative_to(tmp).as_posix()
                 if rel == MANIFEST_NAME:
-                    raise CheckpointError(f"save(step={step}): write_fn wrote {MANIFEST_NAME}, a reserved name")
+                    raise CheckpointError(
+                        f"save(step={step}): write_fn wrote {MANIFEST_NAME}, a reserved name"
+                    )
                 with open(p, "rb+") as f:
                     os.fsync(f.fileno())
                 files[rel] = {"sha256": _sha256_path(p), "bytes": p.stat().st_size}
@@ -171,10 +183,14 @@ class CheckpointDir:
         try:
             return json.loads(mp.read_bytes())
         except FileNotFoundError:
-            raise CheckpointError(f"checkpoint step {step}: {mp} is missing (incomplete or deleted checkpoint); "
-                                  f"load an older step") from None
+            raise CheckpointError(
+                f"checkpoint step {step}: {mp} is missing (incomplete or deleted checkpoint); "
+                f"load an older step"
+            ) from None
         except ValueError:
-            raise CheckpointError(f"checkpoint step {step}: {mp} is unreadable (corrupted manifest)") from None
+            raise CheckpointError(
+                f"checkpoint step {step}: {mp} is unreadable (corrupted manifest)"
+            ) from None
 
     def meta(self, step: int) -> dict:
         """The ``meta`` saved with checkpoint ``step`` (includes ``step``)."""
@@ -195,8 +211,10 @@ class CheckpointDir:
             except FileNotFoundError:
                 raise CheckpointError(f"checkpoint step {step}: file {rel!r} is missing ({p})") from None
             if size != info["bytes"]:
-                raise CheckpointError(f"checkpoint step {step}: file {rel!r} has the wrong size ({size} bytes, "
-                                      f"manifest says {info['bytes']})")
+                raise CheckpointError(
+                    f"checkpoint step {step}: file {rel!r} has the wrong size ({size} bytes, "
+                    f"manifest says {info['bytes']})"
+                )
             if checksum and _sha256_path(p) != info["sha256"]:
                 raise CheckpointError(f"checkpoint step {step}: file {rel!r} is corrupted (sha256 mismatch)")
         return man
@@ -206,8 +224,10 @@ class CheckpointDir:
         if step is None:
             step = self.latest_step()
             if step is None:
-                raise CheckpointError(f"no checkpoint in {self.dir} ({LATEST_NAME} pointer missing): "
-                                      f"start from scratch or pass a step")
+                raise CheckpointError(
+                    f"no checkpoint in {self.dir} ({LATEST_NAME} pointer missing): "
+                    f"start from scratch or pass a step"
+                )
         self.verify(step, checksum=checksum)
         return self.path(step)
 
@@ -224,7 +244,9 @@ class CheckpointDir:
         if later:
             dest = self.dir / f"abandoned-{uuid.uuid4().hex[:8]}"
             dest.mkdir()
-            self._write_latest(step if step in self.steps() else None)  # pointer first: never names a moved one
+            self._write_latest(
+                step if step in self.steps() else None
+            )  # pointer first: never names a moved one
             for s in later:
                 os.replace(self.path(s), dest / f"step_{s}")
             fsync_dir(self.dir)

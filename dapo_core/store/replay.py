@@ -66,13 +66,24 @@ def _is_filtered(values: list[float]) -> bool:
 class ReplayBuffer:
     """Oldest-first, non-blocking replay buffer of complete groups kept in a :class:`RunStore`."""
 
-    def __init__(self, store: RunStore, *, train_batch_size: int, n: int, filter_groups_metric: str | None = None,
-                 max_off_policy_threshold: int = 8, max_off_policy_strategy: str = "drop",
-                 partition: str = "train", discard_surplus: bool = False):
+    def __init__(
+        self,
+        store: RunStore,
+        *,
+        train_batch_size: int,
+        n: int,
+        filter_groups_metric: str | None = None,
+        max_off_policy_threshold: int = 8,
+        max_off_policy_strategy: str = "drop",
+        partition: str = "train",
+        discard_surplus: bool = False,
+    ):
         if train_batch_size < 1 or n < 1:
             raise ReplayError(f"ReplayBuffer: train_batch_size ({train_batch_size}) and n ({n}) must be >= 1")
         if max_off_policy_strategy not in ("drop", "wait"):
-            raise ReplayError(f"trainer.max_off_policy_strategy={max_off_policy_strategy!r}: use 'drop' or 'wait'")
+            raise ReplayError(
+                f"trainer.max_off_policy_strategy={max_off_policy_strategy!r}: use 'drop' or 'wait'"
+            )
         if max_off_policy_threshold < 1:
             raise ReplayError(f"trainer.max_off_policy_threshold={max_off_policy_threshold}: must be >= 1")
         self.store = store
@@ -86,8 +97,13 @@ class ReplayBuffer:
         self.prefix = "training" if partition == "train" else "validation"
 
     # ------------------------------------------------------------------ producer side
-    def register_prompts(self, uids: Iterable[str], global_steps: int,
-                         payloads: Sequence[bytes | None] | None = None, status: str = "pending") -> int:
+    def register_prompts(
+        self,
+        uids: Iterable[str],
+        global_steps: int,
+        payloads: Sequence[bytes | None] | None = None,
+        status: str = "pending",
+    ) -> int:
         """Register prompt keys ``{uid}`` (``is_prompt=True``, ``status``, ``global_steps``) in one transaction.
 
         ``payloads`` (optional, one per uid) keep what is needed to re-issue the prompt after a crash.
@@ -114,7 +130,7 @@ class ReplayBuffer:
             for p in d.iterdir():
                 name = p.name.lstrip(".")
                 if name.startswith("replay_add_"):
-                    digits = name[len("replay_add_"):].split(".")[0]
+                    digits = name[len("replay_add_") :].split(".")[0]
                     if digits.isdigit():
                         k = max(k, int(digits) + 1)
         return f"replay_add_{k:05d}"
@@ -136,14 +152,18 @@ class ReplayBuffer:
         elif "weight_version" in table.column_names:
             vmin = vmax = table.column("weight_version").to_pylist()
         else:
-            raise ReplayError("add_groups: need column 'weight_version' (or 'min_global_steps' and "
-                              "'max_global_steps') to stamp trajectory staleness")
+            raise ReplayError(
+                "add_groups: need column 'weight_version' (or 'min_global_steps' and "
+                "'max_global_steps') to stamp trajectory staleness"
+            )
         metric = self.filter_groups_metric
         mvals = None
         if metric is not None:
             if metric not in table.column_names:
-                raise ReplayError(f"add_groups: filter_groups metric column {metric!r} is missing; add it "
-                                  f"(reward stage) or set algorithm.filter_groups.metric to an existing column")
+                raise ReplayError(
+                    f"add_groups: filter_groups metric column {metric!r} is missing; add it "
+                    f"(reward stage) or set algorithm.filter_groups.metric to an existing column"
+                )
             mvals = table.column(metric).to_pylist()
         uids = table.column("uid").to_pylist()
         sidx = table.column("sample_idx").to_pylist()
@@ -152,14 +172,20 @@ class ReplayBuffer:
             groups[u].append(i)
         for u, rows in groups.items():
             if len(rows) != self.n:
-                raise ReplayError(f"add_groups: group uid={u!r} has {len(rows)} trajectories, expected n={self.n}; "
-                                  f"pass only complete groups (or mark_failed the uid)")
+                raise ReplayError(
+                    f"add_groups: group uid={u!r} has {len(rows)} trajectories, expected n={self.n}; "
+                    f"pass only complete groups (or mark_failed the uid)"
+                )
             if len({sidx[i] for i in rows}) != len(rows):
                 raise ReplayError(f"add_groups: group uid={u!r} has duplicate sample_idx values")
         if not groups:
             return 0
-        uri = self.store.write_stage(global_steps, self._next_add_stage(global_steps), table,
-                                     meta={"kind": "replay_add", "groups": len(groups)})
+        uri = self.store.write_stage(
+            global_steps,
+            self._next_add_stage(global_steps),
+            table,
+            meta={"kind": "replay_add", "groups": len(groups)},
+        )
         existing = self.store.get_many(list(groups))
         puts, merges = [], {}
         for u, rows in groups.items():
@@ -168,12 +194,27 @@ class ReplayBuffer:
                 merges[u] = {"status": "finished", "num_trajectories": len(rows)}
             else:
                 pgs = int(global_steps)
-                puts.append((u, {"is_prompt": True, "status": "finished", "global_steps": pgs,
-                                 "num_trajectories": len(rows)}))
+                puts.append(
+                    (
+                        u,
+                        {
+                            "is_prompt": True,
+                            "status": "finished",
+                            "global_steps": pgs,
+                            "num_trajectories": len(rows),
+                        },
+                    )
+                )
             for i in rows:
-                tags: dict[str, Any] = {"status": "success", "global_steps": pgs, "sample_idx": int(sidx[i]),
-                                        "min_global_steps": int(vmin[i]), "max_global_steps": int(vmax[i]),
-                                        "uri": uri, "row": i}
+                tags: dict[str, Any] = {
+                    "status": "success",
+                    "global_steps": pgs,
+                    "sample_idx": int(sidx[i]),
+                    "min_global_steps": int(vmin[i]),
+                    "max_global_steps": int(vmax[i]),
+                    "uri": uri,
+                    "row": i,
+                }
                 if mvals is not None:
                     v = mvals[i]
                     tags["metric"] = None if v is None else float(v)
@@ -189,7 +230,7 @@ class ReplayBuffer:
             return out
         uids = list(uids)
         for i in range(0, len(uids), 500):
-            for key, tags in self.store.items(self.partition, is_prompt=False, uid=uids[i:i + 500]):
+            for key, tags in self.store.items(self.partition, is_prompt=False, uid=uids[i : i + 500]):
                 out[key.partition("_")[0]].append(tags)
         for group in out.values():
             group.sort(key=lambda t: t.get("sample_idx", 0))
@@ -271,8 +312,9 @@ class ReplayBuffer:
                 continue
             if evict_train and self.filter_groups_metric is not None:
                 vals = [t.get("metric") for t in group]
-                if all(v is not None and not (isinstance(v, float) and math.isnan(v)) for v in vals) \
-                        and _is_filtered(vals):
+                if all(
+                    v is not None and not (isinstance(v, float) and math.isnan(v)) for v in vals
+                ) and _is_filtered(vals):
                     evict.append(uid)
                     n_filtered += 1
                     dapo_counts[vals[0]] += 1
@@ -287,8 +329,14 @@ class ReplayBuffer:
             metrics[_DAPO_COUNTS_KEY] = dict(dapo_counts)
         metrics[f"{p}/replay/inflight_prompts"] = len(inflight)
 
-        must_wait = evict_train and self.strategy == "wait" and any(
-            global_steps - int(t.get("global_steps", global_steps)) + 1 >= self.threshold for _, t in inflight)
+        must_wait = (
+            evict_train
+            and self.strategy == "wait"
+            and any(
+                global_steps - int(t.get("global_steps", global_steps)) + 1 >= self.threshold
+                for _, t in inflight
+            )
+        )
         evict_keys = self._group_keys(evict, trajs)
         sampleable.sort()
         if must_wait or len(sampleable) < batch_size:
@@ -326,8 +374,11 @@ class ReplayBuffer:
 
     def unconsume(self, global_steps: int) -> int:
         """Return the groups consumed at ``global_steps`` (or later) to the buffer (e.g. resume before them)."""
-        keys = [k for k, t in self.store.items(self.partition, is_prompt=True)
-                if t.get("consumed_step") is not None and t["consumed_step"] >= global_steps]
+        keys = [
+            k
+            for k, t in self.store.items(self.partition, is_prompt=True)
+            if t.get("consumed_step") is not None and t["consumed_step"] >= global_steps
+        ]
         if keys:
             self.store.update_tags(keys, consumed_step=None, consume_order=None)
         return len(keys)
@@ -337,8 +388,11 @@ class ReplayBuffer:
 
         Returns the number of groups released. Stage files stay (they are the step's record).
         """
-        uids = [k for k, t in self.store.items(self.partition, is_prompt=True)
-                if t.get("consumed_step") is not None and t["consumed_step"] <= up_to_step]
+        uids = [
+            k
+            for k, t in self.store.items(self.partition, is_prompt=True)
+            if t.get("consumed_step") is not None and t["consumed_step"] <= up_to_step
+        ]
         if not uids:
             return 0
         trajs = self._trajectories(uids)

@@ -138,8 +138,10 @@ def _local_path_from_uri(uri: str) -> Path | None:
 
 def _check_stage(stage: str) -> str:
     if not isinstance(stage, str) or not _STAGE_RE.match(stage):
-        raise StoreError(f"stage name {stage!r} is invalid: use lowercase letters, digits and '_' only "
-                         f"(e.g. 'generate_g0', 'old_log_prob')")
+        raise StoreError(
+            f"stage name {stage!r} is invalid: use lowercase letters, digits and '_' only "
+            f"(e.g. 'generate_g0', 'old_log_prob')"
+        )
     return stage
 
 
@@ -160,13 +162,17 @@ def _uid_of(key: str, is_prompt: bool) -> str:
         raise StoreError(f"ledger key {key!r} is invalid: pass a non-empty str")
     if is_prompt:
         if "_" in key:
-            raise StoreError(f"prompt key {key!r} contains '_': a uid must not contain '_' "
-                             f"(trajectory keys are '{{uid}}_{{sample}}'); use uuid4().hex")
+            raise StoreError(
+                f"prompt key {key!r} contains '_': a uid must not contain '_' "
+                f"(trajectory keys are '{{uid}}_{{sample}}'); use uuid4().hex"
+            )
         return key
     uid, sep, rest = key.partition("_")
     if not sep or not uid or not rest:
-        raise StoreError(f"trajectory key {key!r} must look like '{{uid}}_{{sample}}' (uid without '_'), "
-                         f"or tag it is_prompt=True if it is a prompt")
+        raise StoreError(
+            f"trajectory key {key!r} must look like '{{uid}}_{{sample}}' (uid without '_'), "
+            f"or tag it is_prompt=True if it is a prompt"
+        )
     return uid
 
 
@@ -201,9 +207,11 @@ class RunStore:
     def __init__(self, root: str | Path):
         local = _local_path_from_uri(str(root))
         if local is None:
-            raise StoreError(f"RunStore root {root!r} must be a local path or file:// URL (the ledger is SQLite "
-                             f"and commits need fsync); put remote payloads on fsspec URLs and read them "
-                             f"with read_uri")
+            raise StoreError(
+                f"RunStore root {root!r} must be a local path or file:// URL (the ledger is SQLite "
+                f"and commits need fsync); put remote payloads on fsspec URLs and read them "
+                f"with read_uri"
+            )
         self.root = local.absolute()
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
@@ -212,8 +220,9 @@ class RunStore:
 
     # ------------------------------------------------------------------ lifecycle
     def _open_db(self) -> sqlite3.Connection:
-        db = sqlite3.connect(str(self.root / "ledger.sqlite"), timeout=60.0, isolation_level=None,
-                             check_same_thread=False)
+        db = sqlite3.connect(
+            str(self.root / "ledger.sqlite"), timeout=60.0, isolation_level=None, check_same_thread=False
+        )
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA busy_timeout=60000")
@@ -304,22 +313,28 @@ class RunStore:
         status, is_prompt, gs = _columns(tags)
         uid = _uid_of(key, bool(is_prompt))
         if payload is not None and not isinstance(payload, bytes | bytearray | memoryview):
-            raise StoreError(f"payload of key {key!r} must be bytes (e.g. Arrow IPC), got {type(payload).__name__}")
+            raise StoreError(
+                f"payload of key {key!r} must be bytes (e.g. Arrow IPC), got {type(payload).__name__}"
+            )
         try:
             text = json.dumps(dict(tags), sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as e:
-            raise StoreError(f"tags of key {key!r} are not JSON-serialisable ({e}): use str/int/float/bool/None, "
-                             f"lists and dicts") from None
-        return (key, uid, partition, is_prompt, status, gs, text,
-                None if payload is None else bytes(payload))
+            raise StoreError(
+                f"tags of key {key!r} are not JSON-serialisable ({e}): use str/int/float/bool/None, "
+                f"lists and dicts"
+            ) from None
+        return (key, uid, partition, is_prompt, status, gs, text, None if payload is None else bytes(payload))
 
-    _UPSERT = ("INSERT INTO kv(key, uid, partition, is_prompt, status, global_steps, tags, payload) "
-               "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(key) DO UPDATE SET uid=excluded.uid, "
-               "partition=excluded.partition, is_prompt=excluded.is_prompt, status=excluded.status, "
-               "global_steps=excluded.global_steps, tags=excluded.tags, payload=excluded.payload")
+    _UPSERT = (
+        "INSERT INTO kv(key, uid, partition, is_prompt, status, global_steps, tags, payload) "
+        "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(key) DO UPDATE SET uid=excluded.uid, "
+        "partition=excluded.partition, is_prompt=excluded.is_prompt, status=excluded.status, "
+        "global_steps=excluded.global_steps, tags=excluded.tags, payload=excluded.payload"
+    )
 
-    def put(self, key: str, tags: Mapping[str, Any], payload: bytes | None = None,
-            partition: str = "train") -> None:
+    def put(
+        self, key: str, tags: Mapping[str, Any], payload: bytes | None = None, partition: str = "train"
+    ) -> None:
         """Insert or replace ``key`` with ``tags`` (and an optional bytes ``payload``) in ``partition``."""
         self.put_many([(key, tags, payload)], partition=partition)
 
@@ -342,8 +357,14 @@ class RunStore:
             db.executemany(self._UPSERT, rows)
         return len(rows)
 
-    def apply(self, *, puts: Iterable[tuple] = (), merges: Mapping[str, Mapping[str, Any]] | None = None,
-              deletes: Iterable[str] = (), partition: str = "train") -> None:
+    def apply(
+        self,
+        *,
+        puts: Iterable[tuple] = (),
+        merges: Mapping[str, Mapping[str, Any]] | None = None,
+        deletes: Iterable[str] = (),
+        partition: str = "train",
+    ) -> None:
         """Several ledger changes in ONE transaction: ``puts`` as in :meth:`put_many` (in ``partition``),
         ``merges`` {key: tags} merged into existing keys (payload kept; ``KeyError`` if missing), then ``deletes``.
         """
@@ -393,7 +414,7 @@ class RunStore:
         keys = list(keys)
         with self._lock:
             for i in range(0, len(keys), 500):
-                part = keys[i:i + 500]
+                part = keys[i : i + 500]
                 q = f"SELECT key, tags FROM kv WHERE key IN ({','.join('?' * len(part))})"
                 for k, t in self._conn().execute(q, part):
                     out[k] = json.loads(t)
@@ -491,7 +512,8 @@ class RunStore:
         with self._tx() as db:
             rows = db.execute(
                 "SELECT key, tags FROM kv WHERE partition=? AND is_prompt=1 AND status IN (?, ?)",
-                (partition, *INFLIGHT_STATUSES)).fetchall()
+                (partition, *INFLIGHT_STATUSES),
+            ).fetchall()
             if not rows:
                 return 0
             updates = []
@@ -499,8 +521,10 @@ class RunStore:
                 tags = json.loads(text)
                 tags.update(is_prompt=True, status="pending", global_steps=current_step)
                 updates.append((json.dumps(tags, sort_keys=True), current_step, key))
-            db.executemany("DELETE FROM kv WHERE uid=? AND is_prompt=0 AND partition=?",
-                           [(key, partition) for key, _ in rows])
+            db.executemany(
+                "DELETE FROM kv WHERE uid=? AND is_prompt=0 AND partition=?",
+                [(key, partition) for key, _ in rows],
+            )
             db.executemany("UPDATE kv SET tags=?, status='pending', global_steps=? WHERE key=?", updates)
         return len(rows)
 
@@ -518,7 +542,9 @@ class RunStore:
         """The ``file://`` URI of a stage's Arrow file (whether or not it is committed)."""
         return self._paths(step, stage)[0].as_uri()
 
-    def write_stage(self, step: int, stage: str, table: pa.Table, meta: Mapping[str, Any] | None = None) -> str:
+    def write_stage(
+        self, step: int, stage: str, table: pa.Table, meta: Mapping[str, Any] | None = None
+    ) -> str:
         """Commit ``table`` as the output of ``stage`` at ``step``; returns its ``file://`` URI.
 
         Order: (un-commit an older version) → data to temp file + fsync + rename → manifest to temp file +
@@ -527,15 +553,18 @@ class RunStore:
         if isinstance(table, pa.RecordBatch):
             table = pa.Table.from_batches([table])
         if not isinstance(table, pa.Table):
-            raise StoreError(f"write_stage(step={step}, stage={stage!r}): table must be a pyarrow.Table, "
-                             f"got {type(table).__name__}")
+            raise StoreError(
+                f"write_stage(step={step}, stage={stage!r}): table must be a pyarrow.Table, "
+                f"got {type(table).__name__}"
+            )
         data_path, man_path = self._paths(step, stage)
         meta = dict(meta or {})
         try:
             meta_json = json.loads(json.dumps(meta, allow_nan=False))
         except (TypeError, ValueError) as e:
-            raise StoreError(f"write_stage(step={step}, stage={stage!r}): meta is not JSON-serialisable ({e})") \
-                from None
+            raise StoreError(
+                f"write_stage(step={step}, stage={stage!r}): meta is not JSON-serialisable ({e})"
+            ) from None
         data_path.parent.mkdir(parents=True, exist_ok=True)
         if man_path.exists():  # un-commit first so a crash mid-rewrite never pairs old manifest + new data
             unlink_missing_ok(man_path)
@@ -574,15 +603,18 @@ class RunStore:
         try:
             text = man_path.read_bytes()
         except FileNotFoundError:
-            raise StageNotCommitted(f"stage {stage!r} of step {step} is not committed (no {man_path.name} in "
-                                    f"{man_path.parent}): run the stage first") from None
+            raise StageNotCommitted(
+                f"stage {stage!r} of step {step} is not committed (no {man_path.name} in "
+                f"{man_path.parent}): run the stage first"
+            ) from None
         try:
             man = json.loads(text)
             if not all(k in man for k in ("sha256", "bytes", "file")):
                 raise KeyError("sha256/bytes/file")
         except (ValueError, KeyError, TypeError):
-            raise StoreCorruption(f"manifest {man_path} is unreadable: delete_stage({step}, {stage!r}) and "
-                                  f"re-run the stage") from None
+            raise StoreCorruption(
+                f"manifest {man_path} is unreadable: delete_stage({step}, {stage!r}) and re-run the stage"
+            ) from None
         return man
 
     def meta(self, step: int, stage: str) -> dict:
@@ -619,14 +651,19 @@ class RunStore:
                     data = f.read()
                 digest, size = None, len(data)
         except FileNotFoundError:
-            raise StoreCorruption(f"{path} is missing although its manifest commits it: delete the stage and "
-                                  f"re-run it") from None
+            raise StoreCorruption(
+                f"{path} is missing although its manifest commits it: delete the stage and re-run it"
+            ) from None
         if size != man["bytes"]:
-            raise StoreCorruption(f"{path} has {size} bytes, its manifest says {man['bytes']} (torn or truncated "
-                                  f"file): delete the stage and re-run it")
+            raise StoreCorruption(
+                f"{path} has {size} bytes, its manifest says {man['bytes']} (torn or truncated "
+                f"file): delete the stage and re-run it"
+            )
         if verify and digest != man["sha256"]:
-            raise StoreCorruption(f"{path} fails its sha256 check (manifest {man['sha256'][:12]}…, file "
-                                  f"{digest[:12]}…): the file is corrupted; delete the stage and re-run it")
+            raise StoreCorruption(
+                f"{path} fails its sha256 check (manifest {man['sha256'][:12]}…, file "
+                f"{digest[:12]}…): the file is corrupted; delete the stage and re-run it"
+            )
         try:
             table = ipc.open_file(pa.py_buffer(data)).read_all()
         except (pa.ArrowInvalid, OSError) as e:
@@ -672,8 +709,11 @@ class RunStore:
         d = self.step_dir(step)
         if not d.is_dir():
             return []
-        names = sorted(p.name[: -len(_MANIFEST_SUFFIX)] for p in d.iterdir()
-                       if p.name.endswith(_MANIFEST_SUFFIX) and not p.name.startswith("."))
+        names = sorted(
+            p.name[: -len(_MANIFEST_SUFFIX)]
+            for p in d.iterdir()
+            if p.name.endswith(_MANIFEST_SUFFIX) and not p.name.startswith(".")
+        )
         return [s for s in names if _STAGE_RE.match(s) and self.is_committed(step, s)]
 
     def steps(self) -> list[int]:
@@ -742,4 +782,6 @@ class RunStore:
         except FileNotFoundError:
             if default is not ...:
                 return default
-            raise FileNotFoundError(f"run file {path} does not exist (write_json({name!r}, ...) first)") from None
+            raise FileNotFoundError(
+                f"run file {path} does not exist (write_json({name!r}, ...) first)"
+            ) from None

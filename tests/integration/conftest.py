@@ -1,4 +1,5 @@
 """Shared fixtures for integration tests: an isolated Prefect home, and small data + a tiny base model built once."""
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,14 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 def prefect_home(tmp_path_factory):
     """A fresh PREFECT_HOME for the session (ephemeral API, its own SQLite)."""
     home = tmp_path_factory.mktemp("prefect_home")
-    env = {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "PREFECT_LOGGING_LEVEL": "WARNING",
-           "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    env = {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "OMP_NUM_THREADS": "1",
+    }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield home

@@ -1,4 +1,5 @@
 """Workers as named Ray actors and in-process objects behind one interface."""
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """A real Prefect server: `dapo deploy` serves dapo-train/<name>, `prefect deployment run` trains through it."""
+
 from __future__ import annotations
 
 import json
@@ -49,34 +50,61 @@ def _healthy(url: str) -> bool:
 def test_deployment_run_trains_one_step(tiny_assets, tmp_path):
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_RUNNER_POLL_FREQUENCY": "2",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+        "OMP_NUM_THREADS": "1",
+    }
     procs = []
     try:
-        server = subprocess.Popen([str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         procs.append(server)
         _wait(lambda: _healthy(api), 180, "prefect server health", server)
-        ov = tiny_overrides(tiny_assets, **{"trainer.total_training_steps": 1, "trainer.use_ray": "false",
-                                            "trainer.val_before_train": "false", "trainer.test_freq": -1,
-                                            "algorithm.filter_groups.enable": "false",
-                                            "trainer.experiment_name": "deployed"})
-        serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "deploy", "--config", str(CONFIG),
-                                  "--name", "ci", *ov], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, start_new_session=True)
+        ov = tiny_overrides(
+            tiny_assets,
+            **{
+                "trainer.total_training_steps": 1,
+                "trainer.use_ray": "false",
+                "trainer.val_before_train": "false",
+                "trainer.test_freq": -1,
+                "algorithm.filter_groups.enable": "false",
+                "trainer.experiment_name": "deployed",
+            },
+        )
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "deploy", "--config", str(CONFIG), "--name", "ci", *ov],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         procs.append(serve)
 
         def deployed() -> bool:
-            out = subprocess.run([str(PREFECT), "deployment", "ls"], env=env, capture_output=True, text=True,
-                                 check=False)
+            out = subprocess.run(
+                [str(PREFECT), "deployment", "ls"], env=env, capture_output=True, text=True, check=False
+            )
             return "dapo-train/ci" in out.stdout
 
         _wait(deployed, 240, "deployment dapo-train/ci", serve)
-        run = subprocess.run([str(PREFECT), "deployment", "run", "dapo-train/ci", "--watch",
-                              "--watch-timeout", "600"], env=env, capture_output=True, text=True, check=False,
-                             timeout=700)
+        run = subprocess.run(
+            [str(PREFECT), "deployment", "run", "dapo-train/ci", "--watch", "--watch-timeout", "600"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=700,
+        )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert "Completed" in run.stdout
         metrics = tiny_assets / "runs" / "deployed" / "metrics.jsonl"

@@ -1,4 +1,5 @@
 """`dvc repro` runs the project's real dvc.yaml `prepare` stage and tracks its outputs."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DVC = ROOT / ".venv" / "bin" / "dvc"
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not DVC.exists(), reason="dvc is installed in .venv by `make setup`")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not DVC.exists(), reason="dvc is installed in .venv by `make setup`"),
+]
 
 
 def test_dvc_repro_prepare_then_noop(tmp_path, prefect_home):

@@ -8,6 +8,7 @@ A tiny run (4 prompts × n=2 per step, a 1-layer model warmed up by 3 SFT steps)
   k−1 with the weights before step k−1's update, i.e. version k−2 = one step stale (staleness 1);
 - the run store holds every committed stage; no prompt is left in flight; no group is trained twice.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,21 +38,39 @@ PARTS = 2
 def _overrides(tmp: Path, *, use_ray: bool, run: str) -> list[str]:
     data = tmp / "data"
     return [
-        f"data.synthetic.out_dir={data}", f"data.train_files=[{data}/train.parquet]",
-        f"data.val_files=[{data}/val.parquet]", "data.synthetic.num_train=64", "data.synthetic.num_val=8",
-        "data.train_batch_size=4", "data.gen_batch_size=4", "data.max_response_length=16",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        f"data.synthetic.out_dir={data}",
+        f"data.train_files=[{data}/train.parquet]",
+        f"data.val_files=[{data}/val.parquet]",
+        "data.synthetic.num_train=64",
+        "data.synthetic.num_val=8",
+        "data.train_batch_size=4",
+        "data.gen_batch_size=4",
+        "data.max_response_length=16",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.model.tiny.hidden_size=64", "actor_rollout_ref.model.tiny.intermediate_size=64",
-        "actor_rollout_ref.model.tiny.num_hidden_layers=1", "actor_rollout_ref.model.tiny.num_attention_heads=2",
-        "actor_rollout_ref.model.tiny.num_key_value_heads=1", "actor_rollout_ref.model.tiny.head_dim=32",
-        "actor_rollout_ref.model.sft.steps=3", "actor_rollout_ref.model.sft.batch_size=8",
-        "algorithm.filter_groups.enable=false", "reward_model.overlong_buffer.len=4",
-        f"trainer.models_dir={tmp / 'models'}", f"trainer.runs_dir={tmp / 'runs'}",
-        f"trainer.total_training_steps={STEPS}", "trainer.step_order=replay_buffer",
-        f"trainer.parameter_sync_step={PARTS}", "trainer.test_freq=0", f"trainer.save_freq={STEPS}",
-        "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.use_ray={str(use_ray).lower()}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.model.tiny.hidden_size=64",
+        "actor_rollout_ref.model.tiny.intermediate_size=64",
+        "actor_rollout_ref.model.tiny.num_hidden_layers=1",
+        "actor_rollout_ref.model.tiny.num_attention_heads=2",
+        "actor_rollout_ref.model.tiny.num_key_value_heads=1",
+        "actor_rollout_ref.model.tiny.head_dim=32",
+        "actor_rollout_ref.model.sft.steps=3",
+        "actor_rollout_ref.model.sft.batch_size=8",
+        "algorithm.filter_groups.enable=false",
+        "reward_model.overlong_buffer.len=4",
+        f"trainer.models_dir={tmp / 'models'}",
+        f"trainer.runs_dir={tmp / 'runs'}",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.step_order=replay_buffer",
+        f"trainer.parameter_sync_step={PARTS}",
+        "trainer.test_freq=0",
+        f"trainer.save_freq={STEPS}",
+        "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]",
+        f"trainer.use_ray={str(use_ray).lower()}",
         f"trainer.experiment_name={run}",
     ]
 
@@ -66,8 +85,13 @@ def _prefect_home():
         temporary_settings,
     )
 
-    with temporary_settings(updates={PREFECT_HOME: _PREFECT_HOME,
-                                     PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 90, PREFECT_API_URL: None}):
+    with temporary_settings(
+        updates={
+            PREFECT_HOME: _PREFECT_HOME,
+            PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 90,
+            PREFECT_API_URL: None,
+        }
+    ):
         yield
 
 
@@ -105,8 +129,9 @@ def _check_run(out: dict, metrics: dict[int, dict], store: RunStore) -> None:
     seen_uids: set[str] = set()
     for k in range(1, STEPS + 1):
         stages = set(store.committed_stages(k))
-        expected = {"batch", "advantage"} | {f"{s}_p{i}" for i in range(PARTS)
-                                             for s in ("batch", "old_log_prob", "advantage", "update_actor")}
+        expected = {"batch", "advantage"} | {
+            f"{s}_p{i}" for i in range(PARTS) for s in ("batch", "old_log_prob", "advantage", "update_actor")
+        }
         if k < STEPS:
             expected |= {"prompts_ga", "generate_ga", "reward_ga"}
         if k == 1:
@@ -136,7 +161,9 @@ def _check_run(out: dict, metrics: dict[int, dict], store: RunStore) -> None:
         uids = set(batch.column("uid").to_pylist())
         assert not uids & seen_uids, f"step {k} trains groups already trained"
         seen_uids |= uids
-    inflight = [k for k, t in store.items("train", is_prompt=True) if t.get("status") in ("pending", "running")]
+    inflight = [
+        k for k, t in store.items("train", is_prompt=True) if t.get("status") in ("pending", "running")
+    ]
     assert inflight == []
     assert store.checkpoints.latest_step() == STEPS
 
@@ -191,8 +218,10 @@ def test_replay_order_resumes_after_crash(assets, local_run, monkeypatch):
         return original(run_id, step, uri, part=part)
 
     run = "replay-crash"
-    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml",
-                      _overrides(assets, use_ray=False, run=run) + ["trainer.save_freq=1"])
+    cfg = load_config(
+        ROOT / "configs" / "tiny_cpu.yaml",
+        _overrides(assets, use_ray=False, run=run) + ["trainer.save_freq=1"],
+    )
     monkeypatch.setattr(ro, "update_actor", crash_at_step_2)
     with pytest.raises(Exception, match="injected crash"):
         dt.dapo_train(to_yaml(cfg), run)
@@ -217,12 +246,16 @@ def test_replay_order_resumes_after_crash(assets, local_run, monkeypatch):
         assert set(batch3.column("uid").to_pylist()) == ahead_uids
         trained = [store.read_stage(k, "batch").column("uid").to_pylist() for k in range(1, STEPS + 1)]
         assert len({u for b in trained for u in b}) == sum(len(set(b)) for b in trained)  # nothing twice
-        assert not [k for k, t in store.items("train", is_prompt=True) if t.get("status") in ("pending", "running")]
+        assert not [
+            k for k, t in store.items("train", is_prompt=True) if t.get("status") in ("pending", "running")
+        ]
         for _, t in store.items("train", is_prompt=False):  # every buffered trajectory still resolves
             store.read_uri(t["uri"])
         for k in range(1, STEPS + 1):
             assert {f"update_actor_p{i}" for i in range(PARTS)} <= set(store.committed_stages(k))
-            assert store.read_stage(k, "batch").equals(local_run[2].read_stage(k, "batch")), f"step {k} differs"
+            assert store.read_stage(k, "batch").equals(local_run[2].read_stage(k, "batch")), (
+                f"step {k} differs"
+            )
         resumed = load_file(Path(store.checkpoints.load(STEPS)) / "actor" / "model.safetensors")
     uninterrupted = load_file(Path(local_run[2].checkpoints.load(STEPS)) / "actor" / "model.safetensors")
     assert resumed.keys() == uninterrupted.keys()

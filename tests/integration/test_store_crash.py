@@ -113,7 +113,9 @@ def _check(root: Path, report: Path, next_step: int) -> dict:
             per_uid[uid] = per_uid.get(uid, 0) + 1
         for uid, tags in prompts.items():
             if tags["status"] == "finished":
-                assert per_uid.get(uid, 0) == N, f"finished prompt {uid} has {per_uid.get(uid, 0)} trajectories"
+                assert per_uid.get(uid, 0) == N, (
+                    f"finished prompt {uid} has {per_uid.get(uid, 0)} trajectories"
+                )
             assert store.get(uid)[1] == b"row-" + uid.encode()
         inflight = {u for u, t in prompts.items() if t["status"] in ("pending", "running")}
         assert store.reissue_inflight("train", next_step) == len(inflight)
@@ -137,7 +139,12 @@ def _check(root: Path, report: Path, next_step: int) -> dict:
         for s in ckpts[-KEEP:]:
             if s in ck.steps():
                 ck.verify(s)
-        return {"stages": len(stages), "prompts": len(prompts), "inflight": len(inflight), "ckpts": len(ckpts)}
+        return {
+            "stages": len(stages),
+            "prompts": len(prompts),
+            "inflight": len(inflight),
+            "ckpts": len(ckpts),
+        }
     finally:
         store.close()
 
@@ -153,7 +160,9 @@ def test_sigkill_many_times_keeps_store_consistent(tmp_path):
     kills = int(os.environ.get("DAPO_CRASH_KILLS", "40"))
     root, report = tmp_path / "run", tmp_path / "report.txt"
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["pandas", "pyarrow", "dapo_core.store.run_store", "dapo_core.store.checkpoint"])
+    ctx.set_forkserver_preload(
+        ["pandas", "pyarrow", "dapo_core.store.run_store", "dapo_core.store.checkpoint"]
+    )
     rng = random.Random(1234)
     t0 = time.monotonic()
     stats, reissued, landed = {}, 0, 0
@@ -186,8 +195,10 @@ def test_sigkill_many_times_keeps_store_consistent(tmp_path):
     elapsed = time.monotonic() - t0
     assert stats["stages"] > kills and stats["ckpts"] >= 1
     assert landed > 0, "no kill ever landed with prompts running: the test did not exercise re-issue"
-    print(f"{kills} kills in {elapsed:.1f}s: {stats}; {landed} kills left running prompts; "
-          f"re-issued {reissued} prompts in total")
+    print(
+        f"{kills} kills in {elapsed:.1f}s: {stats}; {landed} kills left running prompts; "
+        f"re-issued {reissued} prompts in total"
+    )
 
 
 def _stop_forkserver() -> None:

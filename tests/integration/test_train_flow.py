@@ -1,4 +1,5 @@
 """The real dapo-train flow (real Prefect, real Ray or in-process workers, real run store) on a tiny config."""
+
 from __future__ import annotations
 
 import json
@@ -26,15 +27,30 @@ def _cfg(root, **extra):
 def test_flow_runs_steps_on_ray_and_commits_every_stage(tiny_assets):
     from flows.dapo_train import dapo_train
 
-    cfg = _cfg(tiny_assets, **{"trainer.experiment_name": "ray2", "trainer.use_ray": "true",
-                               "trainer.total_training_steps": 2, "trainer.save_freq": 2, "trainer.test_freq": 2,
-                               "algorithm.filter_groups.enable": "false"})
+    cfg = _cfg(
+        tiny_assets,
+        **{
+            "trainer.experiment_name": "ray2",
+            "trainer.use_ray": "true",
+            "trainer.total_training_steps": 2,
+            "trainer.save_freq": 2,
+            "trainer.test_freq": 2,
+            "algorithm.filter_groups.enable": "false",
+        },
+    )
     out = dapo_train(to_yaml(cfg), "ray2")
     assert out["train_step"] == 2 and out["gen_step"] == 2
     run = Path(out["run_dir"])
     for step in (1, 2):
-        for stage in ("prompts_g0", "generate_g0", "reward_g0", "batch", "old_log_prob", "advantage",
-                      "update_actor"):
+        for stage in (
+            "prompts_g0",
+            "generate_g0",
+            "reward_g0",
+            "batch",
+            "old_log_prob",
+            "advantage",
+            "update_actor",
+        ):
             assert (run / f"step_{step:06d}" / f"{stage}.manifest.json").exists(), (step, stage)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # validation before training, then two steps
@@ -56,14 +72,30 @@ def test_dynamic_sampling_gives_up_with_the_reference_error(tiny_assets):
     from dapo_core.compute.models import build_tiny_model
     from flows.dapo_train import dapo_train
 
-    rand = build_tiny_model(tiny_assets / "models" / "random", {"hidden_size": 64, "intermediate_size": 128,
-                                                                  "num_hidden_layers": 1, "num_attention_heads": 2,
-                                                                  "num_key_value_heads": 1, "head_dim": 32,
-                                                                  "max_position_embeddings": 128,
-                                                                  "tie_word_embeddings": True}, seed=3)
-    cfg = _cfg(tiny_assets, **{"trainer.experiment_name": "exhaust", "trainer.use_ray": "false",
-                               "actor_rollout_ref.model.path": str(rand), "trainer.val_before_train": "false",
-                               "algorithm.filter_groups.max_num_gen_batches": 2})
+    rand = build_tiny_model(
+        tiny_assets / "models" / "random",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "max_position_embeddings": 128,
+            "tie_word_embeddings": True,
+        },
+        seed=3,
+    )
+    cfg = _cfg(
+        tiny_assets,
+        **{
+            "trainer.experiment_name": "exhaust",
+            "trainer.use_ray": "false",
+            "actor_rollout_ref.model.path": str(rand),
+            "trainer.val_before_train": "false",
+            "algorithm.filter_groups.max_num_gen_batches": 2,
+        },
+    )
     with pytest.raises(DynamicSamplingExhausted, match=r"num_gen_batches=2 >= max_num_gen_batches=2"):
         dapo_train(to_yaml(cfg), "exhaust")
     run = tiny_assets / "runs" / "exhaust"
@@ -80,9 +112,14 @@ def _weights(run: Path, step: int) -> dict:
 def test_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
     """SIGKILL the training process inside step 3, start it again with the same run id: final weights are equal
     bit for bit to an uninterrupted run (CPU, one thread)."""
-    common = {"trainer.total_training_steps": 3, "trainer.save_freq": 1, "trainer.test_freq": -1,
-              "trainer.val_before_train": "false", "trainer.use_ray": "false",
-              "algorithm.filter_groups.enable": "false"}
+    common = {
+        "trainer.total_training_steps": 3,
+        "trainer.save_freq": 1,
+        "trainer.test_freq": -1,
+        "trainer.val_before_train": "false",
+        "trainer.use_ray": "false",
+        "algorithm.filter_groups.enable": "false",
+    }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     root = Path(__file__).resolve().parents[2]
 
@@ -91,8 +128,14 @@ def test_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
         return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
 
     subprocess.run(cmd("straight"), check=True, env=env, cwd=root, capture_output=True)
-    victim = subprocess.Popen(cmd("resumed"), env=env, cwd=root, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    victim = subprocess.Popen(
+        cmd("resumed"),
+        env=env,
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     marker = tiny_assets / "runs" / "resumed" / "step_000003" / "generate_g0.manifest.json"
     deadline = time.time() + 600
     while not marker.exists():
@@ -115,15 +158,27 @@ def test_every_optional_stage_runs_gae_critic_kl_and_rollout_correction(tiny_ass
     """ref, values, update_critic, KL in reward (adaptive controller), KL loss and IS + rejection sampling."""
     from flows.dapo_train import dapo_train
 
-    cfg = _cfg(tiny_assets, **{"trainer.experiment_name": "full", "trainer.use_ray": "false",
-                               "trainer.total_training_steps": 2, "trainer.save_freq": 2, "trainer.test_freq": -1,
-                               "trainer.val_before_train": "false", "algorithm.filter_groups.enable": "false",
-                               "algorithm.adv_estimator": "gae", "actor_rollout_ref.actor.use_kl_loss": "true",
-                               "actor_rollout_ref.actor.kl_loss_coef": 0.01, "algorithm.use_kl_in_reward": "true",
-                               "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.01,
-                               "algorithm.rollout_correction.rollout_is": "token",
-                               "algorithm.rollout_correction.rollout_rs": "token_k1",
-                               "algorithm.rollout_correction.rollout_rs_threshold": "0.5_2.0"})
+    cfg = _cfg(
+        tiny_assets,
+        **{
+            "trainer.experiment_name": "full",
+            "trainer.use_ray": "false",
+            "trainer.total_training_steps": 2,
+            "trainer.save_freq": 2,
+            "trainer.test_freq": -1,
+            "trainer.val_before_train": "false",
+            "algorithm.filter_groups.enable": "false",
+            "algorithm.adv_estimator": "gae",
+            "actor_rollout_ref.actor.use_kl_loss": "true",
+            "actor_rollout_ref.actor.kl_loss_coef": 0.01,
+            "algorithm.use_kl_in_reward": "true",
+            "algorithm.kl_ctrl.type": "adaptive",
+            "algorithm.kl_ctrl.kl_coef": 0.01,
+            "algorithm.rollout_correction.rollout_is": "token",
+            "algorithm.rollout_correction.rollout_rs": "token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold": "0.5_2.0",
+        },
+    )
     out = dapo_train(to_yaml(cfg), "full")
     run = Path(out["run_dir"])
     for stage in ("ref", "values", "update_critic", "advantage", "update_actor"):
@@ -139,11 +194,20 @@ def test_every_optional_stage_runs_gae_critic_kl_and_rollout_correction(tiny_ass
 def test_deepspeed_strategy_trains_in_a_ray_actor(tiny_assets):
     from flows.dapo_train import dapo_train
 
-    cfg = _cfg(tiny_assets, **{"trainer.experiment_name": "ds", "trainer.use_ray": "true",
-                               "trainer.total_training_steps": 1, "trainer.save_freq": 1, "trainer.test_freq": -1,
-                               "trainer.val_before_train": "false", "algorithm.filter_groups.enable": "false",
-                               "actor_rollout_ref.actor.strategy": "deepspeed",
-                               "actor_rollout_ref.actor.deepspeed.zero_stage": 2})
+    cfg = _cfg(
+        tiny_assets,
+        **{
+            "trainer.experiment_name": "ds",
+            "trainer.use_ray": "true",
+            "trainer.total_training_steps": 1,
+            "trainer.save_freq": 1,
+            "trainer.test_freq": -1,
+            "trainer.val_before_train": "false",
+            "algorithm.filter_groups.enable": "false",
+            "actor_rollout_ref.actor.strategy": "deepspeed",
+            "actor_rollout_ref.actor.deepspeed.zero_stage": 2,
+        },
+    )
     out = dapo_train(to_yaml(cfg), "ds")
     ckpt = Path(out["run_dir"]) / "ckpt" / "step_1" / "actor"
     assert (ckpt / "deepspeed").is_dir() and (ckpt / "model.safetensors").exists()
@@ -172,10 +236,17 @@ def test_failed_open_run_leaves_no_workers_and_retried_draw_skips_no_prompt(tiny
 
     rt = rs.open_run(cfg, "openfail")
     try:
-        fresh = rs.ChunkSampler(rt.extras["sampler"].sampler.__class__(
-            rs.read_table(cfg.data.train_files), rs.load_tokenizer(rs.default_model_path(cfg)), batch_size=1,
-            seed=int(cfg.data.seed), shuffle=bool(cfg.data.shuffle),
-            max_prompt_length=int(cfg.data.max_prompt_length), truncation=str(cfg.data.truncation)))
+        fresh = rs.ChunkSampler(
+            rt.extras["sampler"].sampler.__class__(
+                rs.read_table(cfg.data.train_files),
+                rs.load_tokenizer(rs.default_model_path(cfg)),
+                batch_size=1,
+                seed=int(cfg.data.seed),
+                shuffle=bool(cfg.data.shuffle),
+                max_prompt_length=int(cfg.data.max_prompt_length),
+                truncation=str(cfg.data.truncation),
+            )
+        )
         expected = fresh.next_batch(3).column("prompt_id").to_pylist()
         original = rt.store.put_many
         calls = []
@@ -201,21 +272,40 @@ def test_resume_path_loads_the_named_checkpoint_and_may_rewrite_the_latest(tiny_
     checkpoint re-saves the later steps (no 'exists and is the latest' error); both end bitwise equal."""
     from flows.dapo_train import dapo_train
 
-    common = {"trainer.total_training_steps": 2, "trainer.save_freq": 1, "trainer.test_freq": -1,
-              "trainer.val_before_train": "false", "trainer.use_ray": "false",
-              "algorithm.filter_groups.enable": "false"}
+    common = {
+        "trainer.total_training_steps": 2,
+        "trainer.save_freq": 1,
+        "trainer.test_freq": -1,
+        "trainer.val_before_train": "false",
+        "trainer.use_ray": "false",
+        "algorithm.filter_groups.enable": "false",
+    }
     src = _cfg(tiny_assets, **common, **{"trainer.experiment_name": "rp_src"})
     dapo_train(to_yaml(src), "rp_src")
     src_run = tiny_assets / "runs" / "rp_src"
     step1 = src_run / "ckpt" / "step_1"
-    again = _cfg(tiny_assets, **common, **{"trainer.experiment_name": "rp_src", "trainer.resume_mode": "resume_path",
-                                           "trainer.resume_from_path": str(step1)})
+    again = _cfg(
+        tiny_assets,
+        **common,
+        **{
+            "trainer.experiment_name": "rp_src",
+            "trainer.resume_mode": "resume_path",
+            "trainer.resume_from_path": str(step1),
+        },
+    )
     out = dapo_train(to_yaml(again), "rp_src")
     assert out["train_step"] == 2 and out["gen_step"] == 2
     assert list((src_run / "ckpt").glob("abandoned-*/step_2"))  # the left branch is kept aside, never loaded
     assert (src_run / "ckpt" / "latest").read_text().strip() == "2"
-    other = _cfg(tiny_assets, **common, **{"trainer.experiment_name": "rp_dst", "trainer.resume_mode": "resume_path",
-                                           "trainer.resume_from_path": str(step1)})
+    other = _cfg(
+        tiny_assets,
+        **common,
+        **{
+            "trainer.experiment_name": "rp_dst",
+            "trainer.resume_mode": "resume_path",
+            "trainer.resume_from_path": str(step1),
+        },
+    )
     out = dapo_train(to_yaml(other), "rp_dst")
     assert out["train_step"] == 2 and out["gen_step"] == 2
     dst_run = tiny_assets / "runs" / "rp_dst"

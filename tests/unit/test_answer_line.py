@@ -1,4 +1,5 @@
 """The warm-up solution mix: some solutions forget the `Answer:` line, which the verifier scores as wrong."""
+
 from __future__ import annotations
 
 from dapo_core.rewards.math_dapo import compute_score

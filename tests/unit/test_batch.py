@@ -67,7 +67,9 @@ def test_to_padded_fixed_widths_and_too_long_row():
 
 
 def test_to_padded_uses_response_mask_column():
-    t = make_table([[1]], [[2, 3, 4]]).append_column("response_mask", pa.array([[1, 0, 1]], pa.list_(pa.int8())))
+    t = make_table([[1]], [[2, 3, 4]]).append_column(
+        "response_mask", pa.array([[1, 0, 1]], pa.list_(pa.int8()))
+    )
     d = B.to_padded(t, 0, max_response_length=4)
     assert d["response_mask"].tolist() == [[1, 0, 1, 0]]
     assert d["attention_mask"].tolist() == [[1, 1, 1, 1, 0]]
@@ -113,7 +115,10 @@ def test_padded_round_trip(rows, pad):
     t = make_table(prompts, responses, logps)
     d = B.to_padded(t, pad, columns=["rollout_log_probs"])
     assert B.from_padded(d["responses"], d["response_length"], dtype="int32").to_pylist() == responses
-    assert B.from_padded(d["prompts"], d["prompt_length"], dtype="int32", left_padded=True).to_pylist() == prompts
+    assert (
+        B.from_padded(d["prompts"], d["prompt_length"], dtype="int32", left_padded=True).to_pylist()
+        == prompts
+    )
     back = B.from_padded(d["rollout_log_probs"], d["response_length"])
     assert back.type == LF32
     assert back.to_pylist() == logps

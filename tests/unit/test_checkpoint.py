@@ -13,6 +13,7 @@ def _writer(payload: bytes):
         (d / "model.safetensors").write_bytes(payload)
         (d / "optim").mkdir()
         (d / "optim" / "state.pt").write_bytes(payload[::-1] + b"!")
+
     return write
 
 
@@ -134,8 +135,10 @@ def test_rewind_makes_an_earlier_step_the_latest_and_keeps_the_abandoned_branch(
     assert ckpts.latest_step() == 3
     assert ckpts.rewind(1) == [2, 3]
     assert ckpts.latest_step() == 1 and ckpts.steps() == [1]
-    assert sorted(p.name for p in next(tmp_path.joinpath("ckpt").glob("abandoned-*")).iterdir()) == ["step_2",
-                                                                                                      "step_3"]
+    assert sorted(p.name for p in next(tmp_path.joinpath("ckpt").glob("abandoned-*")).iterdir()) == [
+        "step_2",
+        "step_3",
+    ]
     ckpts.save(2, lambda d: (d / "w.txt").write_text("new 2"))  # the new branch saves step 2 again
     assert ckpts.latest_step() == 2 and (ckpts.load(2) / "w.txt").read_text() == "new 2"
     assert ckpts.rewind(0) == [1, 2] and ckpts.latest_step() is None  # no step_0 here: no pointer

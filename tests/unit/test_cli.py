@@ -60,7 +60,7 @@ def test_missing_config_file_exits_2(capsys):
 def test_train_generates_run_id_and_calls_pipeline(monkeypatch, capsys):
     calls = _fake_flow(monkeypatch, "flows.pipeline", "pipeline")
     assert main(["train", "--config", TINY, "trainer.total_training_steps=2"]) == 0
-    (cfg_yaml, run_id), = calls
+    ((cfg_yaml, run_id),) = calls
     assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{4}", run_id)
     assert run_id in capsys.readouterr().out
     cfg = OmegaConf.create(cfg_yaml)
@@ -79,7 +79,10 @@ def test_prepare_eval_deploy_dispatch(monkeypatch):
     dep = _fake_flow(monkeypatch, "flows.deploy", "deploy")
     assert main(["prepare", "--config", TINY]) == 0 and len(prep) == 1
     assert main(["eval", "--config", TINY, "--checkpoint", "runs/x/ckpt/step_2"]) == 0
-    assert ev[0][1] == "runs/x/ckpt/step_2" and OmegaConf.create(ev[0][0]).eval.checkpoint == "runs/x/ckpt/step_2"
+    assert (
+        ev[0][1] == "runs/x/ckpt/step_2"
+        and OmegaConf.create(ev[0][0]).eval.checkpoint == "runs/x/ckpt/step_2"
+    )
     assert main(["deploy", "--config", TINY, "--name", "nightly"]) == 0 and dep[0][1] == "nightly"
     assert main(["deploy", "--config", TINY]) == 0 and dep[1][1] == "tiny-cpu"
 

@@ -163,7 +163,9 @@ def test_override_without_equals():
 
 def test_base_chain_and_cycle(tmp_path):
     (tmp_path / "a.yaml").write_text("base: b.yaml\ndata:\n  seed: 5\n")
-    (tmp_path / "b.yaml").write_text(f"base: {CONFIGS / 'tiny_cpu.yaml'}\ndata:\n  seed: 4\n  shuffle: false\n")
+    (tmp_path / "b.yaml").write_text(
+        f"base: {CONFIGS / 'tiny_cpu.yaml'}\ndata:\n  seed: 4\n  shuffle: false\n"
+    )
     c = _load(path=tmp_path / "a.yaml")
     assert c.data.seed == 5 and c.data.shuffle is False and c.data.train_batch_size == 16
     (tmp_path / "c.yaml").write_text("base: d.yaml\n")
@@ -182,51 +184,82 @@ def test_struct_mode_rejects_new_attributes():
 @pytest.mark.parametrize(
     ("overrides", "key", "text"),
     [
-        (["reward_model.overlong_buffer.len=32"], "reward_model.overlong_buffer.len", "< data.max_response_length"),
+        (
+            ["reward_model.overlong_buffer.len=32"],
+            "reward_model.overlong_buffer.len",
+            "< data.max_response_length",
+        ),
         (["reward_model.overlong_buffer.len=0"], "reward_model.overlong_buffer.len", "> 0"),
         (["actor_rollout_ref.actor.clip_ratio_c=1.0"], "actor_rollout_ref.actor.clip_ratio_c", "> 1"),
         (["data.gen_batch_size=8"], "data.gen_batch_size", ">= train_batch_size"),
         (["actor_rollout_ref.actor.ppo_mini_batch_size=5"], "ppo_mini_batch_size", "does not divide"),
-        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"], "ppo_micro_batch_size_per_gpu", "divide"),
+        (
+            ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"],
+            "ppo_micro_batch_size_per_gpu",
+            "divide",
+        ),
         (["actor_rollout_ref.actor.loss_agg_mode=token_mean"], "loss_agg_mode", "seq-mean-token-sum-norm"),
         (["critic.loss_agg_mode=mean"], "critic.loss_agg_mode", "token-mean"),
         (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator", "grpo"),
         (["algorithm.kl_penalty=k4"], "algorithm.kl_penalty", "low_var_kl"),
         (["actor_rollout_ref.actor.kl_loss_type=full"], "kl_loss_type", "not implemented"),
-        (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"], "algorithm.kl_ctrl.horizon", "> 0"),
+        (
+            ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"],
+            "algorithm.kl_ctrl.horizon",
+            "> 0",
+        ),
         (["algorithm.filter_groups.metric=null"], "algorithm.filter_groups.metric", "required"),
         (["actor_rollout_ref.rollout.n=0"], "actor_rollout_ref.rollout.n", ">= 1"),
         (["algorithm.rollout_correction.rollout_is=tok"], "rollout_is", "token or sequence"),
         (
-            ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=true"],
+            [
+                "algorithm.rollout_correction.rollout_is=token",
+                "algorithm.rollout_correction.rollout_is_threshold=true",
+            ],
             "rollout_is_threshold",
             "boolean",
         ),
         (
-            ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=5_0.5"],
+            [
+                "algorithm.rollout_correction.rollout_is=token",
+                "algorithm.rollout_correction.rollout_is_threshold=5_0.5",
+            ],
             "rollout_is_threshold",
             "lower must be <= upper",
         ),
         (["algorithm.rollout_correction.rollout_rs=geometric"], "rollout_rs", "unknown option"),
         (["algorithm.rollout_correction.rollout_rs=seq_mean_k3"], "rollout_rs_threshold", "required"),
         (
-            ["algorithm.rollout_correction.rollout_rs=seq_mean_k3", "algorithm.rollout_correction.rollout_rs_threshold=0.5_2"],
+            [
+                "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+                "algorithm.rollout_correction.rollout_rs_threshold=0.5_2",
+            ],
             "rollout_rs_threshold",
             "one upper bound",
         ),
         (
-            ["algorithm.rollout_correction.rollout_rs='token_k1,seq_mean_k3'", "algorithm.rollout_correction.rollout_rs_threshold='2,3,4'"],
+            [
+                "algorithm.rollout_correction.rollout_rs='token_k1,seq_mean_k3'",
+                "algorithm.rollout_correction.rollout_rs_threshold='2,3,4'",
+            ],
             "rollout_rs_threshold",
             "one per option",
         ),
         (["algorithm.rollout_correction.loss_type=pg"], "loss_type", "reinforce"),
         (
-            ["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.calculate_log_probs=false"],
+            [
+                "algorithm.rollout_correction.bypass_mode=true",
+                "actor_rollout_ref.rollout.calculate_log_probs=false",
+            ],
             "calculate_log_probs",
             "true",
         ),
         (["trainer.step_order=async"], "trainer.step_order", "replay_buffer"),
-        (["trainer.step_order=replay_buffer", "trainer.parameter_sync_step=3"], "parameter_sync_step", "divide"),
+        (
+            ["trainer.step_order=replay_buffer", "trainer.parameter_sync_step=3"],
+            "parameter_sync_step",
+            "divide",
+        ),
         (["trainer.max_off_policy_strategy=skip"], "max_off_policy_strategy", "wait"),
         (["actor_rollout_ref.actor.strategy=fsdp"], "actor_rollout_ref.actor.strategy", "deepspeed"),
         (["actor_rollout_ref.actor.strategy=megatron"], "strategy", "torch"),
@@ -273,7 +306,9 @@ def test_warnings_not_errors():
     with pytest.warns(ConfigWarning, match="filter_groups.metric"):
         load_config(TINY, ["algorithm.filter_groups.metric=my_extra"])
     with pytest.warns(ConfigWarning, match="rollout.n"):
-        load_config(TINY, ["actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"])
+        load_config(
+            TINY, ["actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]
+        )
     with pytest.warns(ConfigWarning, match="max_position_embeddings"):
         load_config(TINY, ["data.max_response_length=250"])
     with pytest.warns(ConfigWarning, match="register_policy_loss"):
@@ -306,12 +341,21 @@ def test_batch_divisibility_property(tbs, mini, n, micro):
 def test_tiny_cpu_is_dapo_on_small_batches():
     c = _load()
     a, r, alg = c.actor_rollout_ref.actor, c.actor_rollout_ref.rollout, c.algorithm
-    assert c.data.synthetic.enable and c.actor_rollout_ref.model.path == "" and c.actor_rollout_ref.model.sft.enable
+    assert (
+        c.data.synthetic.enable
+        and c.actor_rollout_ref.model.path == ""
+        and c.actor_rollout_ref.model.sft.enable
+    )
     assert (r.name, a.strategy, c.trainer.device) == ("hf", "torch", "cpu")
     assert (c.data.train_batch_size, gen_batch_size(c), r.n) == (16, 32, 8)
     assert (c.data.max_prompt_length, c.data.max_response_length) == (64, 32)
     assert (a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu) == (8, 64)
-    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode) == (0.2, 0.28, 10.0, "token-mean")
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode) == (
+        0.2,
+        0.28,
+        10.0,
+        "token-mean",
+    )
     fg = alg.filter_groups
     assert (fg.enable, fg.metric, fg.max_num_gen_batches) == (True, "acc", 10)
     ob = c.reward_model.overlong_buffer
@@ -378,21 +422,34 @@ COMMON_32B = {
         (
             "dapo_qwen2.5_32b.yaml",
             "52",
-            {"actor_rollout_ref.actor.loss_agg_mode": "token-mean", "algorithm.filter_groups.enable": True,
-             "algorithm.filter_groups.metric": "acc", "algorithm.filter_groups.max_num_gen_batches": 10,
-             "gen": 1536, "actor_rollout_ref.rollout.gpu_memory_utilization": 0.80},
+            {
+                "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
+                "algorithm.filter_groups.enable": True,
+                "algorithm.filter_groups.metric": "acc",
+                "algorithm.filter_groups.max_num_gen_batches": 10,
+                "gen": 1536,
+                "actor_rollout_ref.rollout.gpu_memory_utilization": 0.80,
+            },
         ),
         (
             "dapo_wo_ds_qwen2.5_32b.yaml",
             "50",
-            {"actor_rollout_ref.actor.loss_agg_mode": "token-mean", "algorithm.filter_groups.enable": False,
-             "gen": 512, "actor_rollout_ref.rollout.gpu_memory_utilization": 0.7},
+            {
+                "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
+                "algorithm.filter_groups.enable": False,
+                "gen": 512,
+                "actor_rollout_ref.rollout.gpu_memory_utilization": 0.7,
+            },
         ),
         (
             "dapo_early_qwen2.5_32b.yaml",
             "44",
-            {"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean", "algorithm.filter_groups.enable": False,
-             "gen": 512, "actor_rollout_ref.rollout.gpu_memory_utilization": 0.80},
+            {
+                "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean",
+                "algorithm.filter_groups.enable": False,
+                "gen": 512,
+                "actor_rollout_ref.rollout.gpu_memory_utilization": 0.80,
+            },
         ),
     ],
 )
@@ -408,7 +465,9 @@ def test_32b_configs_carry_reference_values(name, aime, specific, monkeypatch):
     monkeypatch.setenv("MODEL_PATH", "/models/q32")
     monkeypatch.setenv("TRAIN_FILE", "/d/train.parquet")
     c = _load(path=CONFIGS / name)
-    assert c.actor_rollout_ref.model.path == "/models/q32" and list(c.data.train_files) == ["/d/train.parquet"]
+    assert c.actor_rollout_ref.model.path == "/models/q32" and list(c.data.train_files) == [
+        "/d/train.parquet"
+    ]
 
 
 # ------------------------------------------------------------------------------------- hash & text

@@ -95,7 +95,8 @@ def test_parquet_round_trip(tmp_path):
     table = read_parquet(path)
     assert table.num_rows == 10
     assert table.schema.field("prompt").type == pa.list_(
-        pa.struct([("content", pa.string()), ("role", pa.string())]))
+        pa.struct([("content", pa.string()), ("role", pa.string())])
+    )
     assert table.to_pylist() == rows
 
 
@@ -117,7 +118,9 @@ def test_load_dapo_math_dedup_counts(tmp_path):
     base = make_synthetic_math(7, seed=5)
     train = [dict(r, data_source="math_dapo") for r in base for _ in range(3)]  # each problem 3x
     aime_rows = make_synthetic_math(2, seed=9, exclude=base)
-    aime = [dict(r, extra_info={"index": k, "split": None}) for k, r in enumerate(aime_rows) for _ in range(4)]
+    aime = [
+        dict(r, extra_info={"index": k, "split": None}) for k, r in enumerate(aime_rows) for _ in range(4)
+    ]
     p1 = write_parquet(train, tmp_path / "dapo.parquet")
     p2 = write_parquet(aime, tmp_path / "aime.parquet")
     table, stats = load_dapo_math([p1, p2], dedup=False)
@@ -126,7 +129,9 @@ def test_load_dapo_math_dedup_counts(tmp_path):
     deduped, stats2 = load_dapo_math([p1, p2], dedup=True)
     assert stats2["rows_out"] == deduped.num_rows == 9
     keys = [problem_key(r) for r in deduped.to_pylist()]
-    assert keys == [problem_key(r) for r in base] + [problem_key(r) for r in aime_rows]  # first occurrence order
+    assert keys == [problem_key(r) for r in base] + [
+        problem_key(r) for r in aime_rows
+    ]  # first occurrence order
     assert stats2["conflicting_ground_truths"] == 0
 
 
@@ -155,8 +160,9 @@ def test_sampler_batch_columns(tokenizer):
     assert b.schema.field("prompt_id").type == pa.int64()
     assert b.schema.field("prompt_ids").type == pa.list_(pa.int32())
     rows = make_synthetic_math(23, seed=2)
-    for pid, gt, ids in zip(b["prompt_id"].to_pylist(), b["ground_truth"].to_pylist(),
-                            b["prompt_ids"].to_pylist()):
+    for pid, gt, ids in zip(
+        b["prompt_id"].to_pylist(), b["ground_truth"].to_pylist(), b["prompt_ids"].to_pylist()
+    ):
         assert gt == rows[pid]["reward_model"]["ground_truth"]
         assert ids == tokenize_prompt(tokenizer, rows[pid]["prompt"])
         text = tokenizer.decode(ids)

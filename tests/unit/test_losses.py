@@ -154,7 +154,9 @@ def test_clipfrac_is_strict_and_masked():
     adv = torch.tensor([[0.0, 1.0, 1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
     lp = torch.log(torch.tensor([ratios], dtype=torch.float64))
     mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
-    loss, m = compute_policy_loss(torch.zeros(1, 6, dtype=torch.float64), lp, adv, mask, clip_ratio_c=3.0, **DAPO)
+    loss, m = compute_policy_loss(
+        torch.zeros(1, 6, dtype=torch.float64), lp, adv, mask, clip_ratio_c=3.0, **DAPO
+    )
     # L2 > L1 only for token 2 (−1.28 > −2); token 0 has L1 == L2 == 0, tokens 3/4 have L1 > L2 (A < 0),
     # token 5 is masked → 1 of the 5 valid tokens
     assert m["pg_clipfrac"] == pytest.approx(1 / 5)

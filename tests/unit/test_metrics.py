@@ -72,14 +72,16 @@ def test_compute_data_metrics_all_aborted_is_nan_and_no_critic():
 def test_compute_data_metrics_from_table():
     li = pa.list_(pa.int32())
     lf = pa.list_(pa.float32())
-    t = pa.table({
-        "prompt_ids": pa.array([[1, 2], [3]], li),
-        "response_ids": pa.array([[4, 5, 6], []], li),
-        "reward": pa.array([1.0, -1.0], pa.float32()),
-        "token_level_rewards": pa.array([[0, 0, 0.5], []], lf),
-        "advantages": pa.array([[1, 1, 1], []], lf),
-        "returns": pa.array([[0, 0, 0.5], []], lf),
-    })
+    t = pa.table(
+        {
+            "prompt_ids": pa.array([[1, 2], [3]], li),
+            "response_ids": pa.array([[4, 5, 6], []], li),
+            "reward": pa.array([1.0, -1.0], pa.float32()),
+            "token_level_rewards": pa.array([[0, 0, 0.5], []], lf),
+            "advantages": pa.array([[1, 1, 1], []], lf),
+            "returns": pa.array([[0, 0, 0.5], []], lf),
+        }
+    )
     m = M.compute_data_metrics(t, use_critic=False, max_response_length=4)
     assert m["critic/score/mean"] == 1.0  # the aborted row (-1) is excluded
     assert m["critic/rewards/mean"] == 0.5
@@ -96,7 +98,11 @@ def test_timing_metrics():
     assert m["timing_per_token_ms/ref"] == pytest.approx(1000 / 10)
     assert m["timing_per_token_ms/update_actor"] == pytest.approx(2000 / 10)
     assert "timing_per_token_ms/step" not in m
-    empty = {"prompts": torch.zeros(1, 0), "responses": torch.zeros(1, 0), "attention_mask": torch.zeros(1, 0)}
+    empty = {
+        "prompts": torch.zeros(1, 0),
+        "responses": torch.zeros(1, 0),
+        "attention_mask": torch.zeros(1, 0),
+    }
     assert M.compute_timing_metrics(empty, {"gen": 1.0})["timing_per_token_ms/gen"] == 0.0
 
 
@@ -145,7 +151,8 @@ def _reference_bootstrap(data, subset_size, reduce_fns, n_bootstrap=1000, seed=4
 
 def test_validation_fixture_mean_at_2():
     out = M.process_validation_metrics(
-        ["source1", "source1", "source2"], ["uid1", "uid1", "uid2"],
+        ["source1", "source1", "source2"],
+        ["uid1", "uid1", "uid2"],
         {"score": [0.8, 0.9, 0.7], "pred": ["A", "A", "B"]},
     )
     s1 = out["source1"]["score"]
@@ -190,8 +197,10 @@ def test_bootstrap_matches_global_seed_stream():
     # a subset size that does not divide the draw evenly, and more categories (the stream must still match)
     data = [float(i) for i in range(37)]
     res = M.bootstrap_metric(data, 5, [np.max, np.min, np.mean], n_bootstrap=300, seed=3)
-    assert res == [(pytest.approx(a), pytest.approx(b)) for a, b in _reference_bootstrap(
-        data, 5, [np.max, np.min, np.mean], n_bootstrap=300, seed=3)]
+    assert res == [
+        (pytest.approx(a), pytest.approx(b))
+        for a, b in _reference_bootstrap(data, 5, [np.max, np.min, np.mean], n_bootstrap=300, seed=3)
+    ]
     before = np.random.get_state()[1][:5].copy()
     M.bootstrap_metric(data, 2, [np.max], seed=1)
     assert np.array_equal(np.random.get_state()[1][:5], before)  # global RNG untouched
@@ -268,8 +277,15 @@ def test_staleness_and_eviction():
 
 
 def test_reduce_metrics_and_metric():
-    r = M.reduce_metrics({"a/max_x": [1, 5, 3], "a/min": [4, 2], "loss": [1.0, 2.0],
-                          "admin/x": [1, 3], "m": M.Metric("sum", [1, 2, 3])})
+    r = M.reduce_metrics(
+        {
+            "a/max_x": [1, 5, 3],
+            "a/min": [4, 2],
+            "loss": [1.0, 2.0],
+            "admin/x": [1, 3],
+            "m": M.Metric("sum", [1, 2, 3]),
+        }
+    )
     assert r == {"a/max_x": 5.0, "a/min": 2.0, "loss": 1.5, "admin/x": 1.0, "m": 6.0}
     m = M.Metric(M.AggregationType.MAX)
     m.append(torch.tensor(2.0))
@@ -288,8 +304,12 @@ def test_reduce_metrics_and_metric():
 def test_log_seqlen_unbalance():
     m = M.log_seqlen_unbalance([8, 1, 7, 2], [[0, 1], [2, 3]], prefix="global_seqlen")
     assert m == {
-        "global_seqlen/min": 9, "global_seqlen/max": 9, "global_seqlen/minmax_diff": 0,
-        "global_seqlen/balanced_min": 9, "global_seqlen/balanced_max": 9, "global_seqlen/mean": 9.0,
+        "global_seqlen/min": 9,
+        "global_seqlen/max": 9,
+        "global_seqlen/minmax_diff": 0,
+        "global_seqlen/balanced_min": 9,
+        "global_seqlen/balanced_max": 9,
+        "global_seqlen/mean": 9.0,
     }
     m = M.log_seqlen_unbalance([8, 7, 1, 2], [[0, 2], [1, 3]])
     assert m["global_seqlen/minmax_diff"] == 12 and m["global_seqlen/balanced_max"] == 9

@@ -25,11 +25,15 @@ def _groups(uids, accs, weight_version=0, n=N):
             rows["acc"].append(bool(a[i]))
             rows["weight_version"].append(weight_version)
             rows["response_ids"].append([i, len(u)])
-    return pa.table({
-        "uid": pa.array(rows["uid"]), "sample_idx": pa.array(rows["sample_idx"], pa.int32()),
-        "acc": pa.array(rows["acc"]), "weight_version": pa.array(rows["weight_version"], pa.int64()),
-        "response_ids": pa.array(rows["response_ids"], pa.list_(pa.int32())),
-    })
+    return pa.table(
+        {
+            "uid": pa.array(rows["uid"]),
+            "sample_idx": pa.array(rows["sample_idx"], pa.int32()),
+            "acc": pa.array(rows["acc"]),
+            "weight_version": pa.array(rows["weight_version"], pa.int64()),
+            "response_ids": pa.array(rows["response_ids"], pa.list_(pa.int32())),
+        }
+    )
 
 
 MIXED = [1, 0, 1, 0]
@@ -115,8 +119,9 @@ def test_drop_stale_groups(store):
 
 
 def test_wait_strategy_reports_must_wait(store):
-    rb = ReplayBuffer(store, train_batch_size=1, n=N, max_off_policy_threshold=2,
-                      max_off_policy_strategy="wait")
+    rb = ReplayBuffer(
+        store, train_batch_size=1, n=N, max_off_policy_threshold=2, max_off_policy_strategy="wait"
+    )
     stale = _uid()
     rb.add_groups(_groups([stale], [MIXED]), global_steps=1)
     late = _uid()
@@ -177,8 +182,14 @@ def test_failed_groups_evicted(store):
 
 
 def test_validation_partition_never_evicts(store):
-    rb = ReplayBuffer(store, train_batch_size=1, n=N, filter_groups_metric="acc", max_off_policy_threshold=1,
-                      partition="val")
+    rb = ReplayBuffer(
+        store,
+        train_batch_size=1,
+        n=N,
+        filter_groups_metric="acc",
+        max_off_policy_threshold=1,
+        partition="val",
+    )
     u = _uid()
     rb.add_groups(_groups([u], [[1] * 4]), global_steps=1)
     table, m = rb.sample(global_steps=9)

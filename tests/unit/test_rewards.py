@@ -34,7 +34,13 @@ def flaky_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def _row(uid, text, gt="34", n=3, source="math_dapo"):
-    return {"uid": uid, "data_source": source, "solution_str": text, "ground_truth": gt, "valid_response_length": n}
+    return {
+        "uid": uid,
+        "data_source": source,
+        "solution_str": text,
+        "ground_truth": gt,
+        "valid_response_length": n,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------ math_dapo
@@ -61,8 +67,16 @@ def test_compute_score_examples(text, gt, score, pred):
 def test_strict_box_verify_compares_raw_ground_truth():
     assert compute_score("Answer: 7 \\boxed{34}", "34", strict_box_verify=True)["score"] == 1.0
     # strict box does not normalise: "34 " differs from "34"
-    assert compute_score("\\boxed{34 }", "34", strict_box_verify=True) == {"score": -1.0, "acc": False, "pred": "34 "}
-    assert compute_score("no box", "34", strict_box_verify=True) == {"score": -1.0, "acc": False, "pred": None}
+    assert compute_score("\\boxed{34 }", "34", strict_box_verify=True) == {
+        "score": -1.0,
+        "acc": False,
+        "pred": "34 ",
+    }
+    assert compute_score("no box", "34", strict_box_verify=True) == {
+        "score": -1.0,
+        "acc": False,
+        "pred": None,
+    }
     with pytest.raises(ValueError, match="pause_tokens_index"):
         compute_score("\\boxed{1}", "1", strict_box_verify=True, pause_tokens_index=[1, 2])
     text = "\\boxed{34}" + "x" * 200
@@ -99,7 +113,9 @@ def test_boxed_helpers():
         remove_boxed("boxed{1}")
 
 
-@pytest.mark.parametrize("source", ["math_dapo", "math", "math_dapo_reasoning", "aime2024", "aime", "synthetic_arith"])
+@pytest.mark.parametrize(
+    "source", ["math_dapo", "math", "math_dapo_reasoning", "aime2024", "aime", "synthetic_arith"]
+)
 def test_routing_to_math_dapo(source):
     assert default_compute_score(source, "Answer: 3", "3") == {"score": 1.0, "acc": True, "pred": "3"}
 
@@ -112,7 +128,9 @@ def test_routing_unknown_source():
 # ------------------------------------------------------------------------------------------------------ overlong
 
 
-@pytest.mark.parametrize("length, expected", [(16384, 0.0), (18432, -0.5), (20480, -1.0), (0, 0.0), (16385, -1 / 4096)])
+@pytest.mark.parametrize(
+    "length, expected", [(16384, 0.0), (18432, -0.5), (20480, -1.0), (0, 0.0), (16385, -1 / 4096)]
+)
 def test_overlong_penalty_examples(length, expected):
     assert overlong_penalty(length, 20480, 4096, 1.0) == pytest.approx(expected)
 
@@ -146,7 +164,9 @@ def test_overlong_penalty_properties(buf, extra, length, factor):
 
 def test_manager_construction_checks():
     with pytest.raises(RewardConfigError, match="max_resp_len must be provided"):
-        RewardManager(half_score, overlong_buffer={"enable": True, "len": 2, "penalty_factor": 1.0, "log": False})
+        RewardManager(
+            half_score, overlong_buffer={"enable": True, "len": 2, "penalty_factor": 1.0, "log": False}
+        )
     with pytest.raises(RewardConfigError, match="max_resp_len must be larger"):
         RewardManager(half_score, max_resp_len=1, overlong_buffer={"enable": True, "len": 2})
     with pytest.raises(RewardConfigError, match="len=0 must be > 0"):
@@ -173,7 +193,12 @@ def test_manager_overlong_reference_example_and_columns():
 
 
 def test_manager_hang_exception_and_rebuild_from_non_main_thread():
-    rows = [_row("ok1", "Answer: 34"), _row("hang-uid", "HANG"), _row("boom-uid", "BOOM"), _row("ok2", "Answer: 3")]
+    rows = [
+        _row("ok1", "Answer: 34"),
+        _row("hang-uid", "HANG"),
+        _row("boom-uid", "BOOM"),
+        _row("ok2", "Answer: 3"),
+    ]
     out: dict = {}
 
     def call():

@@ -40,8 +40,13 @@ def test_token_k1_rejects_row_with_log_ratio_minus_one_keeps_weights():
     rollout = torch.zeros(2, 1)
     mask = torch.ones(2, 1)
     w, new_mask, m = compute_rollout_correction_and_rejection_mask(
-        old_log_prob=old, rollout_log_prob=rollout, response_mask=mask, rollout_is="token",
-        rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0",
+        old_log_prob=old,
+        rollout_log_prob=rollout,
+        response_mask=mask,
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_rs="token_k1",
+        rollout_rs_threshold="0.5_2.0",
     )
     assert new_mask.tolist() == [[0.0], [1.0]]
     # RS acts only through the mask: the weights are not zeroed
@@ -56,8 +61,12 @@ def test_icepop_metrics_worked_example():
     applied = torch.tensor([[0.0, 0.8, 0.0]])
     mask = torch.ones(1, 3)
     m = compute_is_metrics(
-        rollout_is_weights=applied, raw_rollout_is_weights=raw, log_ratio_for_metrics=raw.log(),
-        response_mask=mask, rollout_is="token", rollout_is_threshold="0.5_5.0",
+        rollout_is_weights=applied,
+        raw_rollout_is_weights=raw,
+        log_ratio_for_metrics=raw.log(),
+        response_mask=mask,
+        rollout_is="token",
+        rollout_is_threshold="0.5_5.0",
     )
     assert m["rollout_is_oob_ratio"] == pytest.approx(2 / 3)
     assert m["rollout_is_std"] == pytest.approx(0.3771236, abs=1e-6)
@@ -79,7 +88,9 @@ def test_icepop_weights_end_to_end():
 def test_seq_fraction_high_uses_raw_weights():
     raw = torch.tensor([[3.0, 3.0], [1.0, 1.0]])
     applied = torch.clamp(raw, max=2.0)
-    m = compute_is_metrics(applied, raw, raw.log(), torch.ones(2, 2), rollout_is="token", rollout_is_threshold=2.0)
+    m = compute_is_metrics(
+        applied, raw, raw.log(), torch.ones(2, 2), rollout_is="token", rollout_is_threshold=2.0
+    )
     assert m["rollout_is_seq_fraction_high"] == pytest.approx(0.5)
     assert m["rollout_is_seq_max"] == pytest.approx(2.0)
 
@@ -87,7 +98,9 @@ def test_seq_fraction_high_uses_raw_weights():
 def test_threshold_bool_is_type_error():
     old, rollout, mask = _batch()
     with pytest.raises(TypeError, match="not a boolean"):
-        compute_rollout_correction_and_rejection_mask(old, rollout, mask, rollout_is="token", rollout_is_threshold=True)
+        compute_rollout_correction_and_rejection_mask(
+            old, rollout, mask, rollout_is="token", rollout_is_threshold=True
+        )
 
 
 @pytest.mark.parametrize(
@@ -171,7 +184,9 @@ def test_duplicate_options_dropped():
 def test_empty_mask_and_shape_errors():
     old, rollout, mask = _batch()
     with pytest.raises(ValueError, match="no valid token"):
-        compute_rollout_correction_and_rejection_mask(old, rollout, torch.zeros_like(mask), rollout_is="token")
+        compute_rollout_correction_and_rejection_mask(
+            old, rollout, torch.zeros_like(mask), rollout_is="token"
+        )
     with pytest.raises(ValueError, match="shape"):
         compute_rollout_correction_and_rejection_mask(old, rollout[:, :3], mask)
 
@@ -187,7 +202,9 @@ def test_sequence_weights_constant_per_row_and_capped():
         row = w[i][mask[i].bool()]
         torch.testing.assert_close(row, expected[i].expand_as(row))
         assert bool((w[i][~mask[i].bool()] == 0).all())
-    assert m["rollout_corr/rollout_is_max"] == pytest.approx(math.exp(min(seq_lr.max().item(), 20.0)), rel=1e-5)
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(
+        math.exp(min(seq_lr.max().item(), 20.0)), rel=1e-5
+    )
 
 
 def test_batch_normalize_token_and_sequence():
@@ -277,8 +294,14 @@ PRESETS = {
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_exact_values_and_round_trip(name):
     cfg = getattr(RolloutCorrectionConfig, name)()
-    got = (cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs, cfg.rollout_rs_threshold, cfg.bypass_mode,
-           cfg.loss_type)
+    got = (
+        cfg.rollout_is,
+        cfg.rollout_is_threshold,
+        cfg.rollout_rs,
+        cfg.rollout_rs_threshold,
+        cfg.bypass_mode,
+        cfg.loss_type,
+    )
     assert got == PRESETS[name]
     assert RolloutCorrectionConfig.from_dict(cfg.to_dict()) == cfg
 
@@ -286,9 +309,9 @@ def test_presets_exact_values_and_round_trip(name):
 def test_config_defaults_and_preset_arguments():
     assert RolloutCorrectionConfig().rollout_is == "sequence"  # dataclass default, unlike the YAML (null)
     assert RolloutCorrectionConfig.decoupled_geo_rs_seq_tis(rs_threshold=1.001).rollout_rs_threshold == 1.001
-    assert RolloutCorrectionConfig.decoupled_token_icepop(threshold=4.0, threshold_lower=0.25).rollout_is_threshold == (
-        "0.25_4.0"
-    )
+    assert RolloutCorrectionConfig.decoupled_token_icepop(
+        threshold=4.0, threshold_lower=0.25
+    ).rollout_is_threshold == ("0.25_4.0")
     assert RolloutCorrectionConfig.from_dict(None) == RolloutCorrectionConfig.disabled()
 
 
@@ -310,11 +333,18 @@ def test_apply_rollout_correction_decoupled_and_bypass():
     cfg = RolloutCorrectionConfig.decoupled_geo_rs_token_tis()
     w, new_mask, m = apply_rollout_correction(old, rollout, mask, cfg)
     w2, mask2, m2 = compute_rollout_correction_and_rejection_mask(
-        old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1",
+        old,
+        rollout,
+        mask,
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_rs="seq_mean_k1",
         rollout_rs_threshold="0.999_1.001",
     )
     assert torch.equal(w, w2) and torch.equal(new_mask, mask2) and m == m2
-    wb, mb, mtb = apply_rollout_correction(old, rollout, mask, RolloutCorrectionConfig.bypass_pg_is().to_dict())
+    wb, mb, mtb = apply_rollout_correction(
+        old, rollout, mask, RolloutCorrectionConfig.bypass_pg_is().to_dict()
+    )
     assert wb is None and mb is mask and "rollout_corr/kl" in mtb
     wd, md, _ = apply_rollout_correction(old, rollout, mask, None)
     assert wd is None and md is mask
@@ -333,8 +363,15 @@ def test_nonfinite_padding_gives_zero_weights_and_finite_loss_gradient(level):
     assert all(math.isfinite(v) for v in m.values())
     log_prob = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64)
-    loss, _ = compute_policy_loss(torch.zeros(1, 3, dtype=torch.float64), log_prob, adv, mask,
-                                  clip_ratio_low=0.2, clip_ratio_high=0.28, rollout_is_weights=w)
+    loss, _ = compute_policy_loss(
+        torch.zeros(1, 3, dtype=torch.float64),
+        log_prob,
+        adv,
+        mask,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        rollout_is_weights=w,
+    )
     loss.backward()
     assert torch.isfinite(log_prob.grad).all()
     assert log_prob.grad[0, 0].item() == pytest.approx(-math.exp(0.1))  # d(−A·w·r)/dlogp at ratio 1

@@ -7,7 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo_core.algo.dynamic_sampling import KeepRateEstimator, filter_groups, group_keep_stats, next_gen_batch_size
+from dapo_core.algo.dynamic_sampling import (
+    KeepRateEstimator,
+    filter_groups,
+    group_keep_stats,
+    next_gen_batch_size,
+)
 
 
 def _reference_loop(uids, values):
@@ -138,7 +143,14 @@ def test_bench_refill_adaptive_reduces_surplus():
     spec = importlib.util.spec_from_file_location("bench_refill", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    kw = {"steps": 40, "train_batch_size": 512, "gen_batch_size": 1536, "min_size": 64, "safety": 1.2, "seed": 0}
+    kw = {
+        "steps": 40,
+        "train_batch_size": 512,
+        "gen_batch_size": 1536,
+        "min_size": 64,
+        "safety": 1.2,
+        "seed": 0,
+    }
     fixed = mod.simulate(0.7, False, **kw)
     adaptive = mod.simulate(0.7, True, **kw)
     assert adaptive["surplus_groups"] < fixed["surplus_groups"] / 2

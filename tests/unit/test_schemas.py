@@ -60,7 +60,12 @@ def test_valid_batch_passes_every_stage(stage):
 
 def test_stage_columns_are_cumulative():
     assert S.STAGE_COLUMNS["generate"][-5:] == [
-        "response_ids", "rollout_log_probs", "weight_version", "gen_step", "finish_reason"]
+        "response_ids",
+        "rollout_log_probs",
+        "weight_version",
+        "gen_step",
+        "finish_reason",
+    ]
     for a, b in zip(S.STAGES, S.STAGES[1:], strict=False):
         carried = set(S.STAGE_COLUMNS[a]) - {"ref_log_probs", "values"}
         assert carried <= set(S.STAGE_COLUMNS[b]), (a, b)
@@ -150,7 +155,8 @@ def test_response_mask_and_is_weights():
     t = replace(t, "response_mask", pa.array([[1, 1, 2], [1], [1, 0], []], pa.list_(pa.int8())))
     assert "mask value not 0/1" in _err("advantage", t)
     t = valid_table("advantage").append_column(
-        "rollout_is_weights", pa.array([[1.0, 1.0, 1.0], [-0.5], [1.0, 1.0], []], LF32))
+        "rollout_is_weights", pa.array([[1.0, 1.0, 1.0], [-0.5], [1.0, 1.0], []], LF32)
+    )
     msg = _err("advantage", t)
     assert "column 'rollout_is_weights'" in msg and "uids: aa" in msg
 
@@ -160,9 +166,9 @@ def test_uid_limit_in_message():
     rows = n * 2
     uids = [f"u{i}" for i in range(n) for _ in range(2)]
     t = valid_table("generate")
-    big = pa.table({
-        c: pa.array([t.column(c)[0].as_py()] * rows, t.schema.field(c).type) for c in t.column_names
-    })
+    big = pa.table(
+        {c: pa.array([t.column(c)[0].as_py()] * rows, t.schema.field(c).type) for c in t.column_names}
+    )
     big = replace(big, "uid", pa.array(uids))
     big = replace(big, "sample_idx", pa.array([0, 1] * n, pa.int32()))
     big = replace(big, "rollout_log_probs", pa.array([[0.5, 0, 0]] * rows, LF32))
@@ -182,8 +188,11 @@ def test_vectorised_on_chunked_table():
     chunked = pa.concat_tables([t.slice(0, 2), t.slice(2, 2)])
     assert chunked.column("uid").num_chunks == 2
     S.validate_stage("advantage", chunked, **KW)
-    bad = replace(chunked, "values", pa.chunked_array([
-        pa.array([[0.5, 0.5, 0.5], [1.0]], LF32), pa.array([[0.0, np.nan], []], LF32)]))
+    bad = replace(
+        chunked,
+        "values",
+        pa.chunked_array([pa.array([[0.5, 0.5, 0.5], [1.0]], LF32), pa.array([[0.0, np.nan], []], LF32)]),
+    )
     assert "uids: bb" in _err("advantage", bad)
 
 
@@ -192,8 +201,11 @@ def test_granular_pandera_schema_is_usable_directly():
 
     schema = S.build_schema("generate", **KW)
     schema.validate(valid_table("generate"))
-    t = replace(valid_table("generate"), "rollout_log_probs",
-                pa.array([[-0.1, -0.2, 0.3], [-1.0], [-0.5, -0.5], []], LF32))
+    t = replace(
+        valid_table("generate"),
+        "rollout_log_probs",
+        pa.array([[-0.1, -0.2, 0.3], [-1.0], [-0.5, -0.5], []], LF32),
+    )
     with pytest.raises(pe.SchemaErrors):
         schema.validate(t, lazy=True)
 

@@ -29,8 +29,13 @@ def test_request_seed_is_63_bit_and_deterministic(seed, gen_step, uid, idx):
 
 def test_request_seed_changes_with_every_field():
     base = request_seed(1, 2, "abc", 3)
-    variants = [request_seed(2, 2, "abc", 3), request_seed(1, 3, "abc", 3), request_seed(1, 2, "abd", 3),
-                request_seed(1, 2, "abc", 4), request_seed(1, 23, "abc", 3)]
+    variants = [
+        request_seed(2, 2, "abc", 3),
+        request_seed(1, 3, "abc", 3),
+        request_seed(1, 2, "abd", 3),
+        request_seed(1, 2, "abc", 4),
+        request_seed(1, 23, "abc", 3),
+    ]
     assert len({base, *variants}) == 6
     # the field separator prevents ambiguity between ("a1", 2) style concatenations
     assert request_seed(1, 12, "3", 4) != request_seed(11, 2, "3", 4)
@@ -39,7 +44,9 @@ def test_request_seed_changes_with_every_field():
 def test_request_seed_stable_across_processes():
     code = "from dapo_core.seeding import request_seed; print(request_seed(7, 3, 'deadbeef', 5))"
     env = {**os.environ, "PYTHONHASHSEED": "123"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
     assert int(out.stdout) == request_seed(7, 3, "deadbeef", 5)
 
 

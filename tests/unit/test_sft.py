@@ -14,8 +14,16 @@ from dapo_core.compute.sft import (
     warmup_sft,
 )
 
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 128, "tie_word_embeddings": True}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": True,
+}
 
 
 @pytest.fixture()
@@ -69,7 +77,9 @@ def test_warmup_sft_lowers_loss_and_saves(model_dir):
 
     torch.set_num_threads(1)
     tok = load_tokenizer(model_dir)
-    before = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict().items()}
+    before = {
+        k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict().items()
+    }
     rows = make_synthetic_math(64, max_value=20, seed=0)
     m = warmup_sft(model_dir, rows, tok, steps=40, lr=3e-3, batch_size=16, seed=0)
     assert m["steps"] == 40 and len(m["losses"]) == 40 and m["tokens"] > 0
@@ -86,7 +96,9 @@ def test_warmup_sft_deterministic(tmp_path):
     losses = []
     for name in ("a", "b"):
         d = build_tiny_model(tmp_path / name, TINY, seed=1)
-        losses.append(warmup_sft(d, rows, load_tokenizer(d), steps=5, lr=1e-3, batch_size=8, seed=2)["losses"])
+        losses.append(
+            warmup_sft(d, rows, load_tokenizer(d), steps=5, lr=1e-3, batch_size=8, seed=2)["losses"]
+        )
     assert losses[0] == losses[1]
 
 

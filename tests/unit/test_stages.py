@@ -1,4 +1,5 @@
 """Driver-side stage logic: group filtering, truncation to train_batch_size·n, and the advantage stage."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,15 +28,22 @@ def _table(groups: list[list[float]], lengths=None) -> pa.Table:
             acc.append(v > 0)
     n = len(uids)
     lengths = lengths or [3] * n
-    return pa.table({
-        "uid": uids, "prompt_id": pa.array(range(n), pa.int64()), "sample_idx": pa.array(sidx, pa.int32()),
-        "data_source": ["s"] * n, "ground_truth": ["1"] * n,
-        "prompt_ids": pa.array([[5, 6]] * n, pa.list_(pa.int32())),
-        "response_ids": pa.array([[7] * ln for ln in lengths], pa.list_(pa.int32())),
-        "rollout_log_probs": pa.array([[-0.5] * ln for ln in lengths], pa.list_(pa.float32())),
-        "old_log_probs": pa.array([[-0.5] * ln for ln in lengths], pa.list_(pa.float32())),
-        "reward": pa.array(rewards, pa.float32()), "score": pa.array(rewards, pa.float32()), "acc": acc,
-    })
+    return pa.table(
+        {
+            "uid": uids,
+            "prompt_id": pa.array(range(n), pa.int64()),
+            "sample_idx": pa.array(sidx, pa.int32()),
+            "data_source": ["s"] * n,
+            "ground_truth": ["1"] * n,
+            "prompt_ids": pa.array([[5, 6]] * n, pa.list_(pa.int32())),
+            "response_ids": pa.array([[7] * ln for ln in lengths], pa.list_(pa.int32())),
+            "rollout_log_probs": pa.array([[-0.5] * ln for ln in lengths], pa.list_(pa.float32())),
+            "old_log_probs": pa.array([[-0.5] * ln for ln in lengths], pa.list_(pa.float32())),
+            "reward": pa.array(rewards, pa.float32()),
+            "score": pa.array(rewards, pa.float32()),
+            "acc": acc,
+        }
+    )
 
 
 def test_filter_keeps_varying_groups_in_order():
@@ -86,7 +94,12 @@ def test_advantage_stage_rejection_sampling_masks_tokens_but_keeps_group_stats()
     t = _table([[1, -1]], lengths=[2, 2])
     lp = pa.array([[-0.5, -0.5], [-0.5, -3.0]], pa.list_(pa.float32()))  # row 1 token 1: log-ratio -2.5
     t = t.set_column(t.column_names.index("old_log_probs"), "old_log_probs", lp)
-    rc = {"rollout_is": None, "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0", "bypass_mode": False}
+    rc = {
+        "rollout_is": None,
+        "rollout_rs": "token_k1",
+        "rollout_rs_threshold": "0.5_2.0",
+        "bypass_mode": False,
+    }
     out, metrics = compute_advantage_table(t, pad_token_id=0, adv_estimator="grpo", rollout_correction=rc)
     assert out.column("response_mask").to_pylist() == [[1, 1], [1, 0]]
     adv = out.column("advantages").to_pylist()
@@ -112,9 +125,15 @@ def test_replay_order_keep_rate_is_the_checkpointed_one():
     from tasks import runtime
 
     est = KeepRateEstimator()
-    rt = runtime.Runtime(run_id="keeprate", cfg=None, store=None, cluster=None, pad_token_id=0, vocab_size=1,
-                         extras={"keep_rate": est, "kl_ctrl": object(),
-                                 "sampler": SimpleNamespace(state_dict=dict)})
+    rt = runtime.Runtime(
+        run_id="keeprate",
+        cfg=None,
+        store=None,
+        cluster=None,
+        pad_token_id=0,
+        vocab_size=1,
+        extras={"keep_rate": est, "kl_ctrl": object(), "sampler": SimpleNamespace(state_dict=dict)},
+    )
     runtime.register(rt)
     try:
         ro._add({}, {"train/num_groups": 4.0, "train/num_kept_groups": 1.0}, "keeprate")

@@ -11,11 +11,13 @@ from dapo_core.store import RunStore, StageNotCommitted, StoreCorruption, StoreE
 
 
 def _table(rows=4, base=0):
-    return pa.table({
-        "uid": pa.array([f"u{base + i}" for i in range(rows)]),
-        "response_ids": pa.array([[base + i] * (i + 1) for i in range(rows)], pa.list_(pa.int32())),
-        "score": pa.array([float(i) for i in range(rows)], pa.float32()),
-    })
+    return pa.table(
+        {
+            "uid": pa.array([f"u{base + i}" for i in range(rows)]),
+            "response_ids": pa.array([[base + i] * (i + 1) for i in range(rows)], pa.list_(pa.int32())),
+            "score": pa.array([float(i) for i in range(rows)], pa.float32()),
+        }
+    )
 
 
 @pytest.fixture
@@ -41,7 +43,9 @@ def test_put_get_merge_and_list(store):
     assert store.get("a1_1") == ({"x": "y"}, b"p")
     assert store.update_tags("a1", status="running", extra=5) == 1
     tags, payload = store.get("a1")
-    assert tags["status"] == "running" and tags["extra"] == 5 and tags["global_steps"] == 3 and payload == b"row"
+    assert (
+        tags["status"] == "running" and tags["extra"] == 5 and tags["global_steps"] == 3 and payload == b"row"
+    )
     assert store.list_keys(partition="train", is_prompt=True) == ["a1"]
     assert store.list_keys(status="running") == ["a1"]
     assert store.list_keys(partition="val") == ["b2"]
@@ -89,7 +93,9 @@ def test_put_many_is_atomic(store):
 
 def test_reissue_inflight(store):
     for uid, status in [("p1", "pending"), ("p2", "running"), ("p3", "finished"), ("p4", "failure")]:
-        store.put(uid, {"is_prompt": True, "status": status, "global_steps": 2, "keep": uid}, payload=uid.encode())
+        store.put(
+            uid, {"is_prompt": True, "status": status, "global_steps": 2, "keep": uid}, payload=uid.encode()
+        )
         store.put_many([(f"{uid}_{i}", {"status": "success"}) for i in range(3)])
     store.put("p5", {"is_prompt": True, "status": "running", "global_steps": 2}, partition="val")
     store.put("p5_0", {}, partition="val")
@@ -103,7 +109,10 @@ def test_reissue_inflight(store):
         assert store.get(uid)[0]["status"] == status and store.get(uid)[0]["global_steps"] == 2
         assert store.count(uid=uid) == 4
     assert store.count(partition="val") == 2  # other partition untouched
-    assert store.list_keys(is_prompt=True, status="pending", global_steps=7, partition="train") == ["p1", "p2"]
+    assert store.list_keys(is_prompt=True, status="pending", global_steps=7, partition="train") == [
+        "p1",
+        "p2",
+    ]
     # nothing in flight any more except the re-issued (pending) ones: re-running re-tags them again
     store.update_tags(["p1", "p2"], status="finished")
     assert store.reissue_inflight("train", 8) == 0

@@ -1,4 +1,5 @@
 """Metric logging backends, the end-of-run plot, and the validation summary (pass@k, answer-line rate)."""
+
 from __future__ import annotations
 
 import math
@@ -13,7 +14,9 @@ from dapo_core.metrics.tracking import Tracker, plot_run, read_jsonl
 def test_tracker_writes_jsonl_tensorboard_and_console(tmp_path):
     lines = []
     tr = Tracker(tmp_path, ["console", "jsonl", "tensorboard"], printer=lines.append)
-    tr.log(1, {"critic/score/mean": -0.5, "actor/entropy": 0.2, "note": "text is skipped", "nan": float("nan")})
+    tr.log(
+        1, {"critic/score/mean": -0.5, "actor/entropy": 0.2, "note": "text is skipped", "nan": float("nan")}
+    )
     tr.log(2, {"critic/score/mean": 0.1})
     tr.log(2, {"critic/score/mean": 0.3, "val-core/s/acc/mean@1": 0.4})  # a resumed run logs step 2 again
     tr.close()
@@ -47,8 +50,15 @@ def test_pass_at_k_and_answer_line_rate_by_hand():
 
 
 def test_validation_summary_has_core_keys():
-    t = pa.table({"uid": ["a", "a", "b", "b"], "data_source": ["s"] * 4, "acc": [True, False, True, True],
-                  "reward": [1.0, -1.0, 1.0, 1.0], "pred": ["1", "2", "3", "3"]})
+    t = pa.table(
+        {
+            "uid": ["a", "a", "b", "b"],
+            "data_source": ["s"] * 4,
+            "acc": [True, False, True, True],
+            "reward": [1.0, -1.0, 1.0, 1.0],
+            "pred": ["1", "2", "3", "3"],
+        }
+    )
     m = validation_summary(t)
     assert m["val-core/s/acc/mean@2"] == pytest.approx(0.75)
     assert m["val-core/s/acc/pass@2"] == pytest.approx(1.0)

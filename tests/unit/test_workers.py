@@ -1,4 +1,5 @@
 """Workers on a tiny model, in-process: rollout → log-probs → advantage → actor/critic updates."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,12 +12,28 @@ from dapo_core.compute.models import build_tiny_model
 from dapo_core.stages import compute_advantage_table
 from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RolloutWorker
 
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 64,
-        "tie_word_embeddings": True}
-ACTOR = {"strategy": "torch", "optim": {"lr": 1e-2, "lr_warmup_steps": 0}, "ppo_mini_batch_size": 2,
-         "ppo_micro_batch_size_per_gpu": 4, "ppo_epochs": 1, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
-         "clip_ratio_c": 10.0, "loss_agg_mode": "token-mean", "policy_loss": {"loss_mode": "vanilla"}}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+ACTOR = {
+    "strategy": "torch",
+    "optim": {"lr": 1e-2, "lr_warmup_steps": 0},
+    "ppo_mini_batch_size": 2,
+    "ppo_micro_batch_size_per_gpu": 4,
+    "ppo_epochs": 1,
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.28,
+    "clip_ratio_c": 10.0,
+    "loss_agg_mode": "token-mean",
+    "policy_loss": {"loss_mode": "vanilla"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +43,14 @@ def model_dir(tmp_path_factory):
 
 
 def _prompts(n_prompts: int = 2, n: int = 4) -> pa.Table:
-    t = pa.table({"prompt_id": pa.array(range(n_prompts), pa.int64()), "data_source": ["synthetic_arith"] * n_prompts,
-                  "ground_truth": ["3"] * n_prompts,
-                  "prompt_ids": pa.array([[1, 10 + i, 11, 12] for i in range(n_prompts)], pa.list_(pa.int32()))})
+    t = pa.table(
+        {
+            "prompt_id": pa.array(range(n_prompts), pa.int64()),
+            "data_source": ["synthetic_arith"] * n_prompts,
+            "ground_truth": ["3"] * n_prompts,
+            "prompt_ids": pa.array([[1, 10 + i, 11, 12] for i in range(n_prompts)], pa.list_(pa.int32())),
+        }
+    )
     return B.repeat_interleave_prompts(t, n)
 
 
@@ -79,8 +101,12 @@ def test_ref_worker_matches_the_untrained_actor(model_dir):
 
 def test_critic_values_then_updates_reduce_the_value_loss(model_dir):
     t = _rollout(model_dir).generate(_prompts(), gen_step=0)
-    critic = CriticWorker(model_dir, {"optim": {"lr": 3e-3}, "ppo_mini_batch_size": 2, "ppo_epochs": 1,
-                                      "cliprange_value": 100.0}, pad_token_id=0, rollout_n=4)
+    critic = CriticWorker(
+        model_dir,
+        {"optim": {"lr": 3e-3}, "ppo_mini_batch_size": 2, "ppo_epochs": 1, "cliprange_value": 100.0},
+        pad_token_id=0,
+        rollout_n=4,
+    )
     t = critic.compute_values(t)
     assert all(v == 0.0 for row in t.column("values").to_pylist() for v in row)  # zero-initialised head
     t = t.append_column("reward", pa.array([1.0] * t.num_rows, pa.float32()))

@@ -123,7 +123,9 @@ def _parse_rs_bound(option: str, spec: str) -> tuple[float | None, float]:
             upper = _parse_positive(spec, f"rollout_rs_threshold ({option})")
             lower = 1.0 / upper
         if lower > upper:
-            raise ValueError(f"rollout_rs_threshold {spec!r} for {option}: lower {lower} must be <= upper {upper}")
+            raise ValueError(
+                f"rollout_rs_threshold {spec!r} for {option}: lower {lower} must be <= upper {upper}"
+            )
         return math.log(lower), math.log(upper)
     if "_" in spec:
         raise ValueError(
@@ -177,9 +179,7 @@ def parse_rs_options(
 
 def _check_rollout_is(rollout_is: str | None) -> None:
     if rollout_is is not None and rollout_is not in SUPPORTED_ROLLOUT_IS_LEVELS:
-        raise ValueError(
-            f"rollout_is={rollout_is!r} is not supported; use null (off), 'token' or 'sequence'"
-        )
+        raise ValueError(f"rollout_is={rollout_is!r} is not supported; use null (off), 'token' or 'sequence'")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,7 +259,9 @@ class RolloutCorrectionConfig:
         return cls(rollout_is="sequence", rollout_is_threshold=threshold)
 
     @classmethod
-    def decoupled_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> RolloutCorrectionConfig:
+    def decoupled_token_icepop(
+        cls, threshold: float = 5.0, threshold_lower: float = 0.5
+    ) -> RolloutCorrectionConfig:
         """Decoupled, token-level IcePop (weights outside [lower, upper] set to 0)."""
         return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
 
@@ -310,7 +312,9 @@ class RolloutCorrectionConfig:
         return cls(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
 
     @classmethod
-    def decoupled_k3_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> RolloutCorrectionConfig:
+    def decoupled_k3_rs_seq_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: float = 0.01
+    ) -> RolloutCorrectionConfig:
         """Decoupled, sequence-mean k3 rejection plus sequence TIS."""
         return cls(
             rollout_is="sequence",
@@ -361,10 +365,14 @@ class RolloutCorrectionConfig:
     @classmethod
     def bypass_pg_is(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
         """Bypass, REINFORCE with sequence TIS."""
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, loss_type="reinforce")
+        return cls(
+            rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, loss_type="reinforce"
+        )
 
     @classmethod
-    def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> RolloutCorrectionConfig:
+    def bypass_pg_token_icepop(
+        cls, threshold: float = 5.0, threshold_lower: float = 0.5
+    ) -> RolloutCorrectionConfig:
         """Bypass, REINFORCE with token IcePop."""
         return cls(
             rollout_is="token",

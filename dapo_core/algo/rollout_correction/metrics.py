@@ -193,7 +193,9 @@ def _rs_option_metrics(
         m[f"{prefix}_seq_fraction_low"] = _f((seq < lower).sum()) / n_rows
     rejected = (~keep) & valid
     m[f"{prefix}_masked_fraction"] = _f(_masked_mean(rejected.to(dtype), mask))
-    m[f"{prefix}_seq_masked_fraction"] = _f(rejected.any(dim=-1).to(dtype).mean()) if rejected.numel() else 0.0
+    m[f"{prefix}_seq_masked_fraction"] = (
+        _f(rejected.any(dim=-1).to(dtype).mean()) if rejected.numel() else 0.0
+    )
     return m
 
 

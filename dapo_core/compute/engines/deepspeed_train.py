@@ -90,7 +90,9 @@ def build_deepspeed_config(
         zero["offload_optimizer"] = {"device": "cpu"}
     if cfg.get("offload_param"):
         if stage != 3:
-            raise ValueError(f"actor_rollout_ref.actor.deepspeed.offload_param needs zero_stage=3 (got {stage}).")
+            raise ValueError(
+                f"actor_rollout_ref.actor.deepspeed.offload_param needs zero_stage=3 (got {stage})."
+            )
         zero["offload_param"] = {"device": "cpu"}
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,

@@ -84,7 +84,9 @@ class HFRolloutEngine(RolloutEngine):
         self.progress = progress
         self.progress_min_tokens = int(progress_min_tokens)
         self.model = load_model(self.model_path, dtype=dtype, device=self.device)
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self._cache_kwarg = (
+            "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        )
         self.model.requires_grad_(False)
         cfg = self.model.config
         eos = cfg.eos_token_id if eos_token_id is None else eos_token_id

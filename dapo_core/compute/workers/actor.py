@@ -5,6 +5,7 @@ policy loss (DAPO: `vanilla` with clip-higher and dual clip, token-mean over the
 weights for the rollout engine. The objective is reference §1.4:
 `pg_loss − entropy_coeff·agg(entropy) + kl_loss_coef·agg(kl_penalty(logp, ref_logp))`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,15 @@ from dapo_core.algo.kl import kl_penalty
 from dapo_core.algo.losses import PolicyLossParams, agg_loss, get_policy_loss
 
 
-def _log_prob_table(engine, table: pa.Table, *, pad_token_id: int, temperature: float, micro_batch_size: int | None,
-                    calculate_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
+def _log_prob_table(
+    engine,
+    table: pa.Table,
+    *,
+    pad_token_id: int,
+    temperature: float,
+    micro_batch_size: int | None,
+    calculate_entropy: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
     """Teacher-forced log-probs (and entropy) of every row's response, micro-batched; returns padded chunks."""
     engine.eval()
     lengths = torch.tensor(B.response_lengths(table), dtype=torch.long)
@@ -32,9 +40,14 @@ def _log_prob_table(engine, table: pa.Table, *, pad_token_id: int, temperature: 
         for start in range(0, rows, mbs):
             part = table.slice(start, min(mbs, rows - start))
             t = B.to_padded(part, pad_token_id)
-            lp, ent = engine.forward(t["input_ids"], t["attention_mask"], t["position_ids"],
-                                     t["responses"].shape[1], temperature=temperature,
-                                     calculate_entropy=calculate_entropy)
+            lp, ent = engine.forward(
+                t["input_ids"],
+                t["attention_mask"],
+                t["position_ids"],
+                t["responses"].shape[1],
+                temperature=temperature,
+                calculate_entropy=calculate_entropy,
+            )
             logps.append(lp)
             if calculate_entropy:
                 ents.append(ent)
@@ -45,7 +58,7 @@ def _to_list_column(chunks: list[torch.Tensor], lengths: torch.Tensor) -> pa.Arr
     """One list<float32> column from micro-batch chunks of different padded widths (no Python round trip)."""
     out, pos = [], 0
     for c in chunks:
-        out.append(B.from_padded(c, lengths[pos:pos + c.shape[0]], dtype="float32"))
+        out.append(B.from_padded(c, lengths[pos : pos + c.shape[0]], dtype="float32"))
         pos += c.shape[0]
     return pa.concat_arrays(out)
 
@@ -53,39 +66,70 @@ def _to_list_column(chunks: list[torch.Tensor], lengths: torch.Tensor) -> pa.Arr
 class ActorWorker:
     """The trained policy. `actor_cfg` is `actor_rollout_ref.actor` as a plain dict."""
 
-    def __init__(self, model_path: str, actor_cfg: Mapping[str, Any], *, pad_token_id: int, temperature: float,
-                 rollout_n: int, total_steps: int, device: str = "cpu", seed: int = 0,
-                 log_prob_micro_batch_size: int | None = None, rollout_correction: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        actor_cfg: Mapping[str, Any],
+        *,
+        pad_token_id: int,
+        temperature: float,
+        rollout_n: int,
+        total_steps: int,
+        device: str = "cpu",
+        seed: int = 0,
+        log_prob_micro_batch_size: int | None = None,
+        rollout_correction: Mapping[str, Any] | None = None,
+    ):
         self.cfg = dict(actor_cfg)
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.n = int(rollout_n)
         self.seed = int(seed)
         self.log_prob_mbs = log_prob_micro_batch_size
-        self.engine = make_train_engine(self.cfg.get("strategy", "torch"), model_path, dict(self.cfg["optim"]),
-                                        total_steps=total_steps, grad_clip=float(self.cfg.get("grad_clip", 1.0)),
-                                        device=device, deepspeed_cfg=dict(self.cfg.get("deepspeed") or {}),
-                                        seed=seed)
+        self.engine = make_train_engine(
+            self.cfg.get("strategy", "torch"),
+            model_path,
+            dict(self.cfg["optim"]),
+            total_steps=total_steps,
+            grad_clip=float(self.cfg.get("grad_clip", 1.0)),
+            device=device,
+            deepspeed_cfg=dict(self.cfg.get("deepspeed") or {}),
+            seed=seed,
+        )
         pl = dict(self.cfg.get("policy_loss") or {})
         self.loss_mode = pl.pop("loss_mode", "vanilla")
         known = {f.name for f in dataclasses.fields(PolicyLossParams)}
         clip = self.cfg.get("clip_ratio", 0.2)
-        self.loss_params = PolicyLossParams(**{
-            **{k: v for k, v in pl.items() if k in known},
-            "clip_ratio_low": self.cfg.get("clip_ratio_low") if self.cfg.get("clip_ratio_low") is not None else clip,
-            "clip_ratio_high": self.cfg.get("clip_ratio_high") if self.cfg.get("clip_ratio_high") is not None else clip,
-            "clip_ratio_c": self.cfg.get("clip_ratio_c", 3.0),
-            **({"rollout_correction": dict(rollout_correction)} if rollout_correction and "rollout_correction" in known
-               else {}),
-        })
+        self.loss_params = PolicyLossParams(
+            **{
+                **{k: v for k, v in pl.items() if k in known},
+                "clip_ratio_low": self.cfg.get("clip_ratio_low")
+                if self.cfg.get("clip_ratio_low") is not None
+                else clip,
+                "clip_ratio_high": self.cfg.get("clip_ratio_high")
+                if self.cfg.get("clip_ratio_high") is not None
+                else clip,
+                "clip_ratio_c": self.cfg.get("clip_ratio_c", 3.0),
+                **(
+                    {"rollout_correction": dict(rollout_correction)}
+                    if rollout_correction and "rollout_correction" in known
+                    else {}
+                ),
+            }
+        )
         self.update_count = 0
 
     # -- log-probs ---------------------------------------------------------------------------------------------
     def compute_log_prob(self, table: pa.Table, calculate_entropy: bool = True) -> pa.Table:
         """Add `old_log_probs` (and `entropy`) computed by the current weights."""
-        logps, ents, lengths = _log_prob_table(self.engine, table, pad_token_id=self.pad_token_id,
-                                               temperature=self.temperature, micro_batch_size=self.log_prob_mbs,
-                                               calculate_entropy=calculate_entropy)
+        logps, ents, lengths = _log_prob_table(
+            self.engine,
+            table,
+            pad_token_id=self.pad_token_id,
+            temperature=self.temperature,
+            micro_batch_size=self.log_prob_mbs,
+            calculate_entropy=calculate_entropy,
+        )
         table = B.set_column(table, "old_log_probs", _to_list_column(logps, lengths))
         if ents is not None:
             table = B.set_column(table, "entropy", _to_list_column(ents, lengths))
@@ -102,8 +146,15 @@ class ActorWorker:
         if self.cfg.get("loss_scale_factor") is not None:
             gbi["loss_scale_factor"] = self.cfg["loss_scale_factor"]
         pg_loss, metrics = get_policy_loss(self.loss_mode)(
-            mb["old_log_probs"], log_probs, mb["advantages"], mask, loss_agg_mode=mode, params=params,
-            rollout_is_weights=mb.get("rollout_is_weights"), global_batch_info=gbi)
+            mb["old_log_probs"],
+            log_probs,
+            mb["advantages"],
+            mask,
+            loss_agg_mode=mode,
+            params=params,
+            rollout_is_weights=mb.get("rollout_is_weights"),
+            global_batch_info=gbi,
+        )
         metrics = {f"actor/{k}" if not k.startswith("actor/") else k: v for k, v in metrics.items()}
         loss = pg_loss
         coeff = float(self.cfg.get("entropy_coeff", 0.0))
@@ -129,12 +180,22 @@ class ActorWorker:
         t = B.to_padded(table, self.pad_token_id, columns=cols)
         mini = int(self.cfg["ppo_mini_batch_size"]) * self.n
         micro = self.cfg.get("ppo_micro_batch_size_per_gpu") or mini
-        calc_entropy = bool(self.cfg.get("calculate_entropy", True)) or float(self.cfg.get("entropy_coeff", 0.0)) != 0
+        calc_entropy = (
+            bool(self.cfg.get("calculate_entropy", True)) or float(self.cfg.get("entropy_coeff", 0.0)) != 0
+        )
         self.engine.train()
-        metrics = ppo_update(self.engine, t, loss_fn=self._loss_fn, mini_batch_size=min(mini, table.num_rows),
-                             micro_batch_size=int(micro), epochs=int(self.cfg.get("ppo_epochs", 1)),
-                             shuffle=bool(self.cfg.get("shuffle", False)), seed=self.seed + int(global_steps),
-                             temperature=self.temperature, calculate_entropy=calc_entropy)
+        metrics = ppo_update(
+            self.engine,
+            t,
+            loss_fn=self._loss_fn,
+            mini_batch_size=min(mini, table.num_rows),
+            micro_batch_size=int(micro),
+            epochs=int(self.cfg.get("ppo_epochs", 1)),
+            shuffle=bool(self.cfg.get("shuffle", False)),
+            seed=self.seed + int(global_steps),
+            temperature=self.temperature,
+            calculate_entropy=calc_entropy,
+        )
         self.engine.lr_step()
         self.update_count += 1
         return metrics
@@ -164,16 +225,30 @@ class ActorWorker:
 class RefWorker:
     """The frozen reference policy (only when KL is used): log-probs under the initial weights."""
 
-    def __init__(self, model_path: str, *, pad_token_id: int, temperature: float, device: str = "cpu",
-                 micro_batch_size: int | None = None):
-        self.engine = make_train_engine("torch", model_path, {"lr": 0.0}, total_steps=1, grad_clip=1.0, device=device)
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        pad_token_id: int,
+        temperature: float,
+        device: str = "cpu",
+        micro_batch_size: int | None = None,
+    ):
+        self.engine = make_train_engine(
+            "torch", model_path, {"lr": 0.0}, total_steps=1, grad_clip=1.0, device=device
+        )
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.mbs = micro_batch_size
 
     def compute_ref_log_prob(self, table: pa.Table) -> pa.Table:
         """Add `ref_log_probs`."""
-        logps, _, lengths = _log_prob_table(self.engine, table, pad_token_id=self.pad_token_id,
-                                            temperature=self.temperature, micro_batch_size=self.mbs,
-                                            calculate_entropy=False)
+        logps, _, lengths = _log_prob_table(
+            self.engine,
+            table,
+            pad_token_id=self.pad_token_id,
+            temperature=self.temperature,
+            micro_batch_size=self.mbs,
+            calculate_entropy=False,
+        )
         return B.set_column(table, "ref_log_probs", _to_list_column(logps, lengths))

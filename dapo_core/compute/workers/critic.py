@@ -5,6 +5,7 @@ before it (`values[:, P-1 : P+L-1]`), so V_t estimates the return from the state
 `update_critic` minimises the clipped value loss of reference §2.3 with the same global token normalisation as
 the actor (micro-batch split invariant).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -29,16 +30,26 @@ class _ValueModel(nn.Module):
         nn.init.zeros_(self.v_head.bias)
 
     def forward(self, input_ids, attention_mask, position_ids, response_length: int) -> torch.Tensor:
-        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        h = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
         v = self.v_head(h).squeeze(-1)
-        return v[:, -response_length - 1:-1]
+        return v[:, -response_length - 1 : -1]
 
 
 class CriticWorker:
     """Holds the value model and its optimizer. `critic_cfg` is the `critic` config section as a dict."""
 
-    def __init__(self, model_path: str, critic_cfg: Mapping[str, Any], *, pad_token_id: int, rollout_n: int,
-                 device: str = "cpu", seed: int = 0):
+    def __init__(
+        self,
+        model_path: str,
+        critic_cfg: Mapping[str, Any],
+        *,
+        pad_token_id: int,
+        rollout_n: int,
+        device: str = "cpu",
+        seed: int = 0,
+    ):
         torch.manual_seed(seed)
         self.cfg = dict(critic_cfg)
         self.pad_token_id = int(pad_token_id)
@@ -47,12 +58,19 @@ class CriticWorker:
         self.device = device
         self.model = _ValueModel(model_path).to(device)
         optim = dict(self.cfg.get("optim") or {})
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(optim.get("lr", 1e-5)),
-                                           weight_decay=float(optim.get("weight_decay", 0.01)))
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=float(optim.get("lr", 1e-5)),
+            weight_decay=float(optim.get("weight_decay", 0.01)),
+        )
 
     def _forward(self, t: dict) -> torch.Tensor:
-        return self.model(t["input_ids"].to(self.device), t["attention_mask"].to(self.device),
-                          t["position_ids"].to(self.device), t["responses"].shape[1])
+        return self.model(
+            t["input_ids"].to(self.device),
+            t["attention_mask"].to(self.device),
+            t["position_ids"].to(self.device),
+            t["responses"].shape[1],
+        )
 
     def compute_values(self, table: pa.Table) -> pa.Table:
         """Add `values` (one per response token)."""
@@ -76,36 +94,51 @@ class CriticWorker:
         for _ in range(int(self.cfg.get("ppo_epochs") or 1)):
             order = torch.randperm(rows, generator=gen) if self.cfg.get("shuffle") else torch.arange(rows)
             for ms in range(0, rows, mini):
-                idx = order[ms:ms + mini]
+                idx = order[ms : ms + mini]
                 mask_all = t["response_mask"][idx]
                 info = {"dp_size": 1, "batch_num_tokens": int(mask_all.sum()), "global_batch_size": len(idx)}
                 self.optimizer.zero_grad(set_to_none=True)
                 total = 0.0
                 for s in range(0, len(idx), micro):
-                    j = idx[s:s + micro]
+                    j = idx[s : s + micro]
                     mb = {k: v[j] for k, v in t.items() if torch.is_tensor(v)}
                     vpreds = self._forward(mb)
-                    loss, cf = compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
-                                                  clip, loss_agg_mode=mode, **info)
+                    loss, cf = compute_value_loss(
+                        vpreds,
+                        mb["returns"],
+                        mb["values"],
+                        mb["response_mask"],
+                        clip,
+                        loss_agg_mode=mode,
+                        **info,
+                    )
                     loss.backward()
                     total += float(loss.detach())
                     clipfracs.append(float(cf))
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.cfg.get("grad_clip") or 1.0))
+                norm = torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), float(self.cfg.get("grad_clip") or 1.0)
+                )
                 if torch.isfinite(norm):
                     self.optimizer.step()
                 norms.append(float(norm))
                 losses.append(total)
         mean = lambda xs: float(sum(xs) / max(len(xs), 1))
-        return {"critic/vf_loss": mean(losses), "critic/vf_clipfrac": mean(clipfracs),
-                "critic/grad_norm": mean(norms), "critic/lr": float(self.optimizer.param_groups[0]["lr"])}
+        return {
+            "critic/vf_loss": mean(losses),
+            "critic/vf_clipfrac": mean(clipfracs),
+            "critic/grad_norm": mean(norms),
+            "critic/lr": float(self.optimizer.param_groups[0]["lr"]),
+        }
 
     def save_checkpoint(self, path: str) -> None:
         """Value model and optimizer state."""
         import os
 
         os.makedirs(path, exist_ok=True)
-        torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict()},
-                   os.path.join(path, "critic.pt"))
+        torch.save(
+            {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()},
+            os.path.join(path, "critic.pt"),
+        )
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what `save_checkpoint` wrote."""

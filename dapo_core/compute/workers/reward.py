@@ -4,6 +4,7 @@ Adds `score` (raw ±1), `acc`, `pred`, `overlong_reward` and `reward` (score + o
 the advantage stage places at the last valid token). Failed or timed-out samples are counted and logged with
 their uid by the reward manager (never a silent zero).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -20,12 +21,23 @@ from dapo_core.rewards.manager import RewardManager
 class RewardWorker:
     """Decode + score a batch. `overlong_buffer` is `reward_model.overlong_buffer` as a dict."""
 
-    def __init__(self, tokenizer_path: str, *, max_resp_len: int, overlong_buffer: Mapping[str, Any] | None,
-                 num_workers: int = 2, timeout_s: float = 10.0):
+    def __init__(
+        self,
+        tokenizer_path: str,
+        *,
+        max_resp_len: int,
+        overlong_buffer: Mapping[str, Any] | None,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+    ):
         self.tokenizer = load_tokenizer(tokenizer_path)
-        self.manager = RewardManager(default_compute_score, max_resp_len=max_resp_len,
-                                     overlong_buffer=dict(overlong_buffer) if overlong_buffer else None,
-                                     num_workers=num_workers, timeout_s=timeout_s)
+        self.manager = RewardManager(
+            default_compute_score,
+            max_resp_len=max_resp_len,
+            overlong_buffer=dict(overlong_buffer) if overlong_buffer else None,
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+        )
 
     def decode(self, response_ids: list[list[int]]) -> list[str]:
         """Decode responses without special tokens (EOS is dropped), as the reference manager does."""
@@ -35,12 +47,23 @@ class RewardWorker:
         """Return the table with reward columns added, and the reward metrics."""
         responses = table.column("response_ids").to_pylist()
         texts = self.decode(responses)
-        rows = [{"uid": f"{u}#{s}", "data_source": ds, "solution_str": txt, "ground_truth": gt,
-                 "valid_response_length": len(r)}
-                for u, s, ds, gt, txt, r in zip(table.column("uid").to_pylist(),
-                                                table.column("sample_idx").to_pylist(),
-                                                table.column("data_source").to_pylist(),
-                                                table.column("ground_truth").to_pylist(), texts, responses)]
+        rows = [
+            {
+                "uid": f"{u}#{s}",
+                "data_source": ds,
+                "solution_str": txt,
+                "ground_truth": gt,
+                "valid_response_length": len(r),
+            }
+            for u, s, ds, gt, txt, r in zip(
+                table.column("uid").to_pylist(),
+                table.column("sample_idx").to_pylist(),
+                table.column("data_source").to_pylist(),
+                table.column("ground_truth").to_pylist(),
+                texts,
+                responses,
+            )
+        ]
         res = self.manager.score(rows)
         cols = {
             "score": pa.array(res.score, type=pa.float32()),

@@ -4,6 +4,7 @@ Input rows are already one per sample (the driver repeats each prompt `n` times 
 each row's sampling seed is `request_seed(seed, gen_step, uid, sample_idx)`, so regenerating a committed step
 after a crash gives the same tokens where the engine is deterministic (HF on CPU is).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -19,11 +20,21 @@ from dapo_core.seeding import request_seed
 class RolloutWorker:
     """Holds one rollout engine. `train_sampling` / `val_sampling` are dicts of SamplingParams fields."""
 
-    def __init__(self, model_path: str, *, engine: str = "hf", device: str = "cpu", seed: int = 0,
-                 train_sampling: Mapping[str, Any], val_sampling: Mapping[str, Any],
-                 engine_opts: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        engine: str = "hf",
+        device: str = "cpu",
+        seed: int = 0,
+        train_sampling: Mapping[str, Any],
+        val_sampling: Mapping[str, Any],
+        engine_opts: Mapping[str, Any] | None = None,
+    ):
         self.seed = int(seed)
-        self.engine = make_rollout_engine(engine, model_path, device=device, seed=seed, **dict(engine_opts or {}))
+        self.engine = make_rollout_engine(
+            engine, model_path, device=device, seed=seed, **dict(engine_opts or {})
+        )
         self.train_params = SamplingParams(**dict(train_sampling))
         self.val_params = SamplingParams(**dict(val_sampling))
 
@@ -39,8 +50,9 @@ class RolloutWorker:
         n = table.num_rows
         cols = {
             "response_ids": pa.array([list(o.token_ids) for o in outs], type=pa.list_(pa.int32())),
-            "rollout_log_probs": pa.array([[float(x) for x in o.log_probs] for o in outs],
-                                          type=pa.list_(pa.float32())),
+            "rollout_log_probs": pa.array(
+                [[float(x) for x in o.log_probs] for o in outs], type=pa.list_(pa.float32())
+            ),
             "finish_reason": pa.array([o.finish_reason for o in outs], type=pa.string()),
             "weight_version": pa.array([self.engine.weight_version] * n, type=pa.int64()),
             "gen_step": pa.array([int(gen_step)] * n, type=pa.int64()),
