@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dapo_core.data.datasets import make_synthetic_splits, tokenize_prompt
 from dapo_core.compute.models import build_tiny_model, load_tokenizer
 from dapo_core.compute.sft import carry_slip_solution, synthetic_solution, warmup_sft
+from dapo_core.data.datasets import make_synthetic_splits, tokenize_prompt
 
 
 # ------------------------------------------------------------------------------------------ scoring

@@ -14,9 +14,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dapo_core.data import batch as B
 from dapo_core.algo.advantages import get_adv_estimator
 from dapo_core.algo.dynamic_sampling import filter_groups
+from dapo_core.data import batch as B
 
 
 class DynamicSamplingExhausted(ValueError):

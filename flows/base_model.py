@@ -19,10 +19,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from prefect import flow, get_run_logger, task
 
-from dapo_core.config import load_config_text
-from dapo_core.data.datasets import read_parquet
 from dapo_core.compute.models import build_tiny_model, load_tokenizer
 from dapo_core.compute.sft import answer_line_solution, warmup_sft
+from dapo_core.config import load_config_text
+from dapo_core.data.datasets import read_parquet
 
 
 @task(name="build_tiny_model")

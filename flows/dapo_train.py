@@ -22,8 +22,8 @@ import time
 
 from prefect import flow, get_run_logger
 
-from dapo_core.config import gen_batch_size, need_reference_policy, use_critic
 from dapo_core.algo.dynamic_sampling import next_gen_batch_size
+from dapo_core.config import gen_batch_size, need_reference_policy, use_critic
 from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
 from flows.replay_order import replay_train_step
 from flows.run_setup import DriverState, close_run, load_cfg, open_run, restore, step_metrics

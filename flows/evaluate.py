@@ -14,12 +14,12 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from dapo_core.data import batch as B
-from dapo_core.config import load_config_text, resolve_device
-from dapo_core.metrics.validation import validation_summary
 from dapo_core.compute.models import load_tokenizer
-from dapo_core.seeding import uid_factory
 from dapo_core.compute.workers import RewardWorker, RolloutWorker
+from dapo_core.config import load_config_text, resolve_device
+from dapo_core.data import batch as B
+from dapo_core.metrics.validation import validation_summary
+from dapo_core.seeding import uid_factory
 
 
 def resolve_checkpoint(path: str) -> str:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from dapo_core.config import gen_batch_size, need_reference_policy, use_critic
 from dapo_core.algo.dynamic_sampling import KeepRateEstimator, next_gen_batch_size
+from dapo_core.config import gen_batch_size, need_reference_policy, use_critic
 from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
 from flows.run_setup import DriverState, step_metrics
 from tasks import runtime

@@ -16,8 +16,11 @@ from typing import Any
 import pyarrow as pa
 from omegaconf import OmegaConf
 
-from dapo_core.data import batch as B
+from dapo_core.algo.dynamic_sampling import KeepRateEstimator
+from dapo_core.algo.kl import get_kl_controller
 from dapo_core.compute.cluster import Cluster
+from dapo_core.compute.models import load_tokenizer
+from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
 from dapo_core.config import (
     gen_batch_size,
     load_config_text,
@@ -26,14 +29,11 @@ from dapo_core.config import (
     to_yaml,
     use_critic,
 )
+from dapo_core.data import batch as B
 from dapo_core.data.datasets import PromptSampler, read_parquet
-from dapo_core.algo.kl import get_kl_controller
 from dapo_core.metrics.step import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
-from dapo_core.compute.models import load_tokenizer
-from dapo_core.algo.dynamic_sampling import KeepRateEstimator
-from dapo_core.store import RunStore
 from dapo_core.metrics.tracking import Tracker
-from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
+from dapo_core.store import RunStore
 from flows.progress import StepProgress
 from tasks import runtime
 
@@ -428,7 +428,7 @@ def close_run(rt: runtime.Runtime) -> None:
         if jsonl.exists():
             try:
                 plot_run(jsonl, rt.store.root / "curves.png")
-            except Exception as exc:  # noqa: BLE001 - a plot must never mask the run's own error
+            except Exception as exc:
                 print(f"could not draw {rt.store.root / 'curves.png'}: {exc!r}")
     finally:
         rt.extras["progress"].close()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from dapo_core.data import batch as B
 from dapo_core.algo.losses import agg_loss
+from dapo_core.data import batch as B
 from dapo_core.stages import compute_advantage_table
 from tasks import runtime
 from tasks.common import StageResult, run_name, run_stage, stage_name

@@ -28,9 +28,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from dapo_core.data import batch as B
-from dapo_core.store.replay import ReplayBuffer
 from dapo_core.seeding import uid_factory
 from dapo_core.stages import apply_group_filter
+from dapo_core.store.replay import ReplayBuffer
 from tasks import runtime
 from tasks.common import StageResult, run_stage
 

@@ -229,7 +229,7 @@ class Cluster:
 
                 try:
                     ray.kill(handle.ray_actor)
-                except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                except Exception as exc:
                     log.warning("could not kill %s: %s", role, exc)
             else:
                 close = getattr(handle.local, "close", None)

@@ -46,6 +46,7 @@ from dapo_core.config.loading import (
     need_reference_policy,
     resolve_device,
     to_yaml,
+    typed,
     use_critic,
     validate_config,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "need_reference_policy",
     "resolve_device",
     "to_yaml",
+    "typed",
     "use_critic",
     "validate_config",
 ]

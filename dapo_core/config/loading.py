@@ -124,6 +124,7 @@ __all__ = [
     "need_reference_policy",
     "resolve_device",
     "to_yaml",
+    "typed",
     "use_critic",
     "validate_config",
 ]
@@ -406,26 +407,39 @@ def config_hash(cfg: DictConfig) -> str:
     return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
 
 
+def typed(cfg: DictConfig | DapoConfig) -> DapoConfig:
+    """The typed view of a loaded config: `DapoConfig` dataclass instances all the way down.
+
+    Fields have their schema types (an `int` field is an `int`), so callers need no casts and a type
+    checker follows every access. Interpolations are resolved. A `DapoConfig` is returned unchanged.
+    """
+    if isinstance(cfg, DapoConfig):
+        return cfg
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, DapoConfig)
+    return obj
+
+
 # ----------------------------------------------------------------------------------------- helpers
-def gen_batch_size(cfg: DictConfig) -> int:
+def gen_batch_size(cfg: DictConfig | DapoConfig) -> int:
     """Prompts per generation batch: `data.gen_batch_size`, or `data.train_batch_size` when null."""
     g = cfg.data.gen_batch_size
     return int(cfg.data.train_batch_size if g is None else g)
 
 
-def need_reference_policy(cfg: DictConfig) -> bool:
+def need_reference_policy(cfg: DictConfig | DapoConfig) -> bool:
     """True when a KL term needs the frozen reference model (KL in reward or KL loss)."""
     return bool(cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss)
 
 
-def use_critic(cfg: DictConfig) -> bool:
+def use_critic(cfg: DictConfig | DapoConfig) -> bool:
     """True when a critic is built: `critic.enable` if set, else `adv_estimator == "gae"`."""
     if cfg.critic.enable is not None:
         return bool(cfg.critic.enable)
     return cfg.algorithm.adv_estimator == "gae"
 
 
-def resolve_device(cfg: DictConfig) -> str:
+def resolve_device(cfg: DictConfig | DapoConfig) -> str:
     """`trainer.device` made concrete: "auto" → "cuda" if available else "cpu"; "cuda" must exist."""
     import torch
 

@@ -139,11 +139,11 @@ def _worker_main(conn: Connection, compute_score: ComputeScore) -> None:
         for idx, kwargs in chunk:
             try:
                 msg = (idx, True, compute_score(**kwargs))
-            except Exception as exc:  # noqa: BLE001 - any scorer error becomes a reported failure
+            except Exception as exc:
                 msg = (idx, False, f"{type(exc).__name__}: {exc}")
             try:
                 conn.send(msg)
-            except Exception as exc:  # noqa: BLE001 - pickling can raise several types
+            except Exception as exc:
                 conn.send((idx, False, f"result not picklable: {type(exc).__name__}: {exc}"))
 
 
@@ -401,7 +401,7 @@ class RewardManager:
                     return
                 try:
                     results.put((idx, "ok", fn(**kwargs)))
-                except Exception as exc:  # noqa: BLE001 - any scorer error becomes a reported failure
+                except Exception as exc:
                     results.put((idx, "error", f"{type(exc).__name__}: {exc}"))
 
         threading.Thread(target=run, daemon=True, name="dapo-reward-inline").start()

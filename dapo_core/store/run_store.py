@@ -438,7 +438,7 @@ class RunStore:
         keys = list(keys)
         _check_tag_names(tags)
         with self._tx() as db:
-            return self._merge_in_tx(db, {key: tags for key in keys})
+            return self._merge_in_tx(db, dict.fromkeys(keys, tags))
 
     def _where(self, partition: str | None, tag_equals: Mapping[str, Any]) -> tuple[str, list]:
         _check_tag_names(tag_equals)

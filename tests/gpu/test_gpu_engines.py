@@ -46,11 +46,11 @@ import pyarrow as pa
 import pytest
 import torch
 
+from dapo_core.algo.kl import kl_penalty
+from dapo_core.algo.losses import agg_loss, compute_policy_loss
 from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
 from dapo_core.compute.engines.rollout import SamplingParams
 from dapo_core.compute.engines.train import make_train_engine, ppo_update
-from dapo_core.algo.kl import kl_penalty
-from dapo_core.algo.losses import agg_loss, compute_policy_loss
 from dapo_core.compute.models import load_tokenizer
 
 _DRY = os.environ.get("DAPO_GPU_TESTS_ON_CPU") == "1"
@@ -450,7 +450,7 @@ def test_hf_generation_throughput(bigger_dir, record):
 def _deepspeed_or_skip():
     try:
         import deepspeed
-    except Exception as e:  # noqa: BLE001 — ImportError, or a broken install raising at import time
+    except Exception as e:
         pytest.skip(
             f"deepspeed is not importable here ({type(e).__name__}: {str(e)[:160]}); carry its wheel and "
             "pydantic/hjson (bench/gpu_check.sh installs build/gpu_wheels/*.whl) to run this test"

@@ -19,8 +19,8 @@ import signal
 import time
 from pathlib import Path
 
-from dapo_core.store.checkpoint import CheckpointDir
 from dapo_core.store import RunStore
+from dapo_core.store.checkpoint import CheckpointDir
 
 N = 4
 KEEP = 2

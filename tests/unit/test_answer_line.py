@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dapo_core.rewards.math_dapo import compute_score
 from dapo_core.compute.sft import answer_line_solution
+from dapo_core.rewards.math_dapo import compute_score
 
 
 def _row(i: int) -> dict:

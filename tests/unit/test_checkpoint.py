@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from dapo_core.store.checkpoint import CheckpointDir, CheckpointError
 from dapo_core.store import RunStore
+from dapo_core.store.checkpoint import CheckpointDir, CheckpointError
 
 
 def _writer(payload: bytes):

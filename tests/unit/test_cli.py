@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from flows.cli import main, make_run_id
 from dapo_core.config import ConfigWarning
+from flows.cli import main, make_run_id
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")

@@ -7,6 +7,7 @@ import re
 import pyarrow as pa
 import pytest
 
+from dapo_core.compute.sft import synthetic_solution
 from dapo_core.data.datasets import (
     SYNTHETIC_DATA_SOURCE,
     DataError,
@@ -19,7 +20,6 @@ from dapo_core.data.datasets import (
     tokenize_prompt,
     write_parquet,
 )
-from dapo_core.compute.sft import synthetic_solution
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from dapo_core.store.replay import ReplayBuffer, ReplayError
 from dapo_core.store import RunStore
+from dapo_core.store.replay import ReplayBuffer, ReplayError
 
 N = 4
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo_core.data.datasets import make_synthetic_math, tokenize_prompt
 from dapo_core.compute.sft import (
     SFTError,
     carry_slip_solution,
@@ -13,6 +12,7 @@ from dapo_core.compute.sft import (
     synthetic_solution,
     warmup_sft,
 )
+from dapo_core.data.datasets import make_synthetic_math, tokenize_prompt
 
 TINY = {
     "hidden_size": 64,
@@ -26,7 +26,7 @@ TINY = {
 }
 
 
-@pytest.fixture()
+@pytest.fixture
 def model_dir(tmp_path):
     """A freshly built tiny model folder."""
     from dapo_core.compute.models import build_tiny_model

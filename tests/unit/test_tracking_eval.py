@@ -7,8 +7,8 @@ import math
 import pyarrow as pa
 import pytest
 
-from dapo_core.metrics.validation import answer_line_rate_by_source, pass_at_k_by_source, validation_summary
 from dapo_core.metrics.tracking import Tracker, plot_run, read_jsonl
+from dapo_core.metrics.validation import answer_line_rate_by_source, pass_at_k_by_source, validation_summary
 
 
 def test_tracker_writes_jsonl_tensorboard_and_console(tmp_path):

@@ -7,10 +7,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo_core.data import batch as B
 from dapo_core.compute.models import build_tiny_model
-from dapo_core.stages import compute_advantage_table
 from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RolloutWorker
+from dapo_core.data import batch as B
+from dapo_core.stages import compute_advantage_table
 
 TINY = {
     "hidden_size": 64,

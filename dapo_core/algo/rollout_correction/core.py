@@ -29,8 +29,6 @@ from typing import Any
 
 import torch
 
-from dapo_core.masked import masked_mean as _masked_mean
-from dapo_core.masked import masked_sum as _masked_sum
 from dapo_core.algo.rollout_correction.config import (
     SUPPORTED_LOSS_TYPES,
     SUPPORTED_ROLLOUT_IS_LEVELS,
@@ -50,6 +48,8 @@ from dapo_core.algo.rollout_correction.metrics import (
     compute_is_metrics,
     compute_offpolicy_metrics,
 )
+from dapo_core.masked import masked_mean as _masked_mean
+from dapo_core.masked import masked_sum as _masked_sum
 
 __all__ = [
     "SAFETY_BOUND",

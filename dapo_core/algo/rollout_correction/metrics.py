@@ -11,9 +11,9 @@ import math
 
 import torch
 
+from dapo_core.algo.rollout_correction.config import _check_rollout_is, parse_is_threshold
 from dapo_core.masked import masked_mean as _masked_mean
 from dapo_core.masked import masked_sum as _masked_sum
-from dapo_core.algo.rollout_correction.config import _check_rollout_is, parse_is_threshold
 
 __all__ = [
     "SAFETY_BOUND",

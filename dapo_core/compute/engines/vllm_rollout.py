@@ -392,7 +392,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if core is not None and hasattr(core, "shutdown"):
             try:
                 core.shutdown()
-            except Exception as e:  # noqa: BLE001 - best effort at teardown
+            except Exception as e:
                 logger.warning("vLLM engine shutdown raised %r; processes may linger.", e)
         del llm
         gc.collect()

@@ -15,10 +15,10 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from dapo_core.data import batch as B
-from dapo_core.compute.engines.train import make_train_engine, ppo_update
 from dapo_core.algo.kl import kl_penalty
 from dapo_core.algo.losses import PolicyLossParams, agg_loss, get_policy_loss
+from dapo_core.compute.engines.train import make_train_engine, ppo_update
+from dapo_core.data import batch as B
 
 
 def _log_prob_table(

@@ -15,9 +15,9 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from dapo_core.data import batch as B
 from dapo_core.algo.losses import compute_value_loss
 from dapo_core.compute.models import load_model
+from dapo_core.data import batch as B
 
 
 class _ValueModel(nn.Module):

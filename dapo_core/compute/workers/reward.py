@@ -12,8 +12,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from dapo_core.data import batch as B
 from dapo_core.compute.models import load_tokenizer
+from dapo_core.data import batch as B
 from dapo_core.rewards import default_compute_score
 from dapo_core.rewards.manager import RewardManager
 

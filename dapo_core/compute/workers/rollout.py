@@ -12,8 +12,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from dapo_core.data import batch as B
 from dapo_core.compute.engines.rollout import SamplingParams, make_rollout_engine
+from dapo_core.data import batch as B
 from dapo_core.seeding import request_seed
 
 
