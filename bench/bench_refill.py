@@ -2,9 +2,10 @@
 
 Each sampled prompt's group survives filtering independently with probability p (p ∈ {0.2, 0.4, 0.7}). A step
 keeps generating batches until at least ``train_batch_size`` groups are kept; kept groups beyond that are thrown
-away as surplus (reference §6.1 step 10). Fixed mode always asks for ``gen_batch_size`` prompts; adaptive mode asks
-``next_gen_batch_size(deficit, KeepRateEstimator.rate, base=gen_batch_size, ...)`` (the very first batch of the run
-uses ``gen_batch_size``). No model is involved: this measures only the prompt accounting.
+away as surplus (docs/REFERENCE.md §6.1 step 10). Fixed mode always asks for ``gen_batch_size`` prompts;
+adaptive mode asks ``next_gen_batch_size(deficit, KeepRateEstimator.rate, base=gen_batch_size, ...)`` (the
+very first batch of the run uses ``gen_batch_size``). No model is involved: this measures only the prompt
+accounting.
 
     .venv/bin/python bench/bench_refill.py [--steps 300] [--seed 0] [--min-size 64] [--safety 1.2]
 """

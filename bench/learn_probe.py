@@ -147,7 +147,7 @@ def grpo_advantages(scores: np.ndarray, group: np.ndarray, eps: float = 1e-6) ->
 
 
 def dapo_loss(old_lp, lp, adv, mask, eps_low: float, eps_high: float, c: float):
-    """Vanilla clipped policy loss with dual clip (reference §1.2), token-mean over the mask."""
+    """Vanilla clipped policy loss with dual clip (docs/REFERENCE.md §1.2), token-mean over the mask."""
     neg_kl = (lp - old_lp).clamp(-20.0, 20.0)
     ratio = torch.exp(neg_kl)
     l1 = -adv * ratio

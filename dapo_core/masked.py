@@ -1,6 +1,6 @@
 """Masked reductions over padded token tensors (B, L).
 
-These follow the NEWEST reference conventions (reference § Conventions):
+These follow the NEWEST reference conventions (docs/REFERENCE.md §Conventions):
 
 - `masked_sum` zeroes entries where the mask is 0 *before* multiplying by the mask, so a NaN or inf
   sitting in padding never leaks into the sum (or into its gradient).

@@ -35,7 +35,8 @@ from tasks.validate import validate
 
 
 def collect_batch(run_id: str, cfg, step: int, state: DriverState, progress) -> tuple[str, dict]:
-    """Dynamic sampling (§6.1): generate, score and filter until `train_batch_size` groups are kept."""
+    """Dynamic sampling (docs/REFERENCE.md §6.1): generate, score and filter until `train_batch_size` groups
+    are kept."""
     fg = cfg.algorithm.filter_groups
     need = int(cfg.data.train_batch_size)
     base = gen_batch_size(cfg)

@@ -391,7 +391,7 @@ def restore(rt: runtime.Runtime) -> DriverState:
 
 
 def step_metrics(run_id: str, step: int, adv_uri: str, metrics: dict) -> dict:
-    """Data, timing and throughput metrics of a finished step (reference §7.1–7.2 key names)."""
+    """Data, timing and throughput metrics of a finished step (docs/REFERENCE.md §7.1–7.2 key names)."""
     rt = runtime.get(run_id)
     table = rt.store.read_uri(adv_uri)
     t = B.to_padded(

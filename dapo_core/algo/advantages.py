@@ -1,4 +1,4 @@
-"""Advantage estimators (reference § 3).
+"""Advantage estimators (docs/REFERENCE.md §3).
 
 Every estimator has the signature
 `fn(token_level_rewards, response_mask, index=None, **kwargs) -> (advantages, returns)`, all (B, L),

@@ -1,4 +1,4 @@
-"""Dynamic sampling (DAPO's group filtering) and adaptive refill sizing (reference §6.1 steps 7–10).
+"""Dynamic sampling (DAPO's group filtering) and adaptive refill sizing (docs/REFERENCE.md §6.1 steps 7–10).
 
 * :func:`filter_groups` keeps every trajectory of a prompt group whose metric varies (population std > 0) and of
   singleton groups; order is preserved. Groups are identified by ``uid`` (one per sampled prompt).
@@ -53,7 +53,7 @@ def filter_groups(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np
     """Row mask of dynamic sampling: ``True`` for every row of a kept group, order preserved.
 
     A group (same ``uid``) is kept iff ``np.std(values) > 0`` (population std) or it has exactly one row
-    (reference §6.1 step 8, trap 1), computed with ``np.std`` per group so the decision is the reference's to the
+    (§6.1 step 8, §11 trap 1), computed with ``np.std`` per group so the decision is the reference's to the
     bit — including its quirk that identical values such as ``[0.1, 0.1, 0.1]`` can have a std of ~1e-17 and be
     kept. Bools (``acc``) and floats are accepted. A group containing NaN is dropped (unless it is a singleton).
     """

@@ -1,4 +1,4 @@
-"""KL estimators, KL controllers and the KL-in-reward penalty (reference § 4).
+"""KL estimators, KL controllers and the KL-in-reward penalty (docs/REFERENCE.md §4).
 
 Per-token estimators of KL(π ‖ π_ref) from `d = logprob − ref_logprob`:
 

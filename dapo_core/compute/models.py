@@ -5,10 +5,10 @@ one token per character, ChatML special tokens) so that decode(encode(s)) == s e
 `build_tiny_model()` writes a randomly initialised `Qwen2ForCausalLM` and that tokenizer into one HF
 folder that both `load_tokenizer` and vLLM can read.
 
-Tokenizer trap (transformers 5): `AutoTokenizer.from_pretrained(folder)` on a folder whose config.json
-says `qwen2` swaps in Qwen2's byte-level tokenizer and silently drops spaces and newlines. Therefore
-`load_tokenizer` always uses `PreTrainedTokenizerFast` on `tokenizer.json`, and every saved model folder
-also carries a copy of the tokenizer in `<folder>/tokenizer/` (no config.json there), which
+Tokenizer trap (transformers 5, docs/STACK_NOTES.md): `AutoTokenizer.from_pretrained(folder)` on a folder
+whose config.json says `qwen2` swaps in Qwen2's byte-level tokenizer and silently drops spaces and newlines.
+Therefore `load_tokenizer` always uses `PreTrainedTokenizerFast` on `tokenizer.json`, and every saved model
+folder also carries a copy of the tokenizer in `<folder>/tokenizer/` (no config.json there), which
 `AutoTokenizer` — e.g. vLLM's `tokenizer=` argument — loads correctly.
 """
 

@@ -16,7 +16,7 @@ LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-"""The five aggregation modes of the reference `agg_loss` (§2)."""
+"""The five aggregation modes of the reference `agg_loss` (docs/REFERENCE.md §2)."""
 
 ADV_ESTIMATORS = (
     "gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "opo",

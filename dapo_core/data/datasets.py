@@ -1,6 +1,6 @@
 """Datasets in verl's DAPO parquet schema: synthetic arithmetic, parquet I/O, DAPO-Math loading, prompt sampling.
 
-Row schema (reference §8.1, one dict per problem):
+Row schema (docs/REFERENCE.md §8.1, one dict per problem):
 ``data_source: str``, ``prompt: [{"role": "user", "content": str}]``, ``ability: "MATH"``,
 ``reward_model: {"ground_truth": str, "style": str}``, ``extra_info: {...}``.
 

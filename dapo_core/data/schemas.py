@@ -629,7 +629,7 @@ def _collect(errs: pa_errors.SchemaErrors, rcs: tuple[_RowCheck, ...], table: pa
 
 
 # --------------------------------------------------------------------------------------------------
-# Dataset files (verl / DAPO parquet schema, reference §8.1)
+# Dataset files (verl / DAPO parquet schema, docs/REFERENCE.md §8.1)
 # --------------------------------------------------------------------------------------------------
 def _dataset_schema() -> ppa.DataFrameSchema:
     def prompt_nonempty(data) -> pa.Array:

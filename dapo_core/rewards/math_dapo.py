@@ -1,4 +1,4 @@
-"""Rule-based math scoring used by DAPO (reference §6.3, NEWEST incl. the ``\\boxed`` fallback).
+"""Rule-based math scoring used by DAPO (docs/REFERENCE.md §6.3, NEWEST incl. the ``\\boxed`` fallback).
 
 The answer is read from the *last* ``Answer: ...`` line in the last 300 characters of the response, normalised
 with the Minerva rules (:func:`normalize_final_answer`), and compared to the normalised ground truth by exact
@@ -101,7 +101,7 @@ _REGEXES: tuple[tuple[re.Pattern[str], str], ...] = (
 
 
 def normalize_final_answer(final_answer: str) -> str:
-    """Minerva-style normalisation of a final answer string (reference §6.3 a–e; order matters).
+    """Minerva-style normalisation of a final answer string (§6.3 a–e; order matters).
 
     Keeps the text after the last ``=``, applies the fixed replacements and deletions, unwraps ``\\text``,
     ``\\textbf``, ``\\overline`` and ``\\boxed``, expands ``frac12``/``sqrt2`` shorthands, drops ``$``, removes
@@ -184,7 +184,7 @@ def compute_score(
     strict_box_verify: bool = False,
     pause_tokens_index: Sequence[int] | None = None,
 ) -> dict[str, float | bool | str | None]:
-    """Score one response: ``{"score": 1.0 | −1.0, "acc": bool, "pred": str | None}`` (reference §6.3, NEWEST).
+    """Score one response: ``{"score": 1.0 | −1.0, "acc": bool, "pred": str | None}`` (§6.3, NEWEST).
 
     Only the last 300 characters are examined. ``strict_box_verify=True`` uses only the strict box check;
     otherwise the Minerva ``Answer:`` check is used and, if it found no ``Answer:`` line, the strict box check

@@ -1,4 +1,5 @@
-"""Rule-based scoring routed by ``data_source`` and DAPO's overlong reward shaping (reference §6.2–6.3).
+"""Rule-based scoring routed by ``data_source`` and DAPO's overlong reward shaping
+(docs/REFERENCE.md §6.2–6.3).
 
 Standard library only (no torch), so scoring processes start quickly.
 """
@@ -20,7 +21,7 @@ def default_compute_score(
     ground_truth: str,
     extra_info: dict[str, Any] | None = None,
 ) -> dict[str, Any] | float:
-    """Score one response with the scorer for its ``data_source`` (reference §6.3, NEWEST routing).
+    """Score one response with the scorer for its ``data_source`` (§6.3, NEWEST routing).
 
     ``math_dapo``, ``math``, ``math_dapo_reasoning``, ``aime*`` and our synthetic ``synthetic_arith`` go to
     :func:`math_dapo.compute_score` (dict ``{"score", "acc", "pred"}``); dict results are returned as-is,
@@ -42,7 +43,7 @@ def default_compute_score(
 def overlong_penalty(
     valid_response_length: int, max_resp_len: int, buffer_len: int, penalty_factor: float
 ) -> float:
-    """DAPO soft overlong penalty (reference §6.2; paper's R_length): 0 up to ``max_resp_len − buffer_len`` tokens,
+    """DAPO soft overlong penalty (§6.2; paper's R_length): 0 up to ``max_resp_len − buffer_len`` tokens,
     then falling linearly to ``−penalty_factor`` at ``max_resp_len`` (capped at 0 above, never positive).
 
     ``valid_response_length`` is the count of generated tokens (incl. EOS). Example with 20480/4096/1.0:

@@ -1,4 +1,4 @@
-"""Tests for dapo_core.metrics.step: hand-computed values and the reference fixtures (§7, §10)."""
+"""Tests for dapo_core.metrics.step: hand-computed values and verl's fixtures (docs/REFERENCE.md §7, §10)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""math_dapo scoring, routing, overlong shaping and the parallel reward manager (reference §6.2, §6.3, §10)."""
+"""math_dapo scoring, routing, overlong shaping and the parallel reward manager (docs/REFERENCE.md §6.2-6.3,
+§10)."""
 
 import threading
 import time

@@ -1,4 +1,4 @@
-"""Group filtering (reference §6.1 step 8, trap 1) and adaptive refill sizing."""
+"""Group filtering (docs/REFERENCE.md §6.1 step 8, §11 trap 1) and adaptive refill sizing."""
 
 import math
 

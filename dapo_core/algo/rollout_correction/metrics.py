@@ -1,5 +1,6 @@
-"""Rollout-correction diagnostics: IS metrics, per-option RS metrics and off-policy metrics (reference §§5.2-5.4),
-plus the small reductions they share with :mod:`dapo_core.algo.rollout_correction.core`.
+"""Rollout-correction diagnostics: IS metrics, per-option RS metrics and off-policy metrics
+(docs/REFERENCE.md §§5.2-5.4), plus the small reductions they share with
+:mod:`dapo_core.algo.rollout_correction.core`.
 
 Split out of :mod:`dapo_core.algo.rollout_correction.core`, which re-exports every public name defined here; import them
 from there. Metric keys are returned without the ``rollout_corr/`` prefix.
@@ -28,7 +29,7 @@ _EPS = 1e-8
 
 
 # ----------------------------------------------------------------------------------------------------
-# small helpers (masked reductions come from dapo_core.masked, reference §Conventions)
+# small helpers (masked reductions come from dapo_core.masked, §Conventions)
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -83,7 +84,7 @@ def compute_is_metrics(
     rollout_is_threshold: float | str,
     rollout_is_threshold_lower: float | None = None,
 ) -> dict[str, float]:
-    """IS diagnostics (reference §5.2), keys without prefix: ``rollout_is_{mean,max,min,std,
+    """IS diagnostics (§5.2), keys without prefix: ``rollout_is_{mean,max,min,std,
     eff_sample_size,ratio_fraction_high,ratio_fraction_low}``, ``rollout_is_seq_{mean,std,max,min,max_deviation,
     fraction_high,fraction_low}`` and, for IcePop, ``rollout_is_oob_ratio``.
 
@@ -204,7 +205,7 @@ def compute_offpolicy_metrics(
     rollout_log_prob: torch.Tensor | None,
     response_mask: torch.Tensor,
 ) -> dict[str, float]:
-    """Off-policy diagnostics (reference §5.4), keys without prefix.
+    """Off-policy diagnostics (§5.4), keys without prefix.
 
     Always ``training_ppl`` (mean over sequences of ``exp(−mean_t old_logp)``) and ``training_log_ppl``; with
     rollout log-probs also ``kl`` (= masked mean of ``rollout − old``), ``k3_kl``, ``rollout_ppl``,
