@@ -161,7 +161,7 @@ def _tiny_config(tiny_cfg: Mapping[str, Any], tokenizer: PreTrainedTokenizerFast
             f"actor_rollout_ref.model.tiny.num_attention_heads={c['num_attention_heads']} is not a multiple of "
             f"num_key_value_heads={c['num_key_value_heads']}; pick a divisor."
         )
-    return Qwen2Config(
+    return Qwen2Config(  # type: ignore[call-arg]  (the stubs list only a subset of the config kwargs)
         vocab_size=len(tokenizer),
         hidden_size=int(c["hidden_size"]),
         intermediate_size=int(c["intermediate_size"]),
@@ -188,7 +188,7 @@ def build_tiny_model(out_dir: str | Path, tiny_cfg: Mapping[str, Any], seed: int
     """
     tokenizer = build_char_tokenizer()
     config = _tiny_config(tiny_cfg, tokenizer)
-    devices = []  # fork the RNG so building a model does not disturb the caller's random stream
+    devices: list[int] = []  # fork the RNG so building a model does not disturb the caller's random stream
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(int(seed))
         model = Qwen2ForCausalLM(config)
@@ -227,6 +227,6 @@ def load_model(
             "(or build one with dapo_core.compute.models.build_tiny_model)."
         )
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, attn_implementation=attn_implementation)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  (transformers types `to` through a decorator)
     model.eval()
     return model

@@ -165,7 +165,7 @@ def warmup_sft(
     losses: list[float] = []
     tokens = 0
     for step in range(steps):
-        idx = []
+        idx: list[int] = []
         while len(idx) < batch_size:
             if cursor >= len(order):
                 order, cursor = rng.permutation(len(examples)), 0

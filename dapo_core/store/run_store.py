@@ -215,7 +215,7 @@ class RunStore:
         self.root = local.absolute()
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._db = self._open_db()
+        self._db: sqlite3.Connection | None = self._open_db()
         self._ckpt = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -262,7 +262,7 @@ class RunStore:
         return {"root": str(self.root)}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["root"])
+        RunStore.__init__(self, state["root"])
 
     def __repr__(self) -> str:
         return f"RunStore({str(self.root)!r})"
@@ -659,7 +659,7 @@ class RunStore:
                 f"{path} has {size} bytes, its manifest says {man['bytes']} (torn or truncated "
                 f"file): delete the stage and re-run it"
             )
-        if verify and digest != man["sha256"]:
+        if digest is not None and digest != man["sha256"]:
             raise StoreCorruption(
                 f"{path} fails its sha256 check (manifest {man['sha256'][:12]}…, file "
                 f"{digest[:12]}…): the file is corrupted; delete the stage and re-run it"

@@ -1,7 +1,7 @@
 """Rollout correction: importance sampling (IS) and rejection sampling (RS) for the
 training/inference mismatch between the rollout engine (π_rollout) and the trainer (π_train).
 
-What this module does (reference §5, NEWEST):
+What this module does (docs/REFERENCE.md §5, NEWEST):
 
 * ``log_ratio = old_log_prob − rollout_log_prob`` = log π_train/π_rollout. In *decoupled* mode π_train is the
   recomputed old policy; in *bypass* mode the caller sets ``old_log_probs := rollout_log_probs`` and the policy
@@ -17,7 +17,7 @@ What this module does (reference §5, NEWEST):
 
 Pure torch, float32 and float64; no Prefect, no DataProto (the weights tensor is returned directly).
 
-The option values, threshold parsing and :class:`RolloutCorrectionConfig` with its presets live in
+The option values, threshold parsing and :class:`RolloutCorrection` with its presets live in
 :mod:`dapo_core.algo.rollout_correction.config`, the diagnostics in :mod:`dapo_core.algo.rollout_correction.metrics`;
 both are re-exported here, so import every public name from this module.
 """
@@ -33,9 +33,10 @@ from dapo_core.algo.rollout_correction.config import (
     SUPPORTED_LOSS_TYPES,
     SUPPORTED_ROLLOUT_IS_LEVELS,
     SUPPORTED_ROLLOUT_RS_OPTIONS,
-    RolloutCorrectionConfig,
+    RolloutCorrection,
     _check_rollout_is,
     parse_is_threshold,
+    parse_rs_option_names,
     parse_rs_options,
 )
 from dapo_core.algo.rollout_correction.metrics import (
@@ -56,7 +57,7 @@ __all__ = [
     "SUPPORTED_LOSS_TYPES",
     "SUPPORTED_ROLLOUT_IS_LEVELS",
     "SUPPORTED_ROLLOUT_RS_OPTIONS",
-    "RolloutCorrectionConfig",
+    "RolloutCorrection",
     "apply_rollout_correction",
     "compute_is_metrics",
     "compute_offpolicy_metrics",
@@ -64,6 +65,7 @@ __all__ = [
     "compute_rollout_correction_weights",
     "compute_rollout_rejection_mask",
     "parse_is_threshold",
+    "parse_rs_option_names",
     "parse_rs_options",
 ]
 
@@ -91,7 +93,7 @@ def compute_rollout_correction_weights(
     rollout_is_threshold: float | str = 2.0,
     rollout_is_batch_normalize: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """IS weights ``π_train/π_rollout`` (reference §5.2) and their metrics (no prefix).
+    """IS weights ``π_train/π_rollout`` (§5.2) and their metrics (no prefix).
 
     ``token``: ``w_t = exp(clamp(log_ratio_t, ±20))``; ``sequence``: ``w_i = exp(clamp(Σ_t log_ratio_t, ±20))``
     broadcast over the row. Then ``w ← w·mask``; TIS caps at ``upper``; IcePop (``"lower_upper"``) zeroes weights
@@ -120,6 +122,7 @@ def compute_rollout_correction_weights(
     raw = torch.where(response_mask.bool(), raw * mask_f, torch.zeros((), dtype=raw.dtype))
 
     if icepop:
+        assert lower is not None  # parse_is_threshold gives a lower bound for every IcePop range
         keep = (raw >= lower) & (raw <= upper)
         weights = torch.where(keep, raw, torch.zeros((), dtype=raw.dtype))
     else:
@@ -188,7 +191,7 @@ def compute_rollout_rejection_mask(
     rollout_rs: str | Sequence[str] = "token_k1",
     rollout_rs_threshold: Any = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Rejection sampling (reference §5.3): returns ``(response_mask · keep, metrics)`` (metrics without prefix).
+    """Rejection sampling (§5.3): returns ``(response_mask · keep, metrics)`` (metrics without prefix).
 
     With ``x = clamp(log_ratio, ±20)`` the per-token statistics are ``k1 = −x``, ``k2 = x²/2``,
     ``k3 = exp(x) − 1 − x``. Token options drop offending tokens; ``seq_sum``/``seq_mean``/``seq_max`` options
@@ -234,7 +237,7 @@ def compute_rollout_correction_and_rejection_mask(
     rollout_rs: str | Sequence[str] | None = None,
     rollout_rs_threshold: Any = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
-    """Unified IS + RS entry (reference §5.4): ``(rollout_is_weights | None, modified_response_mask, metrics)``.
+    """Unified IS + RS entry (§5.4): ``(rollout_is_weights | None, modified_response_mask, metrics)``.
 
     IS runs only if ``rollout_is`` and ``rollout_is_threshold`` are both set; RS only if ``rollout_rs`` is set
     (``None`` or ``""`` = off) and then needs ``rollout_rs_threshold``. RS acts only through the mask (IS weights
@@ -275,7 +278,7 @@ def apply_rollout_correction(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    cfg: RolloutCorrectionConfig | Mapping[str, Any] | None,
+    cfg: RolloutCorrection | Mapping[str, Any] | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """Driver-side rollout correction for one training batch: ``(weights | None, response_mask, metrics)``.
 
@@ -283,10 +286,10 @@ def apply_rollout_correction(
     ``response_mask`` *before* computing advantages, and passes the weights to the policy loss).
     Bypass mode: the caller sets ``old_log_probs := rollout_log_probs`` and the bypass policy loss recomputes
     IS/RS per micro-batch against the current π_θ; here only the off-policy diagnostics are returned, with no
-    weights and the mask unchanged. ``cfg=None`` means :meth:`RolloutCorrectionConfig.disabled`.
+    weights and the mask unchanged. ``cfg=None`` means :meth:`RolloutCorrection.disabled`.
     """
-    if not isinstance(cfg, RolloutCorrectionConfig):
-        cfg = RolloutCorrectionConfig.from_dict(cfg)
+    if not isinstance(cfg, RolloutCorrection):
+        cfg = RolloutCorrection.from_dict(cfg)
     if cfg.bypass_mode:
         _check_pair(old_log_prob, rollout_log_prob, "old_log_prob", "rollout_log_prob")
         metrics = compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask)
