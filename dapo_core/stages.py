@@ -127,9 +127,9 @@ def compute_advantage_table(
         metrics.update(kl_metrics)
     weights = None
     if rollout_correction and "rollout_log_probs" in t and "old_log_probs" in t:
-        from dapo_core.algo.rollout_correction import RolloutCorrectionConfig, apply_rollout_correction
+        from dapo_core.algo.rollout_correction import RolloutCorrection, apply_rollout_correction
 
-        rc = RolloutCorrectionConfig.from_dict(dict(rollout_correction))
+        rc = RolloutCorrection.from_dict(dict(rollout_correction))
         if not rc.bypass_mode:
             weights, new_mask, rc_metrics = apply_rollout_correction(
                 t["old_log_probs"], t["rollout_log_probs"], mask, rc

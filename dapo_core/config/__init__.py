@@ -3,13 +3,8 @@
 """
 
 from dapo_core.config.loading import (
-    ADV_ESTIMATORS,
     FILTER_METRICS,
     GROUP_ESTIMATORS,
-    KL_TYPES,
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
-    RS_OPTIONS,
     ActorConfig,
     ActorRolloutRefConfig,
     AlgorithmConfig,
@@ -52,13 +47,8 @@ from dapo_core.config.loading import (
 )
 
 __all__ = [
-    "ADV_ESTIMATORS",
     "FILTER_METRICS",
     "GROUP_ESTIMATORS",
-    "KL_TYPES",
-    "LOSS_AGG_MODES",
-    "POLICY_LOSSES",
-    "RS_OPTIONS",
     "ActorConfig",
     "ActorRolloutRefConfig",
     "AlgorithmConfig",

@@ -1,64 +1,47 @@
 """Cross-field checks of a resolved config: enums, positive integers, batch arithmetic, loss, KL, rollout
 correction, overlong shaping, sampling, step order, optimizers and the tiny model.
 
-`_collect_problems` returns (errors, warnings) as 'key: problem — fix' lines; `dapo_core.config.loading.validate_config`
-turns them into one `ConfigError` and `ConfigWarning`s.
+`_collect_problems` returns (errors, warnings) as 'key: problem — fix' lines;
+`dapo_core.config.loading.validate_config` turns them into one `ConfigError` and `ConfigWarning`s.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
+from dapo_core.algo.advantages import ADV_ESTIMATOR_REGISTRY
+from dapo_core.algo.kl import KL_KINDS
+from dapo_core.algo.losses import LOSS_AGG_MODES, POLICY_LOSS_REGISTRY
+from dapo_core.algo.rollout_correction.config import (
+    SUPPORTED_LOSS_TYPES,
+    SUPPORTED_ROLLOUT_IS_LEVELS,
+    RolloutCorrection,
+    parse_is_threshold,
+    parse_rs_option_names,
+    parse_rs_options,
 )
-"""The five aggregation modes of the reference `agg_loss` (docs/REFERENCE.md §2)."""
+from dapo_core.config.unused import not_implemented_problems
 
-ADV_ESTIMATORS = (
-    "gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "opo",
-    "grpo_passk", "gpg", "rloo_vectorized", "grpo_vectorized", "optimal_token_baseline",
-    "tir_optimal_token_baseline", "gdpo",
-)  # fmt: skip
-"""The advantage estimator names of the reference (§3)."""
+# The option lists are defined once, in dapo_core.algo (the code that implements the options); the checks
+# below only look them up: loss_agg_mode -> LOSS_AGG_MODES, adv_estimator -> ADV_ESTIMATOR_REGISTRY, KL
+# estimators -> KL_KINDS, policy losses -> POLICY_LOSS_REGISTRY, rollout correction -> the parsers of
+# dapo_core.algo.rollout_correction.config.
 
 GROUP_ESTIMATORS = (
     "grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
-    "reinforce_plus_plus_baseline", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo",
+    "reinforce_plus_plus_baseline",
 )  # fmt: skip
 """Estimators whose baseline comes from the other samples of a group (need rollout.n >= 2)."""
-
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-"""KL estimators of the reference (§4); each may carry a '+' (straight-through) suffix."""
-
-POLICY_LOSSES = (
-    "vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
-    "cispo", "bypass_mode",
-)  # fmt: skip
-"""Policy losses registered by the reference (§1.3); others may be registered by users."""
 
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 """Dynamic-sampling metrics that always exist (others must be reward extra-info names)."""
 
-RS_OPTIONS = tuple(
-    [f"token_k{i}" for i in (1, 2, 3)]
-    + [f"seq_sum_k{i}" for i in (1, 2, 3)]
-    + [f"seq_mean_k{i}" for i in (1, 2, 3)]
-    + ["seq_max_k2", "seq_max_k3"]
-)
-"""Rejection-sampling options of the reference (§5.3)."""
-
 _ENUMS: dict[str, tuple[tuple[str, ...], str]] = {
     "actor_rollout_ref.rollout.name": (("hf", "vllm"), "use hf on CPU, vllm on GPUs"),
     "actor_rollout_ref.actor.optim.warmup_style": (("constant", "cosine"), ""),
-    "critic.optim.warmup_style": (("constant", "cosine"), ""),
     "algorithm.kl_ctrl.type": (("fixed", "adaptive"), ""),
     "algorithm.filter_groups.refill": (("fixed", "adaptive"), "fixed matches the reference"),
-    "algorithm.rollout_correction.loss_type": (("ppo_clip", "reinforce"), ""),
-    "reward_model.reward_manager": (("dapo", "naive"), ""),
+    "algorithm.rollout_correction.loss_type": (SUPPORTED_LOSS_TYPES, ""),
     "data.truncation": (("left", "right", "error"), ""),
     "trainer.resume_mode": (("auto", "disable", "resume_path"), ""),
     "trainer.step_order": (("sync", "replay_buffer"), ""),
@@ -71,10 +54,10 @@ _POSITIVE_INTS = (
     "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
     "data.synthetic.num_train", "data.synthetic.num_val", "data.synthetic.num_operands",
     "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs",
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.n",
-    "actor_rollout_ref.rollout.val_kwargs.n", "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.val_kwargs.n",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size",
     "actor_rollout_ref.model.sft.batch_size", "trainer.parameter_sync_step",
-    "trainer.max_off_policy_threshold", "trainer.total_epochs", "trainer.nnodes", "reward_model.num_workers",
+    "trainer.max_off_policy_threshold", "trainer.total_epochs", "reward_model.num_workers",
     "eval.n", "actor_rollout_ref.model.tiny.hidden_size", "actor_rollout_ref.model.tiny.num_hidden_layers",
     "actor_rollout_ref.model.tiny.num_attention_heads", "actor_rollout_ref.model.tiny.num_key_value_heads",
     "actor_rollout_ref.model.tiny.head_dim", "actor_rollout_ref.model.tiny.intermediate_size",
@@ -87,7 +70,7 @@ _OPTIONAL_POSITIVE_INTS = (
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_mini_batch_size",
     "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs", "trainer.total_training_steps",
-    "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
+    "trainer.max_actor_ckpt_to_keep",
 )  # fmt: skip
 """Integer keys that are null or >= 1."""
 
@@ -99,24 +82,13 @@ def _get(c: dict, key: str) -> Any:
     return c
 
 
-def _parse_is_threshold(t: Any) -> str | None:
-    """Problem with an IS threshold (number, number string or 'lower_upper'), or None if fine."""
-    if isinstance(t, bool):
-        return "must be a number or a 'lower_upper' string, not a boolean"
-    if isinstance(t, (int, float)):
-        return None if t > 0 else "must be > 0"
-    if isinstance(t, str):
-        parts = t.split("_")
-        try:
-            nums = [float(x) for x in parts]
-        except ValueError:
-            return f"{t!r} is not a number or 'lower_upper' pair (e.g. 2.0 or '0.5_5.0')"
-        if len(nums) > 2 or any(x <= 0 for x in nums):
-            return f"{t!r}: give one upper bound or 'lower_upper', all > 0"
-        if len(nums) == 2 and nums[0] > nums[1]:
-            return f"{t!r}: lower must be <= upper"
-        return None
-    return f"{t!r} must be a number or a 'lower_upper' string"
+def _problem(parse: Any, *args: Any) -> str | None:
+    """The message of the error `parse(*args)` raises (one of the algo layer's parsers), or None if fine."""
+    try:
+        parse(*args)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
 
 
 def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
@@ -211,18 +183,19 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
             f"actor_rollout_ref.actor.clip_ratio_low: {low} must be < 1 (the lower clip is 1 - eps_low)."
         )
     pl = actor["policy_loss"]
-    if pl["loss_mode"] not in POLICY_LOSSES:
+    if pl["loss_mode"] not in POLICY_LOSS_REGISTRY:
         warns.append(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode: {pl['loss_mode']!r} is not a built-in loss "
-            f"{list(POLICY_LOSSES)}; it must be registered with register_policy_loss before training."
+            f"actor_rollout_ref.actor.policy_loss.loss_mode: {pl['loss_mode']!r} is not a registered loss "
+            f"{sorted(POLICY_LOSS_REGISTRY)}; it must be registered with register_policy_loss before "
+            "training."
         )
     if pl["loss_mode"] == "dro" and pl["dro_beta"] <= 0:
         errs.append("actor_rollout_ref.actor.policy_loss.dro_beta: must be > 0 for loss_mode=dro.")
 
     # --- advantage and KL
     est = alg["adv_estimator"]
-    if est not in ADV_ESTIMATORS:
-        errs.append(f"algorithm.adv_estimator: {est!r} is not one of {list(ADV_ESTIMATORS)}.")
+    if est not in ADV_ESTIMATOR_REGISTRY:
+        errs.append(f"algorithm.adv_estimator: {est!r} is not one of {sorted(ADV_ESTIMATOR_REGISTRY)}.")
     elif est in GROUP_ESTIMATORS and n < 2:
         warns.append(
             f"actor_rollout_ref.rollout.n: {n} with group estimator {est!r} gives singleton groups (no "
@@ -230,52 +203,43 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
         )
     for key in ("algorithm.kl_penalty", "actor_rollout_ref.actor.kl_loss_type"):
         v = _get(c, key)
-        if v.removesuffix("+") not in KL_TYPES:
+        if v.removesuffix("+") not in KL_KINDS:
             fix = (
                 "'full' is not implemented by the reference"
                 if v == "full"
-                else f"use one of {list(KL_TYPES)}"
+                else f"use one of {list(KL_KINDS)}"
             )
             errs.append(f"{key}: {v!r} is not a KL estimator — {fix} (optionally with a '+' suffix).")
     if alg["kl_ctrl"]["type"] == "adaptive" and alg["kl_ctrl"]["horizon"] <= 0:
         errs.append("algorithm.kl_ctrl.horizon: must be > 0 for the adaptive controller.")
 
-    # --- rollout correction
+    # --- rollout correction (the algo layer's parsers: the same rules as at run time)
     rc = alg["rollout_correction"]
-    if rc["rollout_is"] not in (None, "token", "sequence"):
+    prefix = "algorithm.rollout_correction"
+    n_errs = len(errs)
+    if rc["rollout_is"] not in (None, *SUPPORTED_ROLLOUT_IS_LEVELS):
         errs.append(
-            f"algorithm.rollout_correction.rollout_is: {rc['rollout_is']!r} must be null, token or sequence."
+            f"{prefix}.rollout_is: {rc['rollout_is']!r} must be null, "
+            + " or ".join(SUPPORTED_ROLLOUT_IS_LEVELS)
+            + "."
         )
-    if rc["rollout_is"] is not None:
-        problem = _parse_is_threshold(rc["rollout_is_threshold"])
+    if rc["rollout_is"] is not None or isinstance(rc["rollout_is_threshold"], bool):
+        problem = _problem(parse_is_threshold, rc["rollout_is_threshold"])
         if problem:
-            errs.append(f"algorithm.rollout_correction.rollout_is_threshold: {problem}.")
-    if rc["rollout_rs"]:
-        opts = [o.strip() for o in str(rc["rollout_rs"]).split(",") if o.strip()]
-        bad = [o for o in opts if o not in RS_OPTIONS]
-        if bad:
-            errs.append(
-                f"algorithm.rollout_correction.rollout_rs: unknown option(s) {bad} — use {list(RS_OPTIONS)}."
-            )
-        thr = rc["rollout_rs_threshold"]
-        if thr is None:
-            errs.append("algorithm.rollout_correction.rollout_rs_threshold: required when rollout_rs is set.")
+            errs.append(f"{prefix}.rollout_is_threshold: {problem}.")
+    rs = rc["rollout_rs"]
+    if rs is not None and str(rs).strip():
+        problem = _problem(parse_rs_option_names, rs)
+        if problem:
+            errs.append(f"{prefix}.rollout_rs: {problem}.")
         else:
-            specs = [s.strip() for s in str(thr).split(",")]
-            if len(specs) not in (1, len(opts)):
-                errs.append(
-                    f"algorithm.rollout_correction.rollout_rs_threshold: {len(specs)} values for {len(opts)} "
-                    "options — give one shared value or one per option."
-                )
-            else:
-                for opt, spec in zip(opts, specs * len(opts) if len(specs) == 1 else specs):
-                    if opt.endswith(("k2", "k3")) and "_" in spec:
-                        errs.append(
-                            f"algorithm.rollout_correction.rollout_rs_threshold: {opt} takes one upper bound, "
-                            f"not {spec!r}."
-                        )
-                    elif (p := _parse_is_threshold(spec)) is not None:
-                        errs.append(f"algorithm.rollout_correction.rollout_rs_threshold: {opt}: {p}.")
+            problem = _problem(parse_rs_options, rs, rc["rollout_rs_threshold"])
+            if problem:
+                errs.append(f"{prefix}.rollout_rs_threshold: {problem}.")
+    if len(errs) == n_errs and rc["loss_type"] in SUPPORTED_LOSS_TYPES:
+        problem = _problem(RolloutCorrection.from_dict, rc)  # anything the run would still refuse
+        if problem:
+            errs.append(f"{prefix}: {problem}.")
     if (rc["rollout_is"] or rc["rollout_rs"] or rc["bypass_mode"]) and not rollout["calculate_log_probs"]:
         errs.append(
             "actor_rollout_ref.rollout.calculate_log_probs: rollout correction needs the engine's log-probs "
@@ -352,4 +316,7 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
     sft = arr["model"]["sft"]
     if sft["steps"] < 0 or sft["lr"] <= 0:
         errs.append("actor_rollout_ref.model.sft: steps must be >= 0 and lr > 0.")
+
+    # --- keys accepted only at their default until implemented (dapo_core.config.unused)
+    errs.extend(not_implemented_problems(c))
     return errs, warns

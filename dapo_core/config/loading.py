@@ -36,18 +36,13 @@ from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+import yaml  # type: ignore[import-untyped]
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dapo_core.config.checks import (
-    ADV_ESTIMATORS,
     FILTER_METRICS,
     GROUP_ESTIMATORS,
-    KL_TYPES,
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
-    RS_OPTIONS,
     _collect_problems,
 )
 from dapo_core.config.schema import (
@@ -81,13 +76,8 @@ from dapo_core.config.schema import (
 # Public API; the schema classes and check constants are re-exported from dapo_core.config.schema and
 # dapo_core.config.checks so that existing `from dapo_core.config.loading import ...` lines keep working.
 __all__ = [
-    "ADV_ESTIMATORS",
     "FILTER_METRICS",
     "GROUP_ESTIMATORS",
-    "KL_TYPES",
-    "LOSS_AGG_MODES",
-    "POLICY_LOSSES",
-    "RS_OPTIONS",
     "ActorConfig",
     "ActorRolloutRefConfig",
     "AlgorithmConfig",
@@ -176,7 +166,7 @@ _STR_OR_LIST = {"data.train_files", "data.val_files", "eval.files", "trainer.log
 def _suggest(key: str, parent: Any) -> str:
     """A ' — did you mean X?' hint for an unknown dotted key (siblings first, then any leaf)."""
     leaf = key.rsplit(".", 1)[-1]
-    siblings = list(parent.keys()) if isinstance(parent, DictConfig) else []
+    siblings = [str(k) for k in parent] if isinstance(parent, DictConfig) else []
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
     if close:
         return f"did you mean {close[0]}?"
@@ -193,7 +183,7 @@ def _suggest(key: str, parent: Any) -> str:
 
 def _unknown_keys(schema: DictConfig, data: Any, prefix: str, where: str) -> list[str]:
     """List a problem line for every key of `data` (a plain dict) that the schema does not have."""
-    problems = []
+    problems: list[str] = []
     if not isinstance(data, dict):
         return problems
     for k, v in data.items():
@@ -261,7 +251,7 @@ def _read_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path
         if not isinstance(base, str):
             raise ConfigError(f"{path}: base must be a file name such as 'dapo.yaml', got {base!r}.")
         chain = _read_yaml_chain(path.parent / base, (*seen, path))
-    return chain + [(path, data)]
+    return [*chain, (path, data)]
 
 
 _LOWER_UPPER = re.compile(r"^[0-9.eE+-]+_[0-9.eE+-]+$")
@@ -280,8 +270,9 @@ def _parse_override(item: str) -> tuple[str, Any]:
         return key, ""
     if _LOWER_UPPER.match(value):  # YAML 1.1 would read "5_0.5" as the number 50.5
         return key, value
-    parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={value}"]), resolve=False)["v"]
-    return key, parsed
+    parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={value}"]), resolve=False)
+    assert isinstance(parsed, dict)
+    return key, parsed["v"]
 
 
 def _nest(key: str, value: Any) -> dict:

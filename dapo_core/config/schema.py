@@ -1,8 +1,10 @@
-"""The configuration schema: a tree of dataclasses, one per section, turned into an OmegaConf structured config.
+"""The configuration schema: a tree of dataclasses, one per section, turned into an OmegaConf structured
+config.
 
-Key paths follow verl (`actor_rollout_ref.actor.clip_ratio_high`, `algorithm.filter_groups.enable`, ...) so that
-the overrides of a verl DAPO script work here unchanged, as long as the key exists in this schema. Every field
-carries a one-line docstring (read by `dapo_core.config.loading.field_docs`; `configs/dapo.yaml` mirrors the defaults).
+Key paths follow verl (`actor_rollout_ref.actor.clip_ratio_high`, `algorithm.filter_groups.enable`, ...) so
+that the overrides of a verl DAPO script work here unchanged, as long as the key exists in this schema. Every
+field carries a one-line docstring (read by `dapo_core.config.loading.field_docs`; `configs/dapo.yaml` mirrors
+the defaults).
 
 Defaults follow the reference (verl NEWEST `ppo_trainer.yaml` + the DAPO recipe's `dapo_trainer.yaml`), so
 the base config is *not* DAPO: dynamic sampling and overlong shaping are off, clipping is symmetric. The
@@ -10,13 +12,22 @@ DAPO configs (`configs/tiny_cpu.yaml`, `configs/dapo_*_qwen2.5_32b.yaml`) switch
 from verl's defaults on purpose, the field docstring says so (engines default to the CPU-runnable `hf` /
 `torch`, `adv_estimator` defaults to `grpo`, `filter_groups.metric` to `acc`).
 
-Loading, overrides and validation live in `dapo_core.config.loading` (the entry point, which re-exports these classes).
+Loading, overrides and validation live in `dapo_core.config.loading` (the entry point, which re-exports
+these classes).
+
+`reward_model.overlong_buffer` is the reward manager's own `OverlongBufferConfig`
+(`dapo_core.rewards.manager`): one class is both the config section and what `RewardManager` takes.
+`algorithm.rollout_correction` is the config section; the algo layer validates it into
+`dapo_core.algo.rollout_correction.RolloutCorrection`. Keys that no code reads are listed, with their reasons,
+in `dapo_core.config.unused` (refused unless at their default, or deliberate no-ops).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from dapo_core.rewards.manager import OverlongBufferConfig
 
 __all__ = [
     "ActorConfig",
@@ -97,9 +108,9 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     """Validation parquet files (verl schema); a single string is accepted."""
     prompt_key: str = "prompt"
-    """Column holding the chat messages of a prompt."""
+    """Column holding the chat messages of a prompt. Not implemented yet (default only)."""
     reward_fn_key: str = "data_source"
-    """Column that routes a row to its scoring function."""
+    """Column that routes a row to its scoring function. Not implemented yet (default only)."""
     max_prompt_length: int = 512
     """Longest prompt in tokens (longer prompts are truncated per `truncation`)."""
     max_response_length: int = 512
@@ -109,7 +120,7 @@ class DataConfig:
     gen_batch_size: int | None = None
     """Prompts per generation batch; null = train_batch_size (DAPO full uses 3x)."""
     val_batch_size: int | None = None
-    """Prompts per validation generation batch; null = the whole validation set."""
+    """Prompts per validation generation batch; null = the whole validation set. No-op here."""
     truncation: str = "left"
     """How an over-long prompt is cut: left | right | error (DAPO recipe: left)."""
     shuffle: bool = True
@@ -164,7 +175,7 @@ class SftConfig:
     seed: int = 0
     """Seed of the warm-up data order."""
     answer_line_prob: float = 1.0
-    """Share of warm-up solutions ending with the verifier's `Answer: <n>` line (below 1: RL must learn it)."""
+    """Share of warm-up solutions ending with the `Answer: <n>` line (below 1: RL must learn it)."""
 
 
 @dataclass
@@ -176,7 +187,7 @@ class ModelConfig:
     tokenizer_path: str | None = None
     """Tokenizer folder; null = `path`."""
     enable_gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    """Recompute activations in the backward pass to save memory. Not implemented yet (default only)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the embedded tiny model."""
     sft: SftConfig = field(default_factory=SftConfig)
@@ -247,9 +258,9 @@ class CheckpointConfig:
     """What an actor checkpoint holds."""
 
     save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra", "hf_model"])
-    """Parts written per checkpoint: model, optimizer, extra (lr schedule, RNG), hf_model."""
+    """Parts saved per checkpoint: model, optimizer, extra, hf_model. Not implemented yet (default only)."""
     load_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
-    """Parts restored on resume."""
+    """Parts restored on resume. Not implemented yet (default only)."""
 
 
 @dataclass
@@ -263,9 +274,9 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int | None = None
     """Trajectories per forward/backward; null = the whole mini-batch."""
     use_dynamic_bsz: bool = False
-    """Form micro-batches by a token budget instead of a trajectory count."""
+    """Form micro-batches by a token budget, not a trajectory count. Not implemented yet (default only)."""
     ppo_max_token_len_per_gpu: int = 16384
-    """Token budget of a micro-batch when `use_dynamic_bsz`."""
+    """Token budget of a micro-batch when `use_dynamic_bsz`. Not implemented yet (default only)."""
     ppo_epochs: int = 1
     """Passes over each training batch."""
     shuffle: bool = False
@@ -279,7 +290,7 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (must be > 1; DAPO: 10)."""
     loss_agg_mode: str = "token-mean"
-    """Loss aggregation: token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    """Aggregation: token-mean|token-sum|seq-mean-token-sum|seq-mean-token-mean|seq-mean-token-sum-norm."""
     loss_scale_factor: float | None = None
     """Divisor of seq-mean-token-sum-norm; null = padded response length."""
     entropy_coeff: float = 0.0
@@ -336,13 +347,13 @@ class RolloutConfig:
     do_sample: bool = True
     """Sample (true) or decode greedily (false)."""
     calculate_log_probs: bool = True
-    """Return the engine's log-probs of the sampled tokens (needed by rollout correction)."""
+    """Return the engine's log-probs of the sampled tokens (needed by rollout correction). No-op here."""
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Trajectories per forward when recomputing old log-probs; null = whole batch."""
     log_prob_use_dynamic_bsz: bool = False
-    """Form log-prob micro-batches by a token budget."""
+    """Form log-prob micro-batches by a token budget. Not implemented yet (default only)."""
     log_prob_max_token_len_per_gpu: int = 16384
-    """Token budget of a log-prob micro-batch when dynamic."""
+    """Token budget of a log-prob micro-batch when dynamic. Not implemented yet (default only)."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory for weights and KV cache."""
     tensor_model_parallel_size: int = 1
@@ -350,13 +361,13 @@ class RolloutConfig:
     enforce_eager: bool = True
     """vLLM: disable CUDA graphs."""
     free_cache_engine: bool = True
-    """vLLM: release the KV cache between rollouts."""
+    """vLLM: release the KV cache between rollouts. No-op here."""
     enable_chunked_prefill: bool = True
-    """vLLM: chunked prefill."""
+    """vLLM: chunked prefill. Not implemented yet (default only)."""
     max_num_batched_tokens: int = 8192
-    """vLLM: tokens per engine step."""
+    """vLLM: tokens per engine step. Not implemented yet (default only)."""
     max_num_seqs: int = 1024
-    """vLLM: concurrent sequences."""
+    """vLLM: concurrent sequences. Not implemented yet (default only)."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling for validation."""
 
@@ -368,9 +379,9 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Trajectories per reference forward; null = whole batch."""
     log_prob_use_dynamic_bsz: bool = False
-    """Form reference micro-batches by a token budget."""
+    """Form reference micro-batches by a token budget. Not implemented yet (default only)."""
     log_prob_max_token_len_per_gpu: int = 16384
-    """Token budget of a reference micro-batch when dynamic."""
+    """Token budget of a reference micro-batch when dynamic. Not implemented yet (default only)."""
 
 
 @dataclass
@@ -395,7 +406,7 @@ class CriticConfig:
     enable: bool | None = None
     """Build a critic; null = only when `algorithm.adv_estimator` is gae."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    """Critic optimizer."""
+    """Critic optimizer: constant lr with AdamW's default betas (schedule keys and betas: default only)."""
     ppo_mini_batch_size: int | None = None
     """Prompts per critic step; null = actor's."""
     ppo_micro_batch_size_per_gpu: int | None = None
@@ -432,7 +443,7 @@ class FilterGroupsConfig:
     enable: bool = False
     """Turn dynamic sampling on."""
     metric: str | None = "acc"
-    """Per-trajectory value that must vary within a group: acc | score | seq_reward | seq_final_reward (verl default null)."""
+    """Value that must vary within a group: acc | score | seq_reward | seq_final_reward (verl: null)."""
     max_num_gen_batches: int = 0
     """Most generation batches per step before giving up (0 = unlimited)."""
     refill: str = "fixed"
@@ -485,25 +496,11 @@ class AlgorithmConfig:
 
 # ------------------------------------------------------------------------------------------- reward
 @dataclass
-class OverlongBufferConfig:
-    """DAPO overlong reward shaping over the last `len` tokens before max_response_length."""
-
-    enable: bool = False
-    """Turn the soft overlong penalty on."""
-    len: int = 0
-    """Buffer length L_cache in tokens (0 < len < max_response_length)."""
-    penalty_factor: float = 0.0
-    """Penalty at max_response_length."""
-    log: bool = False
-    """Log `overlong_reward` and `overlong` per trajectory."""
-
-
-@dataclass
 class RewardModelConfig:
     """Rule-based reward: the manager, its worker pool and overlong shaping."""
 
     reward_manager: str = "dapo"
-    """Reward manager name."""
+    """Reward manager name. Not implemented yet (default only)."""
     num_workers: int = 1
     """Worker processes scoring responses in parallel (each sample under its own timeout; >= 1)."""
     timeout_s: float = 10.0
@@ -518,7 +515,7 @@ class TrainerConfig:
     """The step loop, checkpoints, resume, logging and where it runs."""
 
     project_name: str = "dapo"
-    """Project name in logs."""
+    """Project name in logs. No-op here."""
     experiment_name: str | None = None
     """Run id (runs/<id>/); null = generated YYYYmmdd-HHMMSS-xxxx."""
     runs_dir: str = "runs"
@@ -542,7 +539,7 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int | None = None
     """Keep at most this many actor checkpoints; null = all."""
     max_critic_ckpt_to_keep: int | None = None
-    """Keep at most this many critic checkpoints; null = all."""
+    """Keep at most this many critic checkpoints; null = all. Not implemented yet (default only)."""
     step_order: str = "sync"
     """sync (one weight version per step) | replay_buffer (rollouts run ahead)."""
     parameter_sync_step: int = 1
@@ -562,9 +559,9 @@ class TrainerConfig:
     ray_address: str | None = None
     """Ray cluster to join; null = RAY_ADDRESS or start a local one."""
     nnodes: int = 1
-    """Nodes in the cluster."""
+    """Nodes in the cluster. Not implemented yet (default only)."""
     n_gpus_per_node: int = 8
-    """GPUs per node (ignored on CPU)."""
+    """GPUs per node (ignored on CPU). No-op here."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     """Metric sinks: console | jsonl | tensorboard."""
     seed: int = 1

@@ -33,7 +33,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection, wait
 from typing import Any, Self
 
@@ -51,43 +51,44 @@ class RewardConfigError(ValueError):
     """Invalid reward-manager settings (overlong buffer, workers, timeout)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class OverlongBufferConfig:
-    """``reward_model.overlong_buffer``: DAPO's soft overlong punishment."""
+    """DAPO overlong reward shaping over the last `len` tokens before max_response_length."""
 
     enable: bool = False
-    """Apply the penalty."""
+    """Turn the soft overlong penalty on."""
     len: int = 0
-    """Buffer length L_cache: the penalty ramps over the last ``len`` tokens before ``max_resp_len``."""
-    penalty_factor: float = 1.0
-    """Penalty at exactly ``max_resp_len`` tokens is ``−penalty_factor``."""
+    """Buffer length L_cache in tokens (0 < len < max_response_length)."""
+    penalty_factor: float = 0.0
+    """Penalty at max_response_length (verl's YAML default 0.0; the DAPO scripts set 1.0)."""
     log: bool = False
-    """Also report ``overlong_reward``/``overlong`` as reward extra info (always filled here)."""
+    """No-op here: `overlong_reward` and `overlong` are always written (verl writes them only when true)."""
 
     @classmethod
     def coerce(cls, obj: Any) -> OverlongBufferConfig | None:
-        """Accept None, an ``OverlongBufferConfig``, a mapping or any object with the four attributes."""
+        """Accept None, an ``OverlongBufferConfig``, a mapping or any object with the four attributes.
+
+        Missing (or null) values take the defaults above, the config's defaults (this class is the
+        ``reward_model.overlong_buffer`` section of the config schema).
+        """
         if obj is None or isinstance(obj, OverlongBufferConfig):
             return obj
+        names = [f.name for f in fields(cls)]
         if isinstance(obj, Mapping):
-            get = obj.get
+            unknown = set(obj) - set(names)
+            if unknown:
+                raise RewardConfigError(
+                    f"overlong_buffer has unknown keys {sorted(unknown)}; allowed: {', '.join(names)}"
+                )
+            values = {k: obj[k] for k in names if obj.get(k) is not None}
         else:
-
-            def get(k: str, d: Any = None) -> Any:
-                return getattr(obj, k, d)
-
-        unknown = set(obj) - {"enable", "len", "penalty_factor", "log"} if isinstance(obj, Mapping) else set()
-        if unknown:
-            raise RewardConfigError(
-                f"overlong_buffer has unknown keys {sorted(unknown)}; allowed: enable, len, penalty_factor, log"
-            )
+            values = {k: getattr(obj, k) for k in names if getattr(obj, k, None) is not None}
+        default = cls()
         return cls(
-            enable=bool(get("enable", False)),
-            len=int(get("len", 0) or 0),
-            penalty_factor=float(
-                get("penalty_factor", 1.0) if get("penalty_factor", 1.0) is not None else 1.0
-            ),
-            log=bool(get("log", False)),
+            enable=bool(values.get("enable", default.enable)),
+            len=int(values.get("len", default.len)),
+            penalty_factor=float(values.get("penalty_factor", default.penalty_factor)),
+            log=bool(values.get("log", default.log)),
         )
 
 

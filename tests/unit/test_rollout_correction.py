@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from dapo_core.algo.rollout_correction import (
     SUPPORTED_ROLLOUT_RS_OPTIONS,
-    RolloutCorrectionConfig,
+    RolloutCorrection,
     apply_rollout_correction,
     compute_is_metrics,
     compute_offpolicy_metrics,
@@ -293,7 +293,7 @@ PRESETS = {
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_exact_values_and_round_trip(name):
-    cfg = getattr(RolloutCorrectionConfig, name)()
+    cfg = getattr(RolloutCorrection, name)()
     got = (
         cfg.rollout_is,
         cfg.rollout_is_threshold,
@@ -303,34 +303,34 @@ def test_presets_exact_values_and_round_trip(name):
         cfg.loss_type,
     )
     assert got == PRESETS[name]
-    assert RolloutCorrectionConfig.from_dict(cfg.to_dict()) == cfg
+    assert RolloutCorrection.from_dict(cfg.to_dict()) == cfg
 
 
 def test_config_defaults_and_preset_arguments():
-    assert RolloutCorrectionConfig().rollout_is == "sequence"  # dataclass default, unlike the YAML (null)
-    assert RolloutCorrectionConfig.decoupled_geo_rs_seq_tis(rs_threshold=1.001).rollout_rs_threshold == 1.001
-    assert RolloutCorrectionConfig.decoupled_token_icepop(
+    assert RolloutCorrection().rollout_is == "sequence"  # dataclass default, unlike the YAML (null)
+    assert RolloutCorrection.decoupled_geo_rs_seq_tis(rs_threshold=1.001).rollout_rs_threshold == 1.001
+    assert RolloutCorrection.decoupled_token_icepop(
         threshold=4.0, threshold_lower=0.25
     ).rollout_is_threshold == ("0.25_4.0")
-    assert RolloutCorrectionConfig.from_dict(None) == RolloutCorrectionConfig.disabled()
+    assert RolloutCorrection.from_dict(None) == RolloutCorrection.disabled()
 
 
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="did you mean 'rollout_rs_threshold'"):
-        RolloutCorrectionConfig.from_dict({"rollout_rs_treshold": 2.0})
+        RolloutCorrection.from_dict({"rollout_rs_treshold": 2.0})
     with pytest.raises(ValueError, match="loss_type"):
-        RolloutCorrectionConfig(loss_type="ppo")
+        RolloutCorrection(loss_type="ppo")
     with pytest.raises(ValueError, match="rollout_is="):
-        RolloutCorrectionConfig(rollout_is="tokens")
+        RolloutCorrection(rollout_is="tokens")
     with pytest.raises(TypeError, match="not a boolean"):
-        RolloutCorrectionConfig(rollout_is_threshold=True)
+        RolloutCorrection(rollout_is_threshold=True)
     with pytest.raises(ValueError, match="rollout_rs_threshold is None"):
-        RolloutCorrectionConfig(rollout_rs="seq_mean_k1")
+        RolloutCorrection(rollout_rs="seq_mean_k1")
 
 
 def test_apply_rollout_correction_decoupled_and_bypass():
     old, rollout, mask = _batch(seed=5, scale=0.5)
-    cfg = RolloutCorrectionConfig.decoupled_geo_rs_token_tis()
+    cfg = RolloutCorrection.decoupled_geo_rs_token_tis()
     w, new_mask, m = apply_rollout_correction(old, rollout, mask, cfg)
     w2, mask2, m2 = compute_rollout_correction_and_rejection_mask(
         old,
@@ -343,7 +343,7 @@ def test_apply_rollout_correction_decoupled_and_bypass():
     )
     assert torch.equal(w, w2) and torch.equal(new_mask, mask2) and m == m2
     wb, mb, mtb = apply_rollout_correction(
-        old, rollout, mask, RolloutCorrectionConfig.bypass_pg_is().to_dict()
+        old, rollout, mask, RolloutCorrection.bypass_pg_is().to_dict()
     )
     assert wb is None and mb is mask and "rollout_corr/kl" in mtb
     wd, md, _ = apply_rollout_correction(old, rollout, mask, None)

@@ -1,7 +1,12 @@
 """Rollout-correction settings: the supported option values, parsing of the IS / RS threshold specs, and
-``RolloutCorrectionConfig`` (``algorithm.rollout_correction``, reference §5.1) with its presets (§5.6).
+``RolloutCorrection`` (the validated form of the ``algorithm.rollout_correction`` config section,
+docs/REFERENCE.md §5.1) with its presets (§5.6).
 
-Split out of :mod:`dapo_core.algo.rollout_correction.core`, which re-exports every public name defined here; import them
+This module is the one definition of the option values and of the threshold parsing: the config checks
+(`dapo_core.config.checks`) import them from here. The config section itself is the schema dataclass
+`dapo_core.config.RolloutCorrectionConfig` (YAML defaults, untyped thresholds);
+`RolloutCorrection.from_dict` turns it into this object. Split out of
+:mod:`dapo_core.algo.rollout_correction.core`, which re-exports every public name defined here; import them
 from there.
 """
 
@@ -17,8 +22,9 @@ __all__ = [
     "SUPPORTED_LOSS_TYPES",
     "SUPPORTED_ROLLOUT_IS_LEVELS",
     "SUPPORTED_ROLLOUT_RS_OPTIONS",
-    "RolloutCorrectionConfig",
+    "RolloutCorrection",
     "parse_is_threshold",
+    "parse_rs_option_names",
     "parse_rs_options",
 ]
 
@@ -135,15 +141,11 @@ def _parse_rs_bound(option: str, spec: str) -> tuple[float | None, float]:
     return None, _parse_positive(spec, f"rollout_rs_threshold ({option})")
 
 
-def parse_rs_options(
-    rollout_rs: str | Sequence[str], rollout_rs_threshold: Any
-) -> list[tuple[str, float | None, float]]:
-    """Parse RS options and thresholds into ``[(option, lower_bound, upper_bound), ...]``.
+def parse_rs_option_names(rollout_rs: str | Sequence[str]) -> list[str]:
+    """The RS option names of ``rollout_rs`` (comma-separated or a list), in order, duplicates kept.
 
-    Options are comma-separated (or a list); duplicates are dropped keeping the first. Thresholds are one spec
-    shared by all options or exactly one per listed option. Bounds are returned in statistic space: for k1 they
-    are ``log(lower), log(upper)`` of the ratio bound (a single number ``u`` means ``[1/u, u]``); for k2/k3 the
-    lower bound is ``None``.
+    Raises ``ValueError`` naming the closest supported option for an unknown one (``TypeError`` for a
+    boolean).
     """
     options = _split_spec(rollout_rs, "rollout_rs")
     for opt in options:
@@ -151,8 +153,23 @@ def parse_rs_options(
             close = difflib.get_close_matches(opt, SUPPORTED_ROLLOUT_RS_OPTIONS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(
-                f"rollout_rs option {opt!r} is not supported{hint}; choose from {list(SUPPORTED_ROLLOUT_RS_OPTIONS)}"
+                f"rollout_rs option {opt!r} is not supported{hint}; "
+                f"choose from {list(SUPPORTED_ROLLOUT_RS_OPTIONS)}"
             )
+    return options
+
+
+def parse_rs_options(
+    rollout_rs: str | Sequence[str], rollout_rs_threshold: Any
+) -> list[tuple[str, float | None, float]]:
+    """Parse RS options and thresholds into ``[(option, lower_bound, upper_bound), ...]``.
+
+    Options are comma-separated (or a list); duplicates are dropped keeping the first. Thresholds are one spec
+    shared by all options or exactly one per listed option. Bounds are returned in statistic space: for k1
+    they are ``log(lower), log(upper)`` of the ratio bound (a single number ``u`` means ``[1/u, u]``); for
+    k2/k3 the lower bound is ``None``.
+    """
+    options = parse_rs_option_names(rollout_rs)
     if rollout_rs_threshold is None:
         raise ValueError(
             f"rollout_rs={rollout_rs!r} is enabled but rollout_rs_threshold is None; set e.g. "
@@ -168,7 +185,7 @@ def parse_rs_options(
         )
     out: list[tuple[str, float | None, float]] = []
     seen: set[str] = set()
-    for opt, spec in zip(options, specs):
+    for opt, spec in zip(options, specs, strict=True):
         if opt in seen:
             continue
         seen.add(opt)
@@ -188,11 +205,13 @@ def _check_rollout_is(rollout_is: str | None) -> None:
 
 
 @dataclass
-class RolloutCorrectionConfig:
-    """``algorithm.rollout_correction`` (reference §5.1).
+class RolloutCorrection:
+    """The rollout-correction method (§5.1): validated IS / RS settings, built from the
+    ``algorithm.rollout_correction`` config section with :meth:`from_dict`, or from a preset.
 
-    Note the dataclass default ``rollout_is="sequence"`` follows verl's dataclass, while the YAML default in
-    ``configs/dapo.yaml`` is ``null`` (IS off); use :meth:`disabled` or ``from_dict`` of the YAML section.
+    Note the dataclass default ``rollout_is="sequence"`` follows verl's dataclass, while the config default
+    (``dapo_core.config.RolloutCorrectionConfig``, ``configs/dapo.yaml``) is ``null`` (IS off); use
+    :meth:`disabled` or ``from_dict`` of the config section.
     """
 
     rollout_is: str | None = "sequence"
@@ -218,7 +237,8 @@ class RolloutCorrectionConfig:
             parse_is_threshold(self.rollout_is_threshold)  # raises the TypeError
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             raise ValueError(
-                f"rollout_correction.loss_type={self.loss_type!r} is not supported; use 'ppo_clip' or 'reinforce'"
+                f"rollout_correction.loss_type={self.loss_type!r} is not supported; "
+                f"use one of {list(SUPPORTED_LOSS_TYPES)}"
             )
         if self.rollout_rs is not None and str(self.rollout_rs).strip():
             parse_rs_options(self.rollout_rs, self.rollout_rs_threshold)
@@ -226,7 +246,7 @@ class RolloutCorrectionConfig:
     # -- (de)serialisation ---------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> RolloutCorrectionConfig:
+    def from_dict(cls, data: Mapping[str, Any] | None) -> RolloutCorrection:
         """Build from a mapping (e.g. the YAML section); unknown keys raise naming the closest field.
 
         Missing keys take the dataclass defaults; ``None`` yields :meth:`disabled`.
@@ -246,29 +266,29 @@ class RolloutCorrectionConfig:
         """Plain-dict view (round-trips through :meth:`from_dict`)."""
         return asdict(self)
 
-    # -- presets (reference §5.6; exact values) --------------------------------------------------------
+    # -- presets (§5.6; exact values) ------------------------------------------------------------------
 
     @classmethod
-    def decoupled_token_is(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
+    def decoupled_token_is(cls, threshold: float = 2.0) -> RolloutCorrection:
         """Decoupled, token-level truncated IS."""
         return cls(rollout_is="token", rollout_is_threshold=threshold)
 
     @classmethod
-    def decoupled_seq_is(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
+    def decoupled_seq_is(cls, threshold: float = 2.0) -> RolloutCorrection:
         """Decoupled, sequence-level truncated IS."""
         return cls(rollout_is="sequence", rollout_is_threshold=threshold)
 
     @classmethod
     def decoupled_token_icepop(
         cls, threshold: float = 5.0, threshold_lower: float = 0.5
-    ) -> RolloutCorrectionConfig:
+    ) -> RolloutCorrection:
         """Decoupled, token-level IcePop (weights outside [lower, upper] set to 0)."""
         return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
 
     @classmethod
     def decoupled_seq_is_rs(
         cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.5_2.0"
-    ) -> RolloutCorrectionConfig:
+    ) -> RolloutCorrection:
         """Decoupled, sequence TIS plus sequence-sum k1 rejection."""
         return cls(
             rollout_is="sequence",
@@ -278,14 +298,14 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def decoupled_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrectionConfig:
+    def decoupled_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrection:
         """Decoupled, geometric-mean (seq_mean_k1) rejection only."""
         return cls(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
 
     @classmethod
     def decoupled_geo_rs_seq_tis(
         cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> RolloutCorrectionConfig:
+    ) -> RolloutCorrection:
         """Decoupled, geometric rejection plus sequence TIS."""
         return cls(
             rollout_is="sequence",
@@ -297,7 +317,7 @@ class RolloutCorrectionConfig:
     @classmethod
     def decoupled_geo_rs_token_tis(
         cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> RolloutCorrectionConfig:
+    ) -> RolloutCorrection:
         """Decoupled, geometric rejection plus token TIS."""
         return cls(
             rollout_is="token",
@@ -307,14 +327,14 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def decoupled_k3_rs(cls, rs_threshold: float = 0.01) -> RolloutCorrectionConfig:
+    def decoupled_k3_rs(cls, rs_threshold: float = 0.01) -> RolloutCorrection:
         """Decoupled, sequence-mean k3 rejection only."""
         return cls(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
 
     @classmethod
     def decoupled_k3_rs_seq_tis(
         cls, is_threshold: float = 2.0, rs_threshold: float = 0.01
-    ) -> RolloutCorrectionConfig:
+    ) -> RolloutCorrection:
         """Decoupled, sequence-mean k3 rejection plus sequence TIS."""
         return cls(
             rollout_is="sequence",
@@ -326,7 +346,7 @@ class RolloutCorrectionConfig:
     @classmethod
     def decoupled_k3_rs_token_tis(
         cls, is_threshold: float = 2.0, rs_threshold: float = 0.01
-    ) -> RolloutCorrectionConfig:
+    ) -> RolloutCorrection:
         """Decoupled, sequence-mean k3 rejection plus token TIS."""
         return cls(
             rollout_is="token",
@@ -336,12 +356,12 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def bypass_ppo_clip(cls) -> RolloutCorrectionConfig:
+    def bypass_ppo_clip(cls) -> RolloutCorrection:
         """Bypass, PPO clip with ratio π_θ/π_rollout, no IS, no RS."""
         return cls(rollout_is=None, bypass_mode=True, loss_type="ppo_clip")
 
     @classmethod
-    def bypass_ppo_clip_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrectionConfig:
+    def bypass_ppo_clip_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrection:
         """Bypass, PPO clip plus geometric rejection."""
         return cls(
             rollout_is=None,
@@ -352,7 +372,7 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01) -> RolloutCorrectionConfig:
+    def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01) -> RolloutCorrection:
         """Bypass, PPO clip plus sequence-mean k3 rejection."""
         return cls(
             rollout_is=None,
@@ -363,7 +383,7 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def bypass_pg_is(cls, threshold: float = 2.0) -> RolloutCorrectionConfig:
+    def bypass_pg_is(cls, threshold: float = 2.0) -> RolloutCorrection:
         """Bypass, REINFORCE with sequence TIS."""
         return cls(
             rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, loss_type="reinforce"
@@ -372,7 +392,7 @@ class RolloutCorrectionConfig:
     @classmethod
     def bypass_pg_token_icepop(
         cls, threshold: float = 5.0, threshold_lower: float = 0.5
-    ) -> RolloutCorrectionConfig:
+    ) -> RolloutCorrection:
         """Bypass, REINFORCE with token IcePop."""
         return cls(
             rollout_is="token",
@@ -382,7 +402,7 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def bypass_pg_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrectionConfig:
+    def bypass_pg_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrection:
         """Bypass, REINFORCE with geometric rejection only."""
         return cls(
             rollout_is=None,
@@ -395,7 +415,7 @@ class RolloutCorrectionConfig:
     @classmethod
     def bypass_pg_geo_rs_seq_tis(
         cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> RolloutCorrectionConfig:
+    ) -> RolloutCorrection:
         """Bypass, REINFORCE with geometric rejection and sequence TIS."""
         return cls(
             rollout_is="sequence",
@@ -409,7 +429,7 @@ class RolloutCorrectionConfig:
     @classmethod
     def bypass_pg_geo_rs_token_tis(
         cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> RolloutCorrectionConfig:
+    ) -> RolloutCorrection:
         """Bypass, REINFORCE with geometric rejection and token TIS."""
         return cls(
             rollout_is="token",
@@ -421,7 +441,7 @@ class RolloutCorrectionConfig:
         )
 
     @classmethod
-    def disabled(cls) -> RolloutCorrectionConfig:
+    def disabled(cls) -> RolloutCorrection:
         """No IS, no RS, decoupled (only the off-policy diagnostics are logged)."""
         return cls(rollout_is=None, rollout_rs=None, bypass_mode=False)
 
