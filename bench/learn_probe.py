@@ -9,8 +9,8 @@ product's training loop): sample n responses per prompt with HF ``generate``; sc
 ``math_dapo.compute_score`` (a local copy of its integer path when ``dapo_core.rewards`` is absent);
 dynamic sampling (keep groups whose ``acc`` has non-zero spread, refill up to ``--max-gen-batches``);
 GRPO advantages (unbiased std, ε=1e-6); old log-probs by a teacher-forced forward; clipped loss with
-ε_low/ε_high and dual clip c, token-mean over each mini-batch; AdamW. It uses
-``dapo_core.algo.losses.core.compute_policy_loss`` / ``dapo_core.algo.advantages`` when they exist.
+ε_low/ε_high and dual clip c, token-mean over each mini-batch; AdamW. The loss and the GRPO advantage are
+small local functions here, not ``dapo_core.algo``'s.
 No KL, no entropy bonus, no overlong shaping (responses are short). Evaluation is greedy (``--eval-greedy``,
 default) and/or sampled mean@k at temperature 1.
 

@@ -2,6 +2,7 @@
 assembling the training batch, and the advantage stage (KL in reward, rollout correction, estimator).
 
 Pure functions over Arrow tables; the Prefect tasks in `tasks/` call them and commit their outputs.
+Section numbers (§N.M) refer to docs/REFERENCE.md.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dapo_core.algo.advantages import get_adv_estimator
+from dapo_core.algo.advantages import compute_advantage
 from dapo_core.algo.dynamic_sampling import filter_groups
 from dapo_core.data import batch as B
 
@@ -141,7 +142,7 @@ def compute_advantage_table(
     if "values" in t:
         kwargs["values"] = t["values"]
     index = table.column("uid").to_pylist()
-    adv, ret = get_adv_estimator(adv_estimator)(rewards, mask, index=index, **kwargs)
+    adv, ret = compute_advantage(adv_estimator, rewards, mask, index, **kwargs)
     out = table
     new_cols = {"token_level_rewards": rewards, "advantages": adv, "returns": ret}
     if weights is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KeepRateEstimator", "filter_groups", "group_keep_stats", "next_gen_batch_size"]
+__all__ = ["KeepRateEstimator", "filter_groups", "next_gen_batch_size"]
 
 
 def _group_arrays(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np.ndarray):
@@ -35,8 +35,8 @@ def _group_arrays(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np
     return uid_arr, val_arr
 
 
-def _group_keep(uid_arr: np.ndarray, val_arr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-group keep flags, the row→group index and group sizes (groups in np.unique order)."""
+def _group_keep(uid_arr: np.ndarray, val_arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-group keep flags and the row→group index (groups in np.unique order)."""
     _, inverse, counts = np.unique(uid_arr, return_inverse=True, return_counts=True)
     inverse = inverse.reshape(-1)
     order = np.argsort(inverse, kind="stable")
@@ -46,7 +46,7 @@ def _group_keep(uid_arr: np.ndarray, val_arr: np.ndarray) -> tuple[np.ndarray, n
     # np.std per group, exactly as the reference (population std; NaN > 0 is False, so a NaN group is dropped)
     std = np.array([np.std(ordered[a:b]) for a, b in zip(starts, ends)], dtype=np.float64)
     keep = (std > 0) | (counts == 1)
-    return keep, inverse, counts
+    return keep, inverse
 
 
 def filter_groups(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -60,39 +60,8 @@ def filter_groups(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np
     uid_arr, val_arr = _group_arrays(uids, values)
     if uid_arr.shape[0] == 0:
         return np.zeros(0, dtype=bool)
-    keep, inverse, _ = _group_keep(uid_arr, val_arr)
+    keep, inverse = _group_keep(uid_arr, val_arr)
     return keep[inverse]
-
-
-def group_keep_stats(
-    uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np.ndarray
-) -> dict[str, float]:
-    """Counts behind :func:`filter_groups`: ``num_groups``, ``num_kept_groups``, ``num_rows``, ``num_kept_rows``,
-    ``num_singleton_groups``, ``num_constant_groups`` (dropped: all values equal) and ``keep_rate``
-    (kept / groups, 0.0 for an empty batch)."""
-    uid_arr, val_arr = _group_arrays(uids, values)
-    if uid_arr.shape[0] == 0:
-        return {
-            "num_groups": 0.0,
-            "num_kept_groups": 0.0,
-            "num_rows": 0.0,
-            "num_kept_rows": 0.0,
-            "num_singleton_groups": 0.0,
-            "num_constant_groups": 0.0,
-            "keep_rate": 0.0,
-        }
-    keep, inverse, counts = _group_keep(uid_arr, val_arr)
-    n_groups = int(counts.shape[0])
-    n_kept = int(keep.sum())
-    return {
-        "num_groups": float(n_groups),
-        "num_kept_groups": float(n_kept),
-        "num_rows": float(uid_arr.shape[0]),
-        "num_kept_rows": float(keep[inverse].sum()),
-        "num_singleton_groups": float((counts == 1).sum()),
-        "num_constant_groups": float(n_groups - n_kept),
-        "keep_rate": n_kept / n_groups,
-    }
 
 
 def next_gen_batch_size(

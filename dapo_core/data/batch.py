@@ -6,11 +6,10 @@ themselves with the helpers here:
 
 - :func:`to_padded` — left-padded prompts, right-padded responses, ``input_ids``, masks, positions
   and any per-token column as a ``(B, L)`` tensor;
-- :func:`to_packed` — padding-free layout (concatenated sequences + ``cu_seqlens``);
-- :func:`from_padded` / :func:`from_packed` / :func:`add_token_column` — the way back to list columns.
+- :func:`from_padded` / :func:`add_token_column` / :func:`set_column` — the way back to list columns.
 
-Row-level helpers (:func:`concat`, :func:`select`, :func:`chunk`, :func:`reorder`, :func:`union`,
-:func:`repeat_interleave_prompts`) keep the table immutable and zero-copy where Arrow allows.
+Row-level helpers (:func:`concat`, :func:`chunk`, :func:`repeat_interleave_prompts`) keep the table immutable
+and zero-copy where Arrow allows.
 :func:`balance_partitions` / :func:`balance_batch` implement the sequence-length balancing of the
 reference trainer (Karmarkar–Karp over the workload ``24576·len + len²``, equal-size partitions,
 and the NEWEST intra-partition order). Everything is vectorised with numpy / pyarrow.compute.
@@ -19,9 +18,7 @@ and the NEWEST intra-partition order). Everything is vectorised with numpy / pya
 from __future__ import annotations
 
 import heapq
-import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -37,21 +34,13 @@ __all__ = [
     "calculate_workload",
     "chunk",
     "concat",
-    "from_packed",
     "from_padded",
-    "greedy_partitions",
-    "group_sizes",
     "list_lengths",
     "prompt_lengths",
-    "reorder",
     "repeat_interleave_prompts",
     "response_lengths",
-    "select",
     "set_column",
-    "to_packed",
     "to_padded",
-    "union",
-    "uuid4_hex",
 ]
 
 
@@ -61,11 +50,6 @@ class BatchError(ValueError):
 
 # --------------------------------------------------------------------------------------------------
 # small helpers
-
-
-def uuid4_hex() -> str:
-    """Return a fresh uuid4 as 32 lowercase hex characters (no dashes, no underscores)."""
-    return uuid.uuid4().hex
 
 
 def _list_array(table: pa.Table, name: str) -> pa.Array:
@@ -241,61 +225,6 @@ def to_padded(
     return out
 
 
-def to_packed(table: pa.Table, *, columns: Sequence[str] = ()) -> dict[str, Any]:
-    """Padding-free layout: every row's ``prompt_ids + response_ids`` concatenated into one sequence.
-
-    Returns ``input_ids (T,)`` int64, ``position_ids (T,)`` restarting at 0 for every sequence,
-    ``cu_seqlens (B+1,)`` int32 (cumulative sequence starts, flash-attention style),
-    ``prompt_length``/``response_length (B,)`` int64, ``response_mask (T,)`` int64 (1 on response
-    tokens; the ``response_mask`` column's values if present), ``max_seqlen`` (int), and each requested
-    per-token column as a ``(T,)`` tensor that is 0 on prompt positions.
-    """
-    prompts_arr = _list_array(table, "prompt_ids")
-    responses_arr = _list_array(table, "response_ids")
-    p_len = list_lengths(table, "prompt_ids")
-    r_len = list_lengths(table, "response_ids")
-    seq_len = p_len + r_len
-    total = int(seq_len.sum())
-    cu = np.zeros(len(seq_len) + 1, dtype=np.int64)
-    np.cumsum(seq_len, out=cu[1:])
-    seq_of_token = np.repeat(np.arange(len(seq_len)), seq_len)
-    pos = np.arange(total, dtype=np.int64) - cu[:-1][seq_of_token]
-    is_resp = pos >= p_len[seq_of_token]
-
-    def _fill(prompt_vals: np.ndarray | None, resp_vals: np.ndarray, np_dtype: Any) -> np.ndarray:
-        flat = np.zeros(total, dtype=np_dtype)
-        if prompt_vals is not None:
-            flat[~is_resp] = prompt_vals
-        flat[is_resp] = resp_vals
-        return flat
-
-    input_ids = _fill(_flat_values(prompts_arr), _flat_values(responses_arr), np.int64)
-    if "response_mask" in table.column_names:
-        mask_vals = _flat_values(_list_array(table, "response_mask")).astype(np.int64)
-        if mask_vals.size != int(r_len.sum()):
-            raise BatchError("column 'response_mask': list lengths differ from 'response_ids' lengths")
-        resp_mask = _fill(None, mask_vals, np.int64)
-    else:
-        resp_mask = is_resp.astype(np.int64)
-    out: dict[str, Any] = {
-        "input_ids": torch.from_numpy(input_ids),
-        "position_ids": torch.from_numpy(pos),
-        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
-        "prompt_length": torch.from_numpy(p_len),
-        "response_length": torch.from_numpy(r_len),
-        "response_mask": torch.from_numpy(resp_mask),
-        "max_seqlen": int(seq_len.max(initial=0)),
-    }
-    for name in columns:
-        arr = _list_array(table, name)
-        if not np.array_equal(list_lengths(table, name), r_len):
-            raise BatchError(f"column {name!r}: list lengths differ from 'response_ids' lengths")
-        dtype = _torch_dtype_for(arr.type.value_type)
-        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        out[name] = torch.from_numpy(_fill(None, _flat_values(arr).astype(np_dtype), np_dtype))
-    return out
-
-
 # --------------------------------------------------------------------------------------------------
 # tensors -> rows
 
@@ -305,10 +234,9 @@ def from_padded(
     lengths: Sequence[int] | np.ndarray | torch.Tensor,
     *,
     dtype: pa.DataType | str | None = None,
-    left_padded: bool = False,
 ) -> pa.ListArray:
-    """Inverse of the padding: keep the first ``lengths[i]`` entries of row ``i`` (the last ones if
-    ``left_padded``) of a ``(B, L)`` tensor and return them as an Arrow list array.
+    """Inverse of the right padding: keep the first ``lengths[i]`` entries of row ``i`` of a ``(B, L)`` tensor
+    and return them as an Arrow list array.
 
     ``dtype`` (Arrow type or alias such as ``"float32"``) defaults to the tensor's dtype; bfloat16 /
     float16 become float32.
@@ -327,48 +255,10 @@ def from_padded(
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.float()
     ar = torch.arange(L)
-    mask = ar >= (L - lens)[:, None] if left_padded else ar < lens[:, None]
+    mask = ar < lens[:, None]
     values = pa.array(t[mask].numpy()).cast(arrow_type)
     offsets = np.zeros(B + 1, dtype=np.int32)
     np.cumsum(lens.numpy(), out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
-
-
-def from_packed(
-    flat: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    prompt_lengths: Sequence[int] | np.ndarray | torch.Tensor | None = None,
-    *,
-    dtype: pa.DataType | str | None = None,
-) -> pa.ListArray:
-    """Split a packed ``(T,)`` tensor back into rows (``cu_seqlens`` from :func:`to_packed`).
-
-    With ``prompt_lengths`` the first ``prompt_lengths[i]`` entries of sequence ``i`` are dropped, so
-    the result holds the per-response-token values (e.g. log-probs) of every row.
-    """
-    cu = torch.as_tensor(cu_seqlens).to(torch.int64).cpu().numpy()
-    seq_len = np.diff(cu)
-    if flat.dim() != 1 or flat.shape[0] != int(cu[-1]):
-        raise BatchError(
-            f"from_packed: tensor of shape {tuple(flat.shape)} does not match cu_seqlens[-1]={cu[-1]}"
-        )
-    t = flat.detach().cpu()
-    if t.dtype in (torch.bfloat16, torch.float16):
-        t = t.float()
-    arrow_type = _as_arrow_type(dtype, flat.dtype)
-    if prompt_lengths is None:
-        skip = np.zeros_like(seq_len)
-    else:
-        skip = np.asarray(torch.as_tensor(prompt_lengths).cpu().numpy(), dtype=np.int64)
-    keep_len = seq_len - skip
-    if (keep_len < 0).any():
-        raise BatchError("from_packed: a prompt length exceeds its sequence length")
-    seq_of_token = np.repeat(np.arange(len(seq_len)), seq_len)
-    pos = np.arange(int(cu[-1]), dtype=np.int64) - cu[:-1][seq_of_token]
-    keep = pos >= skip[seq_of_token]
-    values = pa.array(t.numpy()[keep]).cast(arrow_type)
-    offsets = np.zeros(len(seq_len) + 1, dtype=np.int32)
-    np.cumsum(keep_len, out=offsets[1:])
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
 
 
@@ -402,21 +292,6 @@ def add_token_column(
 # row operations
 
 
-def union(table: pa.Table, other: pa.Table) -> pa.Table:
-    """Add the columns of ``other`` to ``table`` (same rows, same order). A column present in both must
-    hold equal values (else BatchError naming it)."""
-    if table.num_rows != other.num_rows:
-        raise BatchError(f"union: row counts differ ({table.num_rows} vs {other.num_rows})")
-    out = table
-    for name in other.column_names:
-        if name in out.column_names:
-            if not out.column(name).equals(other.column(name)):
-                raise BatchError(f"union: column {name!r} is in both tables with different values")
-            continue
-        out = out.append_column(other.schema.field(name), other.column(name))
-    return out
-
-
 def concat(tables: Sequence[pa.Table]) -> pa.Table:
     """Stack tables row-wise. All must have the same columns (order may differ; the first one's is kept)."""
     tables = list(tables)
@@ -436,27 +311,6 @@ def concat(tables: Sequence[pa.Table]) -> pa.Table:
         raise BatchError(f"concat: column types differ between tables: {exc}") from exc
 
 
-def select(table: pa.Table, idx_or_mask: Any) -> pa.Table:
-    """Rows by a boolean mask (length ``num_rows``) or by integer indices (any order, repeats allowed)."""
-    if isinstance(idx_or_mask, torch.Tensor):
-        idx_or_mask = idx_or_mask.cpu().numpy()
-    if isinstance(idx_or_mask, (pa.Array, pa.ChunkedArray)):
-        idx_or_mask = idx_or_mask.to_numpy(zero_copy_only=False)
-    arr = np.asarray(idx_or_mask)
-    if arr.dtype == bool:
-        if arr.shape != (table.num_rows,):
-            raise BatchError(f"select: mask has shape {arr.shape}, table has {table.num_rows} rows")
-        return table.filter(pa.array(arr))
-    if arr.size == 0:
-        return table.slice(0, 0)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise BatchError(f"select: expected a bool mask or integer indices, got dtype {arr.dtype}")
-    if arr.min() < -table.num_rows or arr.max() >= table.num_rows:
-        raise BatchError(f"select: index out of range for {table.num_rows} rows")
-    arr = np.where(arr < 0, arr + table.num_rows, arr)
-    return table.take(pa.array(arr.astype(np.int64)))
-
-
 def chunk(table: pa.Table, k: int) -> list[pa.Table]:
     """Split into ``k`` contiguous zero-copy slices whose sizes differ by at most one (larger first);
     ``concat(chunk(t, k))`` equals ``t``."""
@@ -471,19 +325,12 @@ def chunk(table: pa.Table, k: int) -> list[pa.Table]:
     return out
 
 
-def reorder(table: pa.Table, perm: Sequence[int] | np.ndarray | torch.Tensor) -> pa.Table:
-    """Rows in the order ``perm`` (must be a permutation of ``range(num_rows)``)."""
-    p = np.asarray(perm.cpu().numpy() if isinstance(perm, torch.Tensor) else perm, dtype=np.int64)
-    if p.shape != (table.num_rows,) or not np.array_equal(np.sort(p), np.arange(table.num_rows)):
-        raise BatchError(f"reorder: perm is not a permutation of range({table.num_rows})")
-    return table.take(pa.array(p))
-
-
-def repeat_interleave_prompts(table: pa.Table, n: int, *, uid_fn: Callable[[], str] = uuid4_hex) -> pa.Table:
+def repeat_interleave_prompts(table: pa.Table, n: int, *, uid_fn: Callable[[], str]) -> pa.Table:
     """Repeat every prompt row ``n`` times interleaved (``[p0×n, p1×n, …]``).
 
-    Each source row gets one fresh ``uid`` (from ``uid_fn``, shared by its ``n`` copies, replacing any
-    existing uid: a uid names one *sampling* of a prompt) and ``sample_idx`` 0..n−1 (int32).
+    Each source row gets one fresh ``uid`` (from ``uid_fn``, e.g. ``dapo_core.seeding.uid_factory``, shared by
+    its ``n`` copies, replacing any existing uid: a uid names one *sampling* of a prompt) and ``sample_idx``
+    0..n−1 (int32).
     """
     if n < 1:
         raise BatchError(f"repeat_interleave_prompts: n must be ≥ 1, got {n}")
@@ -497,14 +344,6 @@ def repeat_interleave_prompts(table: pa.Table, n: int, *, uid_fn: Callable[[], s
     sample_col = pa.array(np.tile(np.arange(n, dtype=np.int32), rows), pa.int32())
     out = set_column(out, "uid", uid_col)
     return set_column(out, "sample_idx", sample_col)
-
-
-def group_sizes(table: pa.Table) -> dict[str, int]:
-    """Number of rows per ``uid``, in order of first appearance."""
-    if "uid" not in table.column_names:
-        raise BatchError("group_sizes: batch has no 'uid' column")
-    vc = pc.value_counts(table.column("uid"))
-    return dict(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist(), strict=True))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -562,32 +401,25 @@ class _KKState:
         return self.sets[0].key() > other.sets[0].key()
 
 
-def balance_partitions(
-    workloads: Sequence[int] | np.ndarray, k: int, equal_size: bool = True
-) -> list[list[int]]:
-    """Karmarkar–Karp (largest differencing) split of row indices into ``k`` partitions of near-equal
-    total workload; each partition's indices are sorted ascending.
+def balance_partitions(workloads: Sequence[int] | np.ndarray, k: int) -> list[list[int]]:
+    """Karmarkar–Karp (largest differencing) split of row indices into ``k`` partitions of equal size and
+    near-equal total workload; each partition's indices are sorted ascending.
 
-    ``equal_size=True`` needs ``len(workloads) % k == 0`` and gives every partition the same count
-    (seeded by k-tuples of consecutive items in ascending workload order, as the reference does).
+    Needs ``len(workloads) % k == 0``; the states are seeded by k-tuples of consecutive items in ascending
+    workload order, as the reference does.
     """
     w = [int(x) for x in np.asarray(workloads).tolist()]
     if k < 1:
         raise BatchError(f"balance_partitions: k must be ≥ 1, got {k}")
-    if equal_size and len(w) % k:
+    if len(w) % k:
         raise BatchError(
             f"balance_partitions: {len(w)} rows cannot be split into {k} equal-size partitions; "
-            f"make the batch size a multiple of dp_size or pass equal_size=False"
+            f"make the batch size a multiple of dp_size"
         )
     if len(w) < k:
         raise BatchError(f"balance_partitions: {len(w)} rows for {k} partitions (each needs ≥ 1 row)")
     order = sorted((wl, i) for i, wl in enumerate(w))
-    heap: list[_KKState] = []
-    if equal_size:
-        for off in range(0, len(order), k):
-            heap.append(_KKState([(i, wl) for wl, i in order[off : off + k]], k))
-    else:
-        heap = [_KKState([(i, wl)], k) for wl, i in order]
+    heap = [_KKState([(i, wl) for wl, i in order[off : off + k]], k) for off in range(0, len(order), k)]
     heapq.heapify(heap)
     while len(heap) > 1:
         a = heapq.heappop(heap)
@@ -598,44 +430,25 @@ def balance_partitions(
     return parts
 
 
-def greedy_partitions(
-    workloads: Sequence[int] | np.ndarray, k: int, equal_size: bool = True
-) -> list[list[int]]:
-    """Baseline: largest-first, each item to the lightest partition (among those with room when
-    ``equal_size``). Used to compare against :func:`balance_partitions`."""
-    w = np.asarray(workloads, dtype=np.int64)
-    if equal_size and len(w) % k:
-        raise BatchError(f"greedy_partitions: {len(w)} rows not divisible by k={k}")
-    cap = len(w) // k if equal_size else len(w)
-    parts: list[list[int]] = [[] for _ in range(k)]
-    sums = [0] * k
-    for i in sorted(range(len(w)), key=lambda j: (-int(w[j]), j)):
-        choices = [p for p in range(k) if len(parts[p]) < cap]
-        p = min(choices, key=lambda q: (sums[q], q))
-        parts[p].append(i)
-        sums[p] += int(w[i])
-    return [sorted(p) for p in parts]
-
-
-def balance_order(seqlens: Sequence[int] | np.ndarray, dp_size: int) -> tuple[np.ndarray, list[list[int]]]:
-    """Row permutation used by :func:`balance_batch` and the partitions behind it.
+def balance_order(seqlens: Sequence[int] | np.ndarray, dp_size: int) -> np.ndarray:
+    """Row permutation used by :func:`balance_batch`.
 
     Workload ``24576·len + len²`` → Karmarkar–Karp into ``dp_size`` equal-size partitions → inside each
     partition sort by workload ascending and lay out the even-position items followed by the
     odd-position items reversed (short–long–short, NEWEST). Rank ``r`` gets the ``r``-th block.
     """
     workloads = calculate_workload(seqlens)
-    parts = balance_partitions(workloads, dp_size, equal_size=True)
+    parts = balance_partitions(workloads, dp_size)
     perm: list[int] = []
     for part in parts:
         ranked = sorted(part, key=lambda i: (int(workloads[i]), i))
         perm.extend(ranked[0::2] + ranked[1::2][::-1])
-    return np.asarray(perm, dtype=np.int64), parts
+    return np.asarray(perm, dtype=np.int64)
 
 
 def balance_batch(table: pa.Table, dp_size: int) -> pa.Table:
     """Reorder rows so each of the ``dp_size`` contiguous equal blocks carries a similar workload
     (sequence length = prompt + response tokens). Advantages are grouped by uid, so this is safe."""
     seqlens = prompt_lengths(table) + response_lengths(table)
-    perm, _ = balance_order(seqlens, dp_size)
+    perm = balance_order(seqlens, dp_size)
     return table.take(pa.array(perm))

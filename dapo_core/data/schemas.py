@@ -44,7 +44,6 @@ __all__ = [
     "STAGES",
     "STAGE_COLUMNS",
     "SchemaError",
-    "build_schema",
     "validate_dataset",
     "validate_stage",
 ]
@@ -377,22 +376,13 @@ def _row_checks(
     return checks
 
 
-def _as_pandera_check(rc: _RowCheck, index: int) -> ppa.Check:
-    def fn(data) -> pa.Array:
-        return pa.array(rc.fn(data.table), pa.bool_())
-
-    return ppa.Check(fn, name=f"c{index}", error=f"{rc.column}: {rc.what}")
-
-
 def _stage_cols(stage: str, present: frozenset[str]) -> list[str]:
     return list(STAGE_COLUMNS[stage]) + [c for c in OPTIONAL_COLUMNS[stage] if c in present]
 
 
-def _columns(stage: str, present: frozenset[str], *, pandera_nulls: bool) -> dict[str, ppa.Column]:
-    return {
-        c: ppa.Column(COLUMN_TYPES[c], nullable=(c in NULLABLE) or not pandera_nulls, required=True)
-        for c in _stage_cols(stage, present)
-    }
+def _columns(stage: str, present: frozenset[str]) -> dict[str, ppa.Column]:
+    """Presence and dtype of every column; nulls are checked by the fused row check (`_not_null`)."""
+    return {c: ppa.Column(COLUMN_TYPES[c], nullable=True, required=True) for c in _stage_cols(stage, present)}
 
 
 def _not_null(col: str) -> Callable[[pa.Table], np.ndarray]:
@@ -421,22 +411,7 @@ def _fused_check(rcs: tuple[_RowCheck, ...]) -> ppa.Check:
 def _schema(
     stage: str, present: frozenset[str], n: int | None, vocab_size: int, max_p: int, max_r: int
 ) -> tuple[ppa.DataFrameSchema, tuple[_RowCheck, ...]]:
-    """Granular schema: one pandera check per row predicate, pandera null checks (for external use)."""
-    rcs = tuple(_row_checks(stage, present, n, vocab_size, max_p, max_r))
-    schema = ppa.DataFrameSchema(
-        _columns(stage, present, pandera_nulls=True),
-        checks=[_as_pandera_check(rc, i) for i, rc in enumerate(rcs)],
-        strict=False,
-        name=f"dapo.{stage}",
-    )
-    return schema, rcs
-
-
-@lru_cache(maxsize=256)
-def _fast_schema(
-    stage: str, present: frozenset[str], n: int | None, vocab_size: int, max_p: int, max_r: int
-) -> tuple[ppa.DataFrameSchema, tuple[_RowCheck, ...]]:
-    """Schema used by validate_stage: pandera checks presence and dtypes; nulls (O(1) via Arrow's
+    """The pandera schema of `stage`: pandera checks presence and dtypes; nulls (O(1) via Arrow's
     null count) and all cross-field predicates run in one fused check. On failure every predicate is
     re-run separately to name each failing column (only the failure path pays for that)."""
     null_checks = [
@@ -451,26 +426,12 @@ def _fast_schema(
     ]
     rcs = tuple(null_checks + _row_checks(stage, present, n, vocab_size, max_p, max_r))
     schema = ppa.DataFrameSchema(
-        _columns(stage, present, pandera_nulls=False),
+        _columns(stage, present),
         checks=[_fused_check(rcs)],
         strict=False,
-        name=f"dapo.{stage}.fast",
+        name=f"dapo.{stage}",
     )
     return schema, rcs
-
-
-def build_schema(
-    stage: str,
-    *,
-    n: int | None,
-    vocab_size: int,
-    max_prompt_length: int,
-    max_response_length: int,
-    present: frozenset[str] | set[str] = frozenset(),
-) -> ppa.DataFrameSchema:
-    """The pandera ``DataFrameSchema`` of ``stage`` (optional columns included if named in ``present``)."""
-    _check_stage(stage)
-    return _schema(stage, frozenset(present), n, vocab_size, max_prompt_length, max_response_length)[0]
 
 
 def _check_stage(stage: str) -> None:
@@ -522,12 +483,12 @@ def validate_stage(
             f"{STAGE_COLUMNS[stage]}; run the earlier stages / add the stage's outputs before committing",
             [{"column": c, "what": "missing"} for c in missing],
         )
-    schema, rcs = _fast_schema(stage, present, n, vocab_size, max_prompt_length, max_response_length)
+    schema, rcs = _schema(stage, present, n, vocab_size, max_prompt_length, max_response_length)
     try:
         schema.validate(table, lazy=True)
         return table
     except pa_errors.SchemaErrors as errs:
-        failures = _collect(errs, rcs, table)
+        failures = _collect(errs, table)
         if any(getattr(getattr(e, "check", None), "name", None) == "cross_field" for e in errs.schema_errors):
             failures += _explain_rows(rcs, table)
     except pa_errors.SchemaError as err:  # pragma: no cover - lazy=True always groups errors
@@ -582,49 +543,23 @@ def _explain_rows(rcs: tuple[_RowCheck, ...], table: pa.Table) -> list[dict]:
     return out
 
 
-def _collect(errs: pa_errors.SchemaErrors, rcs: tuple[_RowCheck, ...], table: pa.Table) -> list[dict]:
-    by_name = {f"c{i}": rc for i, rc in enumerate(rcs)}
+def _collect(errs: pa_errors.SchemaErrors, table: pa.Table) -> list[dict]:
+    """Describe pandera's column-level failures (missing dtype); the fused row check is `_explain_rows`'s."""
     failures: list[dict] = []
     for err in errs.schema_errors:
-        check = getattr(err, "check", None)
-        name = getattr(check, "name", None)
-        fc = getattr(err, "failure_cases", None)
-        if name == "cross_field":
+        if getattr(getattr(err, "check", None), "name", None) == "cross_field":
             continue  # detailed by _explain_rows
-        if name in by_name:
-            rc = by_name[name]
-            failures.append(
-                {
-                    "column": rc.column,
-                    "what": rc.what,
-                    "hint": rc.hint,
-                    "rows": fc.num_rows if isinstance(fc, pa.Table) else None,
-                    "uids": _uids_of(fc),
-                }
-            )
-            continue
         column = getattr(getattr(err, "schema", None), "name", None) or "?"
         reason = getattr(err, "reason_code", None)
         reason_txt = getattr(reason, "name", str(reason)).lower()
-        rows = None
-        uids: list[str] = []
         if "dtype" in reason_txt or "datatype" in reason_txt:
             actual = table.schema.field(column).type if column in table.column_names else "?"
             what = f"wrong type {actual}, expected {COLUMN_TYPES.get(column)}"
             hint = f"cast '{column}' to {COLUMN_TYPES.get(column)} when building the table"
-        elif "null" in reason_txt and column in table.column_names:
-            is_null = pc.is_null(table.column(column))
-            rows = int(pc.sum(is_null).as_py() or 0)
-            if rows == 0:
-                # pandera's narwhals backend counts float NaN as null; NaN is reported by the finite check.
-                continue
-            uids = _uids_of(table.filter(is_null).select(["uid"])) if "uid" in table.column_names else []
-            what = "null values"
-            hint = f"fill '{column}' in every row (nulls are only allowed in {sorted(NULLABLE)})"
         else:
             what = str(err).splitlines()[0]
             hint = "see the batch contract in docs/INTERFACES.md"
-        failures.append({"column": column, "what": what, "hint": hint, "rows": rows, "uids": uids})
+        failures.append({"column": column, "what": what, "hint": hint, "rows": None, "uids": []})
     return failures
 
 

@@ -1,16 +1,18 @@
 """Replay buffer over the run store, for the replay-buffer step order.
 
-Rollout work registers prompts in the ledger (``register_prompts`` → ``mark_running``) and hands finished
-groups to :meth:`ReplayBuffer.add_groups`; the trainer calls :meth:`ReplayBuffer.sample` once per global step.
-``sample`` never blocks: when there are not enough sampleable groups it returns ``None`` and says in
-``metrics["refill_needed"]`` how many prompts the caller should generate next.
+Rollout work registers prompts in the ledger (``register_prompts``; the generation task then tags them
+``status="running"`` in the run store) and hands finished groups to :meth:`ReplayBuffer.add_groups`; the
+trainer calls :meth:`ReplayBuffer.sample` once per global step. ``sample`` never blocks: when there are not
+enough sampleable groups it returns ``None`` and says in ``metrics["refill_needed"]`` how many prompts the
+caller should generate next. ``sample`` also computes the staleness and eviction metrics
+(``{training,validation}/off_policy/*``, §7.7): the buffer is where the trajectories' weight versions are.
 
 Storage choice: each ``add_groups`` call commits its trajectory rows as ONE stage file
 (``step_<global_steps>/replay_add_<k>.arrow``, checksummed like every stage) and each trajectory key
 ``{uid}_{sample_idx}`` records ``uri`` + ``row`` in its tags (plus ``min/max_global_steps`` and the filter
 metric). The ledger stays small; a sample reads each needed file once and takes the rows.
 
-Semantics (reference §9.3 / §7.7, simplified to a single driver):
+Semantics (docs/REFERENCE.md §9.3 / §7.7, simplified to a single driver):
 - Oldest first by the prompt's ``global_steps`` (ties: registration order).
 - DAPO filter: a finished group with more than one trajectory whose ``filter_groups_metric`` has population
   std 0 is evicted (``…/filter_groups/evicted_samples``, ``_dapo_filtered_reward_counts``).
@@ -18,7 +20,8 @@ Semantics (reference §9.3 / §7.7, simplified to a single driver):
   span > threshold are evicted (``…/off_policy/evicted_samples`` + staleness of the evicted spans).
   ``wait``: nothing is evicted for staleness; when an in-flight prompt has span ≥ threshold, ``sample``
   returns ``None`` with ``metrics["must_wait"] = True`` (finish those prompts first; they are the oldest).
-- Finished groups without trajectories and ``failure`` groups are evicted (``…/rollout_failure/evicted_samples``).
+- Finished groups without trajectories and ``failure`` groups are evicted
+  (``…/rollout_failure/evicted_samples``).
 - The validation partition (anything but ``train``; metric prefix ``validation/``) never evicts.
 - Eviction counts are in groups (prompts), as in the reference's replay buffer.
 - Surplus: groups beyond ``batch_size`` stay for the next step, unless ``discard_surplus=True`` (then they are
@@ -104,7 +107,8 @@ class ReplayBuffer:
         payloads: Sequence[bytes | None] | None = None,
         status: str = "pending",
     ) -> int:
-        """Register prompt keys ``{uid}`` (``is_prompt=True``, ``status``, ``global_steps``) in one transaction.
+        """Register prompt keys ``{uid}`` (``is_prompt=True``, ``status``, ``global_steps``) in one
+        transaction.
 
         ``payloads`` (optional, one per uid) keep what is needed to re-issue the prompt after a crash.
         """
@@ -114,14 +118,6 @@ class ReplayBuffer:
         tags = {"is_prompt": True, "status": status, "global_steps": int(global_steps)}
         items = [(u, tags, None if payloads is None else payloads[i]) for i, u in enumerate(uids)]
         return self.store.put_many(items, partition=self.partition)
-
-    def mark_running(self, uids: Iterable[str]) -> int:
-        """Tag prompts ``status="running"`` (their group's generation started)."""
-        return self.store.update_tags(list(uids), status="running")
-
-    def mark_failed(self, uids: Iterable[str]) -> int:
-        """Tag prompts ``status="failure"`` (their group could not be generated/scored)."""
-        return self.store.update_tags(list(uids), status="failure")
 
     def _next_add_stage(self, global_steps: int) -> str:
         d = self.store.step_dir(global_steps)
@@ -174,7 +170,7 @@ class ReplayBuffer:
             if len(rows) != self.n:
                 raise ReplayError(
                     f"add_groups: group uid={u!r} has {len(rows)} trajectories, expected n={self.n}; "
-                    f"pass only complete groups (or mark_failed the uid)"
+                    f"pass only complete groups (or tag the uid status='failure')"
                 )
             if len({sidx[i] for i in rows}) != len(rows):
                 raise ReplayError(f"add_groups: group uid={u!r} has duplicate sample_idx values")
@@ -265,7 +261,8 @@ class ReplayBuffer:
         _stats(f"{p}/trajectory_staleness_worst", worst, metrics)
 
     def sample(self, global_steps: int, batch_size: int | None = None) -> tuple[pa.Table | None, dict]:
-        """Take ``batch_size`` (default ``train_batch_size``) complete groups for ``global_steps``, oldest first.
+        """Take ``batch_size`` (default ``train_batch_size``) complete groups for ``global_steps``, oldest
+        first.
 
         Returns ``(table, metrics)``, or ``(None, metrics)`` when not enough groups are sampleable (generate
         ``metrics["refill_needed"]`` more prompts) or when ``metrics["must_wait"]`` is True. Evictions are
@@ -372,19 +369,9 @@ class ReplayBuffer:
             keys.extend(f"{u}_{t['sample_idx']}" for t in trajs.get(u, []))
         return keys
 
-    def unconsume(self, global_steps: int) -> int:
-        """Return the groups consumed at ``global_steps`` (or later) to the buffer (e.g. resume before them)."""
-        keys = [
-            k
-            for k, t in self.store.items(self.partition, is_prompt=True)
-            if t.get("consumed_step") is not None and t["consumed_step"] >= global_steps
-        ]
-        if keys:
-            self.store.update_tags(keys, consumed_step=None, consume_order=None)
-        return len(keys)
-
     def release(self, up_to_step: int) -> int:
-        """Delete the ledger keys of groups consumed at steps ``<= up_to_step`` (after a checkpoint covers them).
+        """Delete the ledger keys of groups consumed at steps ``<= up_to_step`` (after a checkpoint covers
+        them).
 
         Returns the number of groups released. Stage files stay (they are the step's record).
         """

@@ -2,8 +2,8 @@
 
 (a) `HFRolloutEngine`'s per-token log-probs equal the torch training engine's teacher-forced recompute
     (float32, on cuda, and across devices: cuda rollout vs cpu recompute);
-(b) a torch-engine PPO update (`ppo_update` with a `compute_policy_loss`-based DAPO loss composed like
-    `ActorWorker._loss_fn`: clip-higher + dual-clip policy loss, entropy bonus, low-var-KL loss) gives the
+(b) a torch-engine PPO update (`ppo_update` with the actor's loss `actor_objective`, as `ActorWorker._loss_fn`
+    calls it: clip-higher + dual-clip policy loss, entropy bonus, low-var-KL loss) gives the
     same loss trajectory on cuda as on cpu; plus the `ActorWorker` path itself (cpu batch tensors, engine
     on cuda);
 (c) a single-process DeepSpeed ZeRO-2 update on cuda (nccl) matches the torch engine (skipped when the
@@ -46,12 +46,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo_core.algo.kl import kl_penalty
-from dapo_core.algo.losses import agg_loss, compute_policy_loss
+from dapo_core.algo.losses import PolicyLossParams, actor_objective
 from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
 from dapo_core.compute.engines.rollout import SamplingParams
 from dapo_core.compute.engines.train import make_train_engine, ppo_update
 from dapo_core.compute.models import load_tokenizer
+from dapo_core.data import batch as B
 
 _DRY = os.environ.get("DAPO_GPU_TESTS_ON_CPU") == "1"
 DEV = "cuda" if torch.cuda.is_available() else ("cpu" if _DRY else None)
@@ -110,17 +110,15 @@ def _sync() -> None:
 
 # --------------------------------------------------------------------------- (a) rollout vs recompute
 def _pack(prompts, completions):
-    """Left-padded prompt + right-padded response tensors (cpu), as dapo_core.data.batch.to_padded lays them out."""
-    p = max(len(x) for x in prompts)
-    length = max(len(c.token_ids) for c in completions)
-    ids = torch.zeros(len(prompts), p + length, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (x, c) in enumerate(zip(prompts, completions, strict=True)):
-        ids[i, p - len(x) : p] = torch.tensor(x)
-        ids[i, p : p + len(c.token_ids)] = torch.tensor(c.token_ids)
-        mask[i, p - len(x) : p + len(c.token_ids)] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    return ids, mask, pos, length
+    """The teacher-forcing inputs of prompts + completions, built as the workers build them (`to_padded`, cpu)."""
+    table = pa.table(
+        {
+            "prompt_ids": pa.array(prompts, pa.list_(pa.int64())),
+            "response_ids": pa.array([c.token_ids for c in completions], pa.list_(pa.int64())),
+        }
+    )
+    t = B.to_padded(table, 0)
+    return t["input_ids"], t["attention_mask"], t["position_ids"], t["responses"].shape[1]
 
 
 def _worst_gap(completions, recomputed) -> float:
@@ -181,29 +179,27 @@ def test_rollout_log_probs_match_teacher_forced(request, model, params, record):
 
 # --------------------------------------------------------------------------- (b) PPO update cuda vs cpu
 def _dapo_loss_fn(log_probs, entropy, mb, gbi):
-    """The loss ActorWorker._loss_fn composes for DAPO: policy loss − c_H·entropy + c_KL·KL (token-mean)."""
-    mode = ACTOR["loss_agg_mode"]
-    mask = mb["response_mask"]
-    pg_loss, metrics = compute_policy_loss(
+    """The actor's loss (`actor_objective`, as ActorWorker calls it) with DAPO's clip settings plus an entropy
+    bonus and a low-var-KL loss, so every term is exercised: pg − c_H·entropy + c_KL·KL (token-mean)."""
+    return actor_objective(
         mb["old_log_probs"],
         log_probs,
         mb["advantages"],
-        mask,
-        clip_ratio_low=ACTOR["clip_ratio_low"],
-        clip_ratio_high=ACTOR["clip_ratio_high"],
-        clip_ratio_c=ACTOR["clip_ratio_c"],
-        loss_agg_mode=mode,
+        mb["response_mask"],
+        loss_mode="vanilla",
+        params=PolicyLossParams(
+            clip_ratio_low=ACTOR["clip_ratio_low"],
+            clip_ratio_high=ACTOR["clip_ratio_high"],
+            clip_ratio_c=ACTOR["clip_ratio_c"],
+        ),
+        loss_agg_mode=ACTOR["loss_agg_mode"],
+        entropy=entropy,
+        entropy_coeff=ACTOR["entropy_coeff"],
+        ref_log_prob=mb["ref_log_probs"],
+        kl_loss_coef=ACTOR["kl_loss_coef"],
+        kl_loss_type=ACTOR["kl_loss_type"],
         global_batch_info=gbi,
     )
-    metrics = dict(metrics)
-    metrics["actor/pg_loss"] = pg_loss.detach()
-    ent = agg_loss(entropy, mask, mode, **gbi)
-    metrics["actor/entropy_loss"] = float(ent.detach())
-    kld = kl_penalty(log_probs, mb["ref_log_probs"], ACTOR["kl_loss_type"])
-    kl_loss = agg_loss(kld, mask, mode, **gbi)
-    metrics["actor/kl_loss"] = float(kl_loss.detach())
-    loss = pg_loss - ACTOR["entropy_coeff"] * ent + ACTOR["kl_loss_coef"] * kl_loss
-    return loss, metrics
 
 
 def _make_batch(n=8, prompt_len=7, resp_len=12, seed=0, vocab=99):

@@ -20,6 +20,7 @@ from dapo_core.data.datasets import (
     tokenize_prompt,
     write_parquet,
 )
+from dapo_core.rewards.math_dapo import compute_score
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +29,6 @@ def tokenizer():
     from dapo_core.compute.models import build_char_tokenizer
 
     return build_char_tokenizer()
-
-
-def _score(solution: str, gt: str) -> dict:
-    try:
-        from dapo_core.rewards.math_dapo import compute_score
-    except ImportError:
-        pytest.skip("dapo_core.rewards.math_dapo not available yet")
-    return compute_score(solution, gt)
 
 
 # ------------------------------------------------------------------ synthetic
@@ -82,9 +75,9 @@ def test_math_dapo_scores_synthetic_solution_as_correct():
     for r in rows:
         sol = synthetic_solution(r)
         assert sol.splitlines()[-1] == f"Answer: {r['reward_model']['ground_truth']}"
-        res = _score(sol, r["reward_model"]["ground_truth"])
+        res = compute_score(sol, r["reward_model"]["ground_truth"])
         assert res["acc"] is True and res["score"] == 1.0
-        wrong = _score(sol.replace("Answer: ", "Answer: 1"), r["reward_model"]["ground_truth"])
+        wrong = compute_score(sol.replace("Answer: ", "Answer: 1"), r["reward_model"]["ground_truth"])
         assert wrong["acc"] is False
 
 

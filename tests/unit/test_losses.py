@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 
@@ -11,14 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dapo_core.algo.kl import kl_penalty
 from dapo_core.algo.losses import (
     LOSS_AGG_MODES,
     POLICY_LOSS_REGISTRY,
     PolicyLossParams,
     actor_objective,
     agg_loss,
-    compute_entropy_from_logits,
-    compute_policy_loss,
     compute_value_loss,
     get_policy_loss,
     register_policy_loss,
@@ -28,6 +26,20 @@ from dapo_core.masked import masked_mean, masked_sum, masked_var, masked_whiten
 torch.set_num_threads(1)
 
 DAPO = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}
+
+
+def vanilla(old, log_prob, adv, mask, *, loss_agg_mode="token-mean", rollout_is_weights=None, **clip):
+    """The registered `vanilla` loss (what `actor_objective` runs for DAPO) with keyword clip settings."""
+    params = PolicyLossParams(**{"clip_ratio_c": 3.0, **clip})
+    return get_policy_loss("vanilla")(
+        old,
+        log_prob,
+        adv,
+        mask,
+        loss_agg_mode=loss_agg_mode,
+        params=params,
+        rollout_is_weights=rollout_is_weights,
+    )
 
 
 def _one_token(ratio: float, adv: float, dtype=torch.float64):
@@ -77,11 +89,11 @@ def test_masked_var_and_whiten():
 
 def test_worked_example_dual_clip_negative_advantage():
     old, lp, adv, mask = _one_token(5.0, -1.0)
-    loss, metrics = compute_policy_loss(old, lp, adv, mask, clip_ratio_c=3.0, **DAPO)
+    loss, metrics = vanilla(old, lp, adv, mask, clip_ratio_c=3.0, **DAPO)
     assert loss.item() == pytest.approx(3.0)
-    assert metrics["pg_clipfrac"] == 0.0
-    assert metrics["pg_clipfrac_lower"] == pytest.approx(1.0)
-    assert metrics["ppo_kl"] == pytest.approx(-math.log(5.0))
+    assert metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(1.0)
+    assert metrics["actor/ppo_kl"] == pytest.approx(-math.log(5.0))
     assert all(type(v) is float for v in metrics.values())
     loss.backward()
     assert lp.grad.abs().max().item() == 0.0  # A < 0, ratio > c: constant −A·c
@@ -89,10 +101,10 @@ def test_worked_example_dual_clip_negative_advantage():
 
 def test_worked_example_clip_high_positive_advantage():
     old, lp, adv, mask = _one_token(1.5, 1.0)
-    loss, metrics = compute_policy_loss(old, lp, adv, mask, clip_ratio_c=3.0, **DAPO)
+    loss, metrics = vanilla(old, lp, adv, mask, clip_ratio_c=3.0, **DAPO)
     assert loss.item() == pytest.approx(-1.28)
-    assert metrics["pg_clipfrac"] == pytest.approx(1.0)
-    assert metrics["pg_clipfrac_lower"] == 0.0
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(1.0)
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
     loss.backward()
     assert lp.grad.abs().max().item() == 0.0  # A > 0, ratio > 1 + ε_high
 
@@ -109,7 +121,7 @@ def test_worked_example_clip_high_positive_advantage():
 )
 def test_gradient_regions(ratio, adv, zero_grad):
     old, lp, a, mask = _one_token(ratio, adv)
-    loss, _ = compute_policy_loss(old, lp, a, mask, clip_ratio_c=3.0, **DAPO)
+    loss, _ = vanilla(old, lp, a, mask, clip_ratio_c=3.0, **DAPO)
     loss.backward()
     if zero_grad:
         assert lp.grad.item() == 0.0
@@ -121,15 +133,15 @@ def test_gradient_regions(ratio, adv, zero_grad):
 def test_dual_clip_only_for_negative_advantages():
     # A > 0 with a huge ratio is clipped at 1 + ε_high, never by c
     old, lp, adv, mask = _one_token(10.0, 2.0)
-    loss, m = compute_policy_loss(old, lp, adv, mask, clip_ratio_c=3.0, **DAPO)
+    loss, m = vanilla(old, lp, adv, mask, clip_ratio_c=3.0, **DAPO)
     assert loss.item() == pytest.approx(-2.0 * 1.28)
-    assert m["pg_clipfrac_lower"] == 0.0
+    assert m["actor/pg_clipfrac_lower"] == 0.0
 
 
 def test_clip_ratio_c_must_exceed_one():
     old, lp, adv, mask = _one_token(1.0, 1.0)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        compute_policy_loss(old, lp, adv, mask, clip_ratio_c=1.0, **DAPO)
+        vanilla(old, lp, adv, mask, clip_ratio_c=1.0, **DAPO)
 
 
 def test_log_ratio_clamped_at_20():
@@ -137,8 +149,8 @@ def test_log_ratio_clamped_at_20():
     old = torch.zeros(1, 2, dtype=torch.float32)
     lp = torch.tensor([[100.0, 0.0]], dtype=torch.float32, requires_grad=True)
     adv = torch.tensor([[1.0, -1.0]], dtype=torch.float32)
-    loss, m = compute_policy_loss(old, lp, adv, torch.ones(1, 2), clip_ratio_c=3.0, **DAPO)
-    assert m["ppo_kl"] == pytest.approx(-10.0)
+    loss, m = vanilla(old, lp, adv, torch.ones(1, 2), clip_ratio_c=3.0, **DAPO)
+    assert m["actor/ppo_kl"] == pytest.approx(-10.0)
     # token 0: A > 0, ratio clipped at 1 + ε_high; token 1: ratio 1 → (−1.28 + 1)/2
     assert loss.item() == pytest.approx((-1.28 + 1.0) / 2)
     loss.backward()
@@ -154,14 +166,12 @@ def test_clipfrac_is_strict_and_masked():
     adv = torch.tensor([[0.0, 1.0, 1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
     lp = torch.log(torch.tensor([ratios], dtype=torch.float64))
     mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
-    loss, m = compute_policy_loss(
-        torch.zeros(1, 6, dtype=torch.float64), lp, adv, mask, clip_ratio_c=3.0, **DAPO
-    )
+    loss, m = vanilla(torch.zeros(1, 6, dtype=torch.float64), lp, adv, mask, clip_ratio_c=3.0, **DAPO)
     # L2 > L1 only for token 2 (−1.28 > −2); token 0 has L1 == L2 == 0, tokens 3/4 have L1 > L2 (A < 0),
     # token 5 is masked → 1 of the 5 valid tokens
-    assert m["pg_clipfrac"] == pytest.approx(1 / 5)
+    assert m["actor/pg_clipfrac"] == pytest.approx(1 / 5)
     # dual clip: Lclip = 5 > 3 for token 3 only (token 4: Lclip = 2 < 3; token 2 has A > 0)
-    assert m["pg_clipfrac_lower"] == pytest.approx(1 / 5)
+    assert m["actor/pg_clipfrac_lower"] == pytest.approx(1 / 5)
     # per-token losses: 0, −1.1, −1.28, 3 (= −A·c), 2 → mean over 5 valid tokens
     assert loss.item() == pytest.approx((0.0 - 1.1 - 1.28 + 3.0 + 2.0) / 5)
 
@@ -171,11 +181,11 @@ def test_masked_tokens_and_is_weights():
     lp = torch.log(torch.tensor([[1.1, 0.9, 50.0], [1.0, 1.0, 1.0]]))
     adv = torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
-    loss, _ = compute_policy_loss(old, lp, adv, mask, **DAPO)
+    loss, _ = vanilla(old, lp, adv, mask, **DAPO)
     expected = (-1.1 - 0.9 + 1.0 + 1.0) / 4
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     w = torch.tensor([[2.0, 1.0, 7.0], [0.5, 0.5, 7.0]])
-    loss_w, _ = compute_policy_loss(old, lp, adv, mask, rollout_is_weights=w, **DAPO)
+    loss_w, _ = vanilla(old, lp, adv, mask, rollout_is_weights=w, **DAPO)
     assert loss_w.item() == pytest.approx((-2.2 - 0.9 + 0.5 + 0.5) / 4, abs=1e-6)
 
 
@@ -187,24 +197,10 @@ def test_dtype_preserved(dtype):
     adv = torch.randn(3, 5, generator=g, dtype=dtype)
     mask = torch.ones(3, 5, dtype=torch.int8)
     for mode in LOSS_AGG_MODES:
-        loss, _ = compute_policy_loss(old, lp, adv, mask, loss_agg_mode=mode, **DAPO)
+        loss, _ = vanilla(old, lp, adv, mask, loss_agg_mode=mode, **DAPO)
         assert loss.dtype == dtype
     vf, frac = compute_value_loss(lp, adv, old, mask, 0.5)
     assert vf.dtype == dtype and frac.dtype == dtype
-
-
-def test_registered_vanilla_matches_compute_policy_loss():
-    g = torch.Generator().manual_seed(1)
-    old = torch.randn(4, 6, generator=g, dtype=torch.float64)
-    lp = old + 0.5 * torch.randn(4, 6, generator=g, dtype=torch.float64)
-    adv = torch.randn(4, 6, generator=g, dtype=torch.float64)
-    mask = (torch.rand(4, 6, generator=g) > 0.3).int()
-    params = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
-    a = get_policy_loss("vanilla")(old, lp, adv, mask, loss_agg_mode="token-mean", params=params)
-    b = compute_policy_loss(old, lp, adv, mask, clip_ratio_c=10.0, **DAPO)
-    assert a[0].item() == b[0].item() and a[1] == {f"actor/{k}": v for k, v in b[1].items()}
-    c = get_policy_loss("vanilla")(old, lp, adv, mask, loss_agg_mode="token-mean", cfg=params)
-    assert c[0].item() == a[0].item()
 
 
 def test_params_fallback_to_clip_ratio():
@@ -378,17 +374,13 @@ def test_dppo_tv_invalidates_large_moves():
     assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 1].item() != 0.0
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("dapo_core.algo.rollout_correction.core") is None,
-    reason="dapo_core.algo.rollout_correction.core not written yet",
-)
 def test_bypass_mode_ppo_clip_and_reinforce():
     old, lp, adv, mask = _random_batch(5)
     p = PolicyLossParams(rollout_correction={"loss_type": "ppo_clip"})
     loss, m = get_policy_loss("bypass_mode")(
         old, lp, adv, mask, params=p, rollout_is_weights=torch.full_like(old, 9.0)
     )
-    ref, _ = compute_policy_loss(old, lp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2)
+    ref, _ = vanilla(old, lp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2)
     assert torch.allclose(loss, ref)  # ratio against π_rollout, no IS weights
     assert any(k.startswith("rollout_corr/") for k in m) and "actor/pg_clipfrac" in m
     p = PolicyLossParams(
@@ -566,27 +558,27 @@ def test_value_loss_scale_factor():
     assert a.item() == pytest.approx(2 * b.item()) and fa.item() == fb.item()
 
 
-# ------------------------------------------------------------------------------------------------ entropy / objective
-
-
-def test_entropy_from_logits():
-    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]], dtype=torch.float64)
-    ent = compute_entropy_from_logits(logits)
-    assert ent.shape == (1, 2)
-    assert ent[0, 0].item() == pytest.approx(math.log(4))
-    assert ent[0, 1].item() == pytest.approx(0.0, abs=1e-30)
-    x = torch.randn(3, 5, 7, dtype=torch.float64)
-    p = torch.softmax(x, -1)
-    assert torch.allclose(compute_entropy_from_logits(x), -(p * torch.log(p)).sum(-1))
+# ------------------------------------------------------------------------------------------------ actor objective
 
 
 def test_actor_objective_combines_terms():
-    pg = torch.tensor(1.5, dtype=torch.float64)
-    ent = torch.full((2, 3), 2.0, dtype=torch.float64)
-    kl = torch.full((2, 3), 0.5, dtype=torch.float64)
-    mask = torch.ones(2, 3)
-    loss, m = actor_objective(pg, ent, kl, response_mask=mask, entropy_coeff=0.1, kl_loss_coef=0.01)
-    assert loss.item() == pytest.approx(1.5 - 0.1 * 2.0 + 0.01 * 0.5)
+    old, lp, adv, mask = _random_batch(11)
+    ent = torch.full_like(old, 2.0)
+    ref_lp = lp.detach() - 0.5
+    pg, pg_m = vanilla(old, lp, adv, mask, clip_ratio_c=10.0, **DAPO)
+    params = PolicyLossParams(clip_ratio_c=10.0, **DAPO)
+    common = {"loss_mode": "vanilla", "params": params}
+    loss, m = actor_objective(
+        old, lp, adv, mask, **common, entropy=ent, entropy_coeff=0.1, ref_log_prob=ref_lp, kl_loss_coef=0.01
+    )
+    kl = agg_loss(kl_penalty(lp, ref_lp, "low_var_kl"), mask, "token-mean")
+    assert loss.item() == pytest.approx(pg.item() - 0.1 * 2.0 + 0.01 * kl.item())
+    assert m["actor/pg_loss"] == pg.item()  # the policy loss alone, as verl logs it
     assert m["actor/entropy_loss"] == pytest.approx(2.0) and m["actor/kl_coef"] == 0.01
-    loss, m = actor_objective(pg, None, None, response_mask=mask)
-    assert loss is pg and set(m) == {"actor/pg_loss"}
+    assert m["actor/kl_loss"] == pytest.approx(kl.item())
+    assert {k: m[k] for k in pg_m} == pg_m
+    loss, m = actor_objective(old, lp, adv, mask, **common)
+    assert loss.item() == pg.item() and set(m) == {*pg_m, "actor/pg_loss"}
+    # entropy is reported but not added with entropy_coeff=0 (DAPO)
+    loss0, m0 = actor_objective(old, lp, adv, mask, **common, entropy=ent)
+    assert loss0.item() == pg.item() and m0["actor/entropy_loss"] == pytest.approx(2.0)

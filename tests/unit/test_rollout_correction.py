@@ -354,7 +354,7 @@ def test_apply_rollout_correction_decoupled_and_bypass():
 def test_nonfinite_padding_gives_zero_weights_and_finite_loss_gradient(level):
     # padding may hold NaN/inf log-probs (e.g. −inf − −inf); the weight there must be 0, not NaN, otherwise
     # loss·w puts NaN into the gradient even though the forward loss masks the position out
-    from dapo_core.algo.losses import compute_policy_loss
+    from dapo_core.algo.losses import PolicyLossParams, get_policy_loss
 
     lr = torch.tensor([[0.1, float("nan"), float("inf")]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64)
@@ -363,13 +363,12 @@ def test_nonfinite_padding_gives_zero_weights_and_finite_loss_gradient(level):
     assert all(math.isfinite(v) for v in m.values())
     log_prob = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64)
-    loss, _ = compute_policy_loss(
+    loss, _ = get_policy_loss("vanilla")(
         torch.zeros(1, 3, dtype=torch.float64),
         log_prob,
         adv,
         mask,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
+        params=PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28),
         rollout_is_weights=w,
     )
     loss.backward()

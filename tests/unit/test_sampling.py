@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from dapo_core.algo.dynamic_sampling import (
     KeepRateEstimator,
     filter_groups,
-    group_keep_stats,
     next_gen_batch_size,
 )
 
@@ -55,24 +54,6 @@ def test_filter_groups_matches_reference_loop(pairs):
     uids = [f"u{u}" for u, _ in pairs]
     values = [float(v) for _, v in pairs]
     assert filter_groups(uids, values).tolist() == _reference_loop(uids, values).tolist()
-    stats = group_keep_stats(uids, values)
-    assert stats["num_groups"] == len(set(uids))
-    assert stats["num_kept_rows"] == float(filter_groups(uids, values).sum())
-    assert stats["num_kept_groups"] + stats["num_constant_groups"] == stats["num_groups"]
-
-
-def test_group_keep_stats_example():
-    s = group_keep_stats(["a", "a", "b", "b", "c"], [1, 0, 1, 1, 1])
-    assert s == {
-        "num_groups": 3.0,
-        "num_kept_groups": 2.0,
-        "num_rows": 5.0,
-        "num_kept_rows": 3.0,
-        "num_singleton_groups": 1.0,
-        "num_constant_groups": 1.0,
-        "keep_rate": pytest.approx(2 / 3),
-    }
-    assert group_keep_stats([], [])["keep_rate"] == 0.0
 
 
 def test_next_gen_batch_size_rules():

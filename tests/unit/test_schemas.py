@@ -196,20 +196,6 @@ def test_vectorised_on_chunked_table():
     assert "uids: bb" in _err("advantage", bad)
 
 
-def test_granular_pandera_schema_is_usable_directly():
-    import pandera.errors as pe
-
-    schema = S.build_schema("generate", **KW)
-    schema.validate(valid_table("generate"))
-    t = replace(
-        valid_table("generate"),
-        "rollout_log_probs",
-        pa.array([[-0.1, -0.2, 0.3], [-1.0], [-0.5, -0.5], []], LF32),
-    )
-    with pytest.raises(pe.SchemaErrors):
-        schema.validate(t, lazy=True)
-
-
 def test_wrong_type_does_not_crash_the_checks():
     t = replace(valid_table("generate"), "uid", pa.array([1, 1, 2, 2], pa.int64()))
     msg = _err("generate", t)

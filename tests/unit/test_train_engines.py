@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dapo_core.algo.losses import PolicyLossParams, actor_objective
 from dapo_core.compute.engines.train import (
     OptimConfigError,
     entropy_from_logits,
@@ -65,16 +66,16 @@ def make_batch(n=8, prompt_len=5, resp_len=6, seed=0):
 
 
 def token_mean_pg_loss(log_probs, entropy, micro, info):
-    """A clipped PPO token-mean loss normalised by the mini-batch token count (NEWEST global info)."""
-    mask = micro["response_mask"]
-    ratio = torch.exp(log_probs - micro["old_log_probs"])
-    adv = micro["advantages"]
-    losses = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28))
-    loss = (losses * mask).sum() / info["batch_num_tokens"] * info["dp_size"]
-    return loss, {
-        "actor/pg_loss": loss.detach(),
-        "actor/ppo_kl": ((micro["old_log_probs"] - log_probs) * mask).sum(),
-    }
+    """The actor's loss (`actor_objective`, DAPO's vanilla loss, token-mean over the mini-batch)."""
+    return actor_objective(
+        micro["old_log_probs"],
+        log_probs,
+        micro["advantages"],
+        micro["response_mask"],
+        params=PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0),
+        entropy=entropy,
+        global_batch_info=info,
+    )
 
 
 def params_of(engine):
@@ -98,6 +99,8 @@ def test_response_log_probs_and_entropy_reference():
     assert lp.dtype == torch.float64
     assert torch.allclose(lp, ref_lp, atol=1e-12) and torch.allclose(ent, ref_ent, atol=1e-12)
     assert torch.allclose(entropy_from_logits(torch.zeros(1, 4)), torch.tensor([math.log(4)]))
+    peaked = entropy_from_logits(torch.tensor([[100.0, 0.0, 0.0, 0.0]], dtype=torch.float64))
+    assert peaked.item() == pytest.approx(0.0, abs=1e-30)  # no 0·log 0 NaN for a one-hot distribution
     with pytest.raises(ValueError, match="response_length"):
         response_log_probs(logits, ids, 5)
 
@@ -171,7 +174,14 @@ def test_micro_batch_split_gives_same_update(tiny_dir, dtype, lr, epochs, tol):
         assert m["actor/pg_loss"] == pytest.approx(m0["actor/pg_loss"], abs=1e-6)  # summed over micro-batches
         assert m["actor/grad_norm"] == pytest.approx(m0["actor/grad_norm"], rel=1e-5)
     assert m0["actor/lr"] == pytest.approx(lr / 2)
-    assert set(m0) == {"actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/lr"}
+    assert set(m0) == {
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+        "actor/ppo_kl",
+        "actor/grad_norm",
+        "actor/lr",
+    }
 
 
 def test_ppo_update_global_batch_info_and_shuffle_seed(tiny_dir):

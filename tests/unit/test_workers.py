@@ -10,6 +10,7 @@ import torch
 from dapo_core.compute.models import build_tiny_model
 from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RolloutWorker
 from dapo_core.data import batch as B
+from dapo_core.seeding import uid_factory
 from dapo_core.stages import compute_advantage_table
 
 TINY = {
@@ -51,7 +52,7 @@ def _prompts(n_prompts: int = 2, n: int = 4) -> pa.Table:
             "prompt_ids": pa.array([[1, 10 + i, 11, 12] for i in range(n_prompts)], pa.list_(pa.int32())),
         }
     )
-    return B.repeat_interleave_prompts(t, n)
+    return B.repeat_interleave_prompts(t, n, uid_fn=uid_factory(0, "workers"))
 
 
 def _rollout(model_dir):

@@ -1,4 +1,4 @@
-"""Policy losses, loss aggregation and the value loss (reference §§ 1, 2).
+"""Policy losses, loss aggregation and the value loss (docs/REFERENCE.md §§1, 2).
 
 The DAPO objective is the clipped-surrogate `vanilla` loss with decoupled clip ranges
 (`clip_ratio_low` = ε_low, `clip_ratio_high` = ε_high), dual clip for negative advantages, and
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dapo_core.algo.kl import kl_penalty
 from dapo_core.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -37,8 +38,6 @@ __all__ = [
     "PolicyLossParams",
     "actor_objective",
     "agg_loss",
-    "compute_entropy_from_logits",
-    "compute_policy_loss",
     "compute_value_loss",
     "get_policy_loss",
     "masked_mean",
@@ -134,12 +133,9 @@ def get_policy_loss(name: str) -> PolicyLossFn:
         ) from None
 
 
-def _resolve_params(params: PolicyLossParams | None, cfg: PolicyLossParams | None) -> PolicyLossParams:
-    """Accept the parameters as `params=` (brief) or `cfg=` (INTERFACES.md); default when neither."""
-    if params is not None and cfg is not None and params is not cfg:
-        raise ValueError("pass the policy-loss parameters once, as params= (cfg= is an alias), not both")
-    chosen = params if params is not None else cfg
-    return PolicyLossParams() if chosen is None else chosen
+def _resolve_params(params: PolicyLossParams | None) -> PolicyLossParams:
+    """The given parameters, or the defaults when None."""
+    return PolicyLossParams() if params is None else params
 
 
 def _global(global_batch_info: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -304,42 +300,6 @@ def _vanilla(
     return loss, metrics
 
 
-def compute_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The `vanilla` (PPO / DAPO) policy loss with keyword hyper-parameters.
-
-    Returns `(loss, metrics)`; metrics are Python floats `pg_clipfrac` (fraction of tokens where the clipped
-    term is strictly larger), `ppo_kl` (masked mean of `log π_old − log π_θ`, after the ±20 clamp) and
-    `pg_clipfrac_lower` (dual-clip hits among A < 0). The registered losses (`get_policy_loss("vanilla")`)
-    return the same values under verl's logged names `actor/pg_clipfrac`, … . Unlike the deprecated verl
-    `compute_policy_loss` this does not return a 4-tuple and does take global batch info.
-    """
-    loss, metrics = _vanilla(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        eps_low=clip_ratio_low,
-        eps_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode,
-        rollout_is_weights=rollout_is_weights,
-        global_batch_info=global_batch_info,
-    )
-    return loss, {k.removeprefix("actor/"): v for k, v in metrics.items()}
-
-
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     old_log_prob: torch.Tensor,
@@ -351,10 +311,9 @@ def compute_policy_loss_vanilla(
     params: PolicyLossParams | None = None,
     rollout_is_weights: torch.Tensor | None = None,
     global_batch_info: Mapping[str, Any] | None = None,
-    cfg: PolicyLossParams | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with decoupled clip (ε_low, ε_high) and dual clip c for A < 0 (DAPO)."""
-    p = _resolve_params(params, cfg)
+    p = _resolve_params(params)
     return _vanilla(
         old_log_prob,
         log_prob,
@@ -370,7 +329,7 @@ def compute_policy_loss_vanilla(
 
 
 # --------------------------------------------------------------------------------------------------
-# Value loss, entropy, full actor objective
+# Value loss, full actor objective
 
 
 def compute_value_loss(
@@ -409,40 +368,55 @@ def compute_value_loss(
     return vf_loss, vf_clipfrac
 
 
-def compute_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of the softmax over the last axis: `logsumexp(z) − Σ softmax(z)·z`."""
-    pd = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(dim=-1)
-
-
 def actor_objective(
-    pg_loss: torch.Tensor,
-    entropy: torch.Tensor | None,
-    kl: torch.Tensor | None,
-    *,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    entropy_coeff: float = 0.0,
-    kl_loss_coef: float = 0.0,
+    *,
+    loss_mode: str = "vanilla",
+    params: PolicyLossParams | None = None,
     loss_agg_mode: str = "token-mean",
+    entropy: torch.Tensor | None = None,
+    entropy_coeff: float = 0.0,
+    ref_log_prob: torch.Tensor | None = None,
+    kl_loss_coef: float = 0.0,
+    kl_loss_type: str = "low_var_kl",
+    rollout_is_weights: torch.Tensor | None = None,
     global_batch_info: Mapping[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Full actor loss `pg_loss − entropy_coeff·agg(entropy) + kl_loss_coef·agg(kl)` (§ 1.4).
+    """The actor loss of one micro-batch (§ 1.4), as `ActorWorker` trains it:
+    `pg_loss − entropy_coeff·agg(entropy) + kl_loss_coef·agg(kl_penalty(log_prob, ref_log_prob))`.
 
-    `entropy` and `kl` are per-token (B, L) tensors (`kl` from `dapo_core.algo.kl.kl_penalty(log_prob,
-    ref_log_prob, actor.kl_loss_type)`), or None when the term is off; both are aggregated with the
-    same mode and global info as the pg loss. Returns the loss and metrics `actor/pg_loss`, plus
-    `actor/entropy_loss` (when entropy is given) and `actor/kl_loss`, `actor/kl_coef` (when kl is given).
-    DAPO: entropy_coeff = 0 and no KL loss, so the objective is the pg loss.
+    `pg_loss` is the registered policy loss `loss_mode` with `params`; `entropy` (B, L) is None when it was
+    not computed, `ref_log_prob` (B, L) None when the KL loss is off (`actor.use_kl_loss`); the KL estimator
+    is `kl_loss_type`. Every term is aggregated with `loss_agg_mode` and the same `global_batch_info`.
+    Returns the loss and metrics: the policy loss's own (`actor/pg_clipfrac`, …), `actor/pg_loss` (the policy
+    loss alone, as verl logs it), plus `actor/entropy_loss` (when entropy is given) and `actor/kl_loss`,
+    `actor/kl_coef` (when the KL loss is on). DAPO: entropy_coeff = 0 and no KL loss, so the objective is the
+    pg loss.
     """
     info = _global(global_batch_info)
+    pg_loss, pg_metrics = get_policy_loss(loss_mode)(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode=loss_agg_mode,
+        params=params,
+        rollout_is_weights=rollout_is_weights,
+        global_batch_info=info,
+    )
+    metrics = {k if k.startswith("actor/") else f"actor/{k}": v for k, v in pg_metrics.items()}
+    metrics["actor/pg_loss"] = _metric(pg_loss)
     loss = pg_loss
-    metrics = {"actor/pg_loss": _metric(pg_loss)}
     if entropy is not None:
         entropy_loss = agg_loss(entropy, response_mask, loss_agg_mode, **info)
         metrics["actor/entropy_loss"] = _metric(entropy_loss)
         if entropy_coeff != 0:
             loss = loss - entropy_coeff * entropy_loss
-    if kl is not None:
+    if ref_log_prob is not None:
+        kl = kl_penalty(log_prob, ref_log_prob, kl_loss_type)
         kl_loss = agg_loss(kl, response_mask, loss_agg_mode, **info)
         metrics["actor/kl_loss"] = _metric(kl_loss)
         metrics["actor/kl_coef"] = float(kl_loss_coef)

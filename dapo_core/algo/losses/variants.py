@@ -1,5 +1,5 @@
-"""The registered policy losses other than `vanilla` (reference § 1.3): gspo, sapo, gpg, clip_cov, kl_cov,
-geo_mean, dppo_tv, dppo_kl, cispo, dro, reinforce and bypass_mode.
+"""The registered policy losses other than `vanilla` (docs/REFERENCE.md §1.3): gspo, sapo, gpg, clip_cov,
+kl_cov, geo_mean, dppo_tv, dppo_kl, cispo, dro, reinforce and bypass_mode.
 
 Each loss has the shared signature described in `dapo_core.algo.losses.core` and registers itself by name with
 `register_policy_loss` on import. `dapo_core.algo.losses.core` imports this module at its end, so every loss is in
@@ -42,14 +42,13 @@ def compute_policy_loss_gspo(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """GSPO: PPO clip on the sequence ratio `exp(mean_t log r)`, token straight-through gradient.
 
     `log s_it = log π_θ − sg(log π_θ) + sg(mean_t log r)`, clamped above at 10; no dual clip. The
     aggregation is forced to `seq-mean-token-mean` whatever `loss_agg_mode` says.
     """
-    p = _resolve_params(params, cfg)
+    p = _resolve_params(params)
     neg_kl = log_prob - old_log_prob
     seq_len = response_mask.to(log_prob.dtype).sum(dim=-1).clamp(min=1)
     seq_log_ratio = masked_sum(neg_kl, response_mask, axis=-1) / seq_len
@@ -80,13 +79,12 @@ def compute_policy_loss_sapo(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """SAPO: soft gate `f(r) = sigmoid(τ(r − 1))·4/τ` instead of a hard clip; loss `−f(r)·A`.
 
     τ = `tau_pos` where A > 0 else `tau_neg`. Aggregation forced to `seq-mean-token-mean`.
     """
-    p = _resolve_params(params, cfg)
+    p = _resolve_params(params)
     neg_kl = _clamped_log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(neg_kl)
     tau = torch.where(
@@ -116,10 +114,9 @@ def compute_policy_loss_gpg(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """GPG: plain policy gradient `−log π_θ · A` (old log-probs unused); no metrics."""
-    _resolve_params(params, cfg)
+    _resolve_params(params)
     pg_losses = _apply_is_weights(-log_prob * advantages, rollout_is_weights)
     return agg_loss(pg_losses, response_mask, loss_agg_mode, **_global(global_batch_info)), {}
 
@@ -135,7 +132,6 @@ def compute_policy_loss_clip_cov(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """Clip-Cov: PPO clip (no dual clip) plus dropping the loss of a few high-covariance tokens.
 
@@ -143,7 +139,7 @@ def compute_policy_loss_clip_cov(
     (`clip_cov_lb`, `clip_cov_ub`) are candidates; `max(int(clip_cov_ratio·N_valid), 1)` of them are
     chosen uniformly at random (torch global RNG) and their loss is zeroed.
     """
-    p = _resolve_params(params, cfg)
+    p = _resolve_params(params)
     if not p.clip_cov_ratio > 0:
         raise ValueError(
             f"clip_cov_ratio must be > 0, got {p.clip_cov_ratio}; set actor.policy_loss.clip_cov_ratio"
@@ -186,13 +182,12 @@ def compute_policy_loss_kl_cov(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """KL-Cov: unclipped `−A·r`, plus `ppo_kl_coef·|log r|` on the top-k tokens by covariance.
 
     k = `max(1, int(N_valid·kl_cov_ratio))`; metric `actor/ppo_kl` is the masked mean of |log r|.
     """
-    p = _resolve_params(params, cfg)
+    p = _resolve_params(params)
     neg_kl = log_prob - old_log_prob
     abs_kl = neg_kl.abs()
     ratio = torch.exp(neg_kl)
@@ -225,7 +220,6 @@ def compute_policy_loss_geo_mean(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """GMPO: geometric-mean sequence ratio with token log-ratios clipped to [−ε_low, ε_high].
 
@@ -234,7 +228,7 @@ def compute_policy_loss_geo_mean(
     `−Â·ratio`. Ignores `loss_agg_mode` and global info (as the reference). IS weights enter as the
     per-sequence geometric mean.
     """
-    p = _resolve_params(params, cfg)
+    p = _resolve_params(params)
     neg_kl = log_prob - old_log_prob
     ppo_kl = masked_mean(-neg_kl, response_mask)
     sign = torch.sign(advantages)
@@ -296,14 +290,13 @@ def compute_policy_loss_dppo_tv(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """DPPO (total variation): keep a token's gradient only while the probability moved little.
 
     With p = exp(log π): A > 0 keeps the token if `p − p_old ≤ ε_high`, otherwise if `p − p_old ≥ −ε_low`.
     Loss `−A·sg(min(r, c))·log π·valid`; `actor/pg_clipfrac` = fraction of tokens made invalid.
     """
-    p = _resolve_params(params, cfg)
+    p = _resolve_params(params)
     with torch.no_grad():
         dp = torch.exp(log_prob.detach()) - torch.exp(old_log_prob.detach())
         valid = torch.where(advantages > 0, dp <= p.eps_high, dp >= -p.eps_low)
@@ -331,7 +324,6 @@ def compute_policy_loss_dppo_kl(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """DPPO (binary KL): as `dppo_tv` but the trust region is the KL of the Bernoulli(p) token event.
 
@@ -339,7 +331,7 @@ def compute_policy_loss_dppo_kl(
     token if `D ≤ ε_high` or `p ≤ p_old`, otherwise if `D ≤ ε_low` or `p ≥ p_old`. (Which ε goes with
     which sign is our reading of the reference, which only says "≤ ε".)
     """
-    p = _resolve_params(params, cfg)
+    p = _resolve_params(params)
     with torch.no_grad():
         logp, logp_old = log_prob.detach(), old_log_prob.detach()
         prob, prob_old = torch.exp(logp), torch.exp(logp_old)
@@ -375,10 +367,9 @@ def compute_policy_loss_cispo(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """CISPO: `−sg(clamp(r, 1 − ε_low, 1 + ε_high))·A·log π` — clip the IS weight, never the gradient."""
-    p = _resolve_params(params, cfg)
+    p = _resolve_params(params)
     neg_kl = _clamped_log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(neg_kl)
     clipped_ratio = torch.clamp(ratio, 1.0 - p.eps_low, 1.0 + p.eps_high)
@@ -402,10 +393,9 @@ def compute_policy_loss_dro(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """DRO: `−(log π·A − ½·β·(log π − log π_old)²)` with β = `dro_beta` > 0."""
-    p = _resolve_params(params, cfg)
+    p = _resolve_params(params)
     if p.dro_beta is None or not p.dro_beta > 0:
         raise ValueError(
             f"loss_mode 'dro' needs actor.policy_loss.dro_beta > 0 (got {p.dro_beta}); set PolicyLossParams.dro_beta"
@@ -428,7 +418,6 @@ def compute_policy_loss_reinforce(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """REINFORCE with (optional) IS weights: `−w·A·log π_θ`, no clipping.
 
@@ -436,7 +425,7 @@ def compute_policy_loss_reinforce(
     Registered as `reinforce` (verl has the function but does not register it); its default
     `loss_agg_mode` is `token-mean` like every registered loss (verl's default is `seq-mean-token-sum`).
     """
-    _resolve_params(params, cfg)
+    _resolve_params(params)
     pg_losses = _apply_is_weights(-advantages * log_prob, rollout_is_weights)
     loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_global(global_batch_info))
     return loss, {"actor/ppo_kl": _metric(masked_mean(old_log_prob - log_prob, response_mask))}
@@ -465,7 +454,6 @@ def compute_policy_loss_bypass_mode(
     params=None,
     rollout_is_weights=None,
     global_batch_info=None,
-    cfg=None,
 ):
     """Bypass mode (§ 5.5): π_old is π_rollout; IS/RS are recomputed here from π_θ vs π_rollout.
 
@@ -477,7 +465,7 @@ def compute_policy_loss_bypass_mode(
     """
     from dapo_core.algo.rollout_correction import compute_rollout_correction_and_rejection_mask
 
-    p = _resolve_params(params, cfg)
+    p = _resolve_params(params)
     rc = dict(p.rollout_correction or {})
     loss_type = rc.get("loss_type", "ppo_clip") or "ppo_clip"
     if loss_type not in ("ppo_clip", "reinforce"):

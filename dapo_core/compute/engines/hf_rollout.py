@@ -252,10 +252,6 @@ class HFRolloutEngine(RolloutEngine):
             tensors.extend(load_file(str(f)).items())
         self.sync_weights(tensors, version=version)
 
-    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The rollout model's parameters with HF names (for tests and diagnostics)."""
-        return self.model.named_parameters()
-
     def close(self) -> None:
         """Drop the model so its memory can be freed. Safe to call twice."""
         self.model = None  # type: ignore[assignment]

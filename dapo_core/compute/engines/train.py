@@ -21,7 +21,7 @@ import importlib
 import math
 import random
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ __all__ = [
     "get_rng_state",
     "lr_lambda_for",
     "make_train_engine",
+    "minibatch_update",
     "ppo_update",
     "response_log_probs",
     "set_rng_state",
@@ -53,7 +54,7 @@ class OptimConfigError(ValueError):
 
 # --------------------------------------------------------------------------- log-probs and entropy
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy `logsumexp(z) − Σ softmax(z)·z` over the last dim (verl §1.4)."""
+    """Per-position entropy `logsumexp(z) − Σ softmax(z)·z` over the last dim (docs/REFERENCE.md §1.4)."""
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
@@ -237,10 +238,6 @@ class TrainEngine(abc.ABC):
     def lr(self) -> float:
         """Current learning rate of the first parameter group."""
 
-    def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
-        """The model's parameters under HF names."""
-        return self.model.named_parameters()
-
     @abc.abstractmethod
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """Full weights under HF names (detached, on the engine's device) for rollout weight sync."""
@@ -319,49 +316,47 @@ def _as_float(v: Any) -> float:
     return float(v.detach().item()) if isinstance(v, torch.Tensor) else float(v)
 
 
-def ppo_update(
-    engine: TrainEngine,
+MicroLoss = Callable[[dict[str, torch.Tensor], dict[str, Any]], tuple[torch.Tensor, Mapping[str, Any]]]
+
+
+def minibatch_update(
     batch_tensors: Mapping[str, torch.Tensor],
     *,
-    loss_fn: LossFn,
+    micro_loss: MicroLoss,
+    backward: Callable[[torch.Tensor], None],
+    optimizer_step: Callable[[], Mapping[str, float]],
+    device: torch.device | str,
     mini_batch_size: int,
     micro_batch_size: int,
     epochs: int = 1,
     shuffle: bool = False,
     seed: int = 0,
-    temperature: float = 1.0,
-    calculate_entropy: bool = False,
-    sum_keys: tuple[str, ...] = ("actor/pg_loss",),
+    sum_keys: tuple[str, ...] = (),
 ) -> dict[str, float]:
-    """Run `epochs` passes of mini-batch updates over `batch_tensors`; return averaged metrics.
+    """The PPO mini-batch / micro-batch loop shared by the actor (`ppo_update`) and the critic.
 
-    `batch_tensors` holds (B, ·) tensors including input_ids, attention_mask, position_ids and
-    response_mask (B, L). `loss_fn(log_probs, entropy, micro_batch, global_batch_info) -> (loss, metrics)`.
-    Metrics: `actor/pg_loss` (summed over micro-batches — `loss_fn`'s own value if it reports one, else
-    the loss — then averaged over mini-batches), `actor/grad_norm`, `actor/lr`, and `loss_fn`'s metrics
-    (mean over micro- and mini-batches, except `sum_keys`, summed over micro-batches).
+    For each of `epochs` passes (rows in a permutation seeded by `seed` when `shuffle`, else in order), each
+    mini-batch of `mini_batch_size` rows is one optimizer step: every micro-batch of `micro_batch_size` rows
+    (moved to `device`) gives `micro_loss(micro_batch, global_batch_info) -> (loss, metrics)` and `backward(loss)`
+    (no division by the number of micro-batches: the loss is already normalised by `global_batch_info =
+    {dp_size: 1, batch_num_tokens: Σ response_mask of the mini-batch, global_batch_size: its rows}`), then
+    `optimizer_step()` steps and returns its own metrics (grad norm, lr). Returns the metrics averaged over
+    mini-batches, where a mini-batch's value of a `micro_loss` metric is its sum over micro-batches for
+    `sum_keys` and its mean otherwise.
     """
-    for key in (*_MODEL_INPUTS, "response_mask"):
-        if key not in batch_tensors:
-            raise KeyError(
-                f"ppo_update: batch_tensors lacks {key!r}; build it with dapo_core.data.batch.to_padded."
-            )
-    n = int(batch_tensors["input_ids"].shape[0])
+    n = int(batch_tensors["response_mask"].shape[0])
     if mini_batch_size < 1 or n % mini_batch_size != 0:
         raise ValueError(
             f"ppo_update: batch of {n} rows is not a multiple of mini_batch_size={mini_batch_size} "
-            "(actor_rollout_ref.actor.ppo_mini_batch_size × rollout.n); make them divide."
+            "(ppo_mini_batch_size × rollout.n); make them divide."
         )
     if micro_batch_size < 1:
         raise ValueError(
             f"ppo_update: micro_batch_size={micro_batch_size} must be >= 1 (ppo_micro_batch_size_per_gpu)."
         )
     if epochs < 1:
-        raise ValueError(f"ppo_update: epochs={epochs} must be >= 1 (actor_rollout_ref.actor.ppo_epochs).")
-    resp_len = int(batch_tensors["response_mask"].shape[1])
+        raise ValueError(f"ppo_update: epochs={epochs} must be >= 1 (ppo_epochs).")
     gen = torch.Generator().manual_seed(int(seed))
-
-    engine.train()
     per_mini: dict[str, list[float]] = {}
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
@@ -376,28 +371,78 @@ def ppo_update(
             sums: dict[str, float] = {}
             means: dict[str, list[float]] = {}
             for m0 in range(0, idx.numel(), micro_batch_size):
-                micro = {k: v[m0 : m0 + micro_batch_size].to(engine.device) for k, v in mini.items()}
-                log_probs, entropy = engine.forward(
-                    micro["input_ids"],
-                    micro["attention_mask"],
-                    micro["position_ids"],
-                    resp_len,
-                    temperature=temperature,
-                    calculate_entropy=calculate_entropy,
-                )
-                loss, metrics = loss_fn(log_probs, entropy, micro, info)
-                engine.backward(loss)
-                metrics = dict(metrics)
-                metrics.setdefault("actor/pg_loss", loss)
+                micro = {k: v[m0 : m0 + micro_batch_size].to(device) for k, v in mini.items()}
+                loss, metrics = micro_loss(micro, info)
+                backward(loss)
                 for k, v in metrics.items():
                     if k in sum_keys:
                         sums[k] = sums.get(k, 0.0) + _as_float(v)
                     else:
                         means.setdefault(k, []).append(_as_float(v))
-            grad_norm = engine.step()
             row = {**sums, **{k: float(np.mean(v)) for k, v in means.items()}}
-            row["actor/grad_norm"] = float(grad_norm)
-            row["actor/lr"] = float(engine.lr)
+            row.update(optimizer_step())
             for k, v in row.items():
                 per_mini.setdefault(k, []).append(v)
     return {k: float(np.mean(v)) for k, v in per_mini.items()}
+
+
+def ppo_update(
+    engine: TrainEngine,
+    batch_tensors: Mapping[str, torch.Tensor],
+    *,
+    loss_fn: LossFn,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    epochs: int = 1,
+    shuffle: bool = False,
+    seed: int = 0,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    sum_keys: tuple[str, ...] = ("actor/pg_loss",),
+) -> dict[str, float]:
+    """Run `epochs` passes of mini-batch updates of `engine` over `batch_tensors` (`minibatch_update`).
+
+    `batch_tensors` holds (B, ·) tensors including input_ids, attention_mask, position_ids and
+    response_mask (B, L). For each micro-batch the engine computes log-probs (and entropy when
+    `calculate_entropy`) and `loss_fn(log_probs, entropy, micro_batch, global_batch_info) -> (loss, metrics)`
+    gives the loss to back-propagate. Metrics: `loss_fn`'s (mean over micro- and mini-batches, except
+    `sum_keys`, e.g. `actor/pg_loss`, summed over micro-batches), `actor/grad_norm` and `actor/lr`.
+    """
+    for key in (*_MODEL_INPUTS, "response_mask"):
+        if key not in batch_tensors:
+            raise KeyError(
+                f"ppo_update: batch_tensors lacks {key!r}; build it with dapo_core.data.batch.to_padded."
+            )
+    resp_len = int(batch_tensors["response_mask"].shape[1])
+
+    def micro_loss(
+        micro: dict[str, torch.Tensor], info: dict[str, Any]
+    ) -> tuple[torch.Tensor, Mapping[str, Any]]:
+        log_probs, entropy = engine.forward(
+            micro["input_ids"],
+            micro["attention_mask"],
+            micro["position_ids"],
+            resp_len,
+            temperature=temperature,
+            calculate_entropy=calculate_entropy,
+        )
+        return loss_fn(log_probs, entropy, micro, info)
+
+    def optimizer_step() -> dict[str, float]:
+        grad_norm = engine.step()
+        return {"actor/grad_norm": float(grad_norm), "actor/lr": float(engine.lr)}
+
+    engine.train()
+    return minibatch_update(
+        batch_tensors,
+        micro_loss=micro_loss,
+        backward=engine.backward,
+        optimizer_step=optimizer_step,
+        device=engine.device,
+        mini_batch_size=mini_batch_size,
+        micro_batch_size=micro_batch_size,
+        epochs=epochs,
+        shuffle=shuffle,
+        seed=seed,
+        sum_keys=sum_keys,
+    )

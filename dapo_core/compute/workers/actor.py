@@ -2,7 +2,7 @@
 
 The actor recomputes `old_log_probs` (decoupled mode), runs the PPO mini-batch/epoch loop with the configured
 policy loss (DAPO: `vanilla` with clip-higher and dual clip, token-mean over the global mini-batch), and exports
-weights for the rollout engine. The objective is reference §1.4:
+weights for the rollout engine. The objective is docs/REFERENCE.md §1.4:
 `pg_loss − entropy_coeff·agg(entropy) + kl_loss_coef·agg(kl_penalty(logp, ref_logp))`.
 """
 
@@ -15,8 +15,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from dapo_core.algo.kl import kl_penalty
-from dapo_core.algo.losses import PolicyLossParams, agg_loss, get_policy_loss
+from dapo_core.algo.losses import PolicyLossParams, actor_objective
 from dapo_core.compute.engines.train import make_train_engine, ppo_update
 from dapo_core.data import batch as B
 
@@ -117,7 +116,6 @@ class ActorWorker:
                 ),
             }
         )
-        self.update_count = 0
 
     # -- log-probs ---------------------------------------------------------------------------------------------
     def compute_log_prob(self, table: pa.Table, calculate_entropy: bool = True) -> pa.Table:
@@ -137,39 +135,30 @@ class ActorWorker:
 
     # -- update ------------------------------------------------------------------------------------------------
     def _loss_fn(self, log_probs, entropy, mb: dict, global_batch_info: dict):
-        mode = self.cfg.get("loss_agg_mode", "token-mean")
-        mask = mb["response_mask"]
+        """`actor_objective` of one micro-batch with this actor's settings (the `ppo_update` loss function)."""
         params = self.loss_params
         if self.loss_mode == "bypass_mode":
             params = dataclasses.replace(params, rollout_log_probs=mb["rollout_log_probs"])
         gbi = dict(global_batch_info)
         if self.cfg.get("loss_scale_factor") is not None:
             gbi["loss_scale_factor"] = self.cfg["loss_scale_factor"]
-        pg_loss, metrics = get_policy_loss(self.loss_mode)(
+        use_kl = bool(self.cfg.get("use_kl_loss")) and "ref_log_probs" in mb
+        return actor_objective(
             mb["old_log_probs"],
             log_probs,
             mb["advantages"],
-            mask,
-            loss_agg_mode=mode,
+            mb["response_mask"],
+            loss_mode=self.loss_mode,
             params=params,
+            loss_agg_mode=self.cfg.get("loss_agg_mode", "token-mean"),
+            entropy=entropy,
+            entropy_coeff=float(self.cfg.get("entropy_coeff", 0.0)),
+            ref_log_prob=mb["ref_log_probs"] if use_kl else None,
+            kl_loss_coef=float(self.cfg.get("kl_loss_coef", 0.001)),
+            kl_loss_type=self.cfg.get("kl_loss_type", "low_var_kl"),
             rollout_is_weights=mb.get("rollout_is_weights"),
             global_batch_info=gbi,
         )
-        metrics = {f"actor/{k}" if not k.startswith("actor/") else k: v for k, v in metrics.items()}
-        loss = pg_loss
-        coeff = float(self.cfg.get("entropy_coeff", 0.0))
-        if entropy is not None:
-            ent = agg_loss(entropy, mask, mode, **gbi)
-            metrics["actor/entropy_loss"] = float(ent.detach())
-            if coeff != 0.0:
-                loss = loss - coeff * ent
-        if self.cfg.get("use_kl_loss") and "ref_log_probs" in mb:
-            kld = kl_penalty(log_probs, mb["ref_log_probs"], self.cfg.get("kl_loss_type", "low_var_kl"))
-            kl_loss = agg_loss(kld, mask, mode, **gbi)
-            loss = loss + float(self.cfg.get("kl_loss_coef", 0.001)) * kl_loss
-            metrics["actor/kl_loss"] = float(kl_loss.detach())
-            metrics["actor/kl_coef"] = float(self.cfg.get("kl_loss_coef", 0.001))
-        return loss, metrics
 
     def update_actor(self, table: pa.Table, global_steps: int) -> dict[str, float]:
         """One PPO update over the batch (mini-batches of `ppo_mini_batch_size·n` trajectories); steps the lr."""
@@ -197,7 +186,6 @@ class ActorWorker:
             calculate_entropy=calc_entropy,
         )
         self.engine.lr_step()
-        self.update_count += 1
         return metrics
 
     # -- weights and checkpoints ---------------------------------------------------------------------------------

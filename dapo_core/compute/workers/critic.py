@@ -2,8 +2,8 @@
 
 Values follow verl's convention: the value of response token t is read from the hidden state of the position
 before it (`values[:, P-1 : P+L-1]`), so V_t estimates the return from the state in which token t is chosen.
-`update_critic` minimises the clipped value loss of reference §2.3 with the same global token normalisation as
-the actor (micro-batch split invariant).
+`update_critic` minimises the clipped value loss of docs/REFERENCE.md §2.3 with the same global token
+normalisation as the actor (micro-batch split invariant).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dapo_core.algo.losses import compute_value_loss
+from dapo_core.compute.engines.train import minibatch_update
 from dapo_core.compute.models import load_model
 from dapo_core.data import batch as B
 
@@ -81,7 +82,11 @@ class CriticWorker:
         return B.add_token_column(table, "values", v, "float32")
 
     def update_critic(self, table: pa.Table, global_steps: int) -> dict[str, float]:
-        """PPO value updates; returns `critic/vf_loss`, `critic/vf_clipfrac`, `critic/grad_norm`, `critic/lr`."""
+        """PPO value updates; returns `critic/vf_loss`, `critic/vf_clipfrac`, `critic/grad_norm`, `critic/lr`.
+
+        The same mini-batch / micro-batch loop as the actor (`minibatch_update`); `critic/vf_loss` is summed
+        over the micro-batches of a mini-batch (each is normalised by the mini-batch), then averaged.
+        """
         self.model.train()
         t = B.to_padded(table, self.pad_token_id, columns=["values", "returns"])
         rows = table.num_rows
@@ -89,46 +94,38 @@ class CriticWorker:
         micro = int(self.cfg.get("ppo_micro_batch_size_per_gpu") or mini)
         mode = self.cfg.get("loss_agg_mode") or "token-mean"
         clip = float(self.cfg.get("cliprange_value") or 0.5)
-        gen = torch.Generator().manual_seed(self.seed + int(global_steps))
-        losses, clipfracs, norms = [], [], []
-        for _ in range(int(self.cfg.get("ppo_epochs") or 1)):
-            order = torch.randperm(rows, generator=gen) if self.cfg.get("shuffle") else torch.arange(rows)
-            for ms in range(0, rows, mini):
-                idx = order[ms : ms + mini]
-                mask_all = t["response_mask"][idx]
-                info = {"dp_size": 1, "batch_num_tokens": int(mask_all.sum()), "global_batch_size": len(idx)}
-                self.optimizer.zero_grad(set_to_none=True)
-                total = 0.0
-                for s in range(0, len(idx), micro):
-                    j = idx[s : s + micro]
-                    mb = {k: v[j] for k, v in t.items() if torch.is_tensor(v)}
-                    vpreds = self._forward(mb)
-                    loss, cf = compute_value_loss(
-                        vpreds,
-                        mb["returns"],
-                        mb["values"],
-                        mb["response_mask"],
-                        clip,
-                        loss_agg_mode=mode,
-                        **info,
-                    )
-                    loss.backward()
-                    total += float(loss.detach())
-                    clipfracs.append(float(cf))
-                norm = torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), float(self.cfg.get("grad_clip") or 1.0)
-                )
-                if torch.isfinite(norm):
-                    self.optimizer.step()
-                norms.append(float(norm))
-                losses.append(total)
-        mean = lambda xs: float(sum(xs) / max(len(xs), 1))
-        return {
-            "critic/vf_loss": mean(losses),
-            "critic/vf_clipfrac": mean(clipfracs),
-            "critic/grad_norm": mean(norms),
-            "critic/lr": float(self.optimizer.param_groups[0]["lr"]),
-        }
+        grad_clip = float(self.cfg.get("grad_clip") or 1.0)
+
+        def micro_loss(mb: dict, info: dict) -> tuple[torch.Tensor, dict]:
+            vpreds = self._forward(mb)
+            loss, clipfrac = compute_value_loss(
+                vpreds, mb["returns"], mb["values"], mb["response_mask"], clip, loss_agg_mode=mode, **info
+            )
+            return loss, {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac}
+
+        def optimizer_step() -> dict[str, float]:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+            if torch.isfinite(norm):
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"critic/grad_norm": float(norm)}
+
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = minibatch_update(
+            t,
+            micro_loss=micro_loss,
+            backward=lambda loss: loss.backward(),
+            optimizer_step=optimizer_step,
+            device=self.device,
+            mini_batch_size=mini,
+            micro_batch_size=micro,
+            epochs=int(self.cfg.get("ppo_epochs") or 1),
+            shuffle=bool(self.cfg.get("shuffle")),
+            seed=self.seed + int(global_steps),
+            sum_keys=("critic/vf_loss",),
+        )
+        metrics["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
 
     def save_checkpoint(self, path: str) -> None:
         """Value model and optimizer state."""
