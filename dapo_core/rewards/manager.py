@@ -1,9 +1,9 @@
 """DAPO reward manager: parallel rule-based scoring with per-sample timeouts and overlong reward shaping.
 
-Plays the role of verl's ``DAPORewardManager`` (reference §6.2) on already-decoded rows instead of a DataProto:
-``RewardManager.score(rows)`` returns per-row ``score`` (raw), ``acc``, ``pred``, ``overlong_reward``, ``reward``
-(= score + overlong penalty when the overlong buffer is enabled) and ``overlong``. Placing the reward at the last
-valid token is the advantage stage's job.
+Plays the role of verl's ``DAPORewardManager`` (docs/REFERENCE.md §6.2) on already-decoded rows instead of a
+DataProto: ``RewardManager.score(rows)`` returns per-row ``score`` (raw), ``acc``, ``pred``,
+``overlong_reward``, ``reward`` (= score + overlong penalty when the overlong buffer is enabled) and
+``overlong``. Placing the reward at the last valid token is the advantage stage's job.
 
 Robustness (our addition; verl scores inline and can hang on a pathological answer):
 
@@ -180,7 +180,7 @@ def _stop_workers(workers: list[_Worker]) -> None:
 
 
 class RewardManager:
-    """Scores decoded rows in parallel with per-sample timeouts and applies DAPO overlong shaping (reference §6.2).
+    """Scores decoded rows in parallel with per-sample timeouts and applies DAPO overlong shaping (§6.2).
 
     Args:
         compute_score: ``fn(data_source, solution_str, ground_truth, extra_info) -> dict | float`` (called with
@@ -247,7 +247,7 @@ class RewardManager:
         self.inline_max_rows = int(inline_max_rows)
         self.chunk_size = int(chunk_size)
         self.start_timeout_s = float(start_timeout_s)
-        self._ctx = mp.get_context(start_method)
+        self._ctx: Any = mp.get_context(start_method)  # Spawn/Fork/ForkServerContext by name
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._inline_ok = True
@@ -502,6 +502,7 @@ class RewardManager:
                 )
                 score, acc, pred = self.failure_score, False, None
             if buf is not None and buf.enable:
+                assert self.max_resp_len is not None  # required with the buffer on (checked in __init__)
                 over = overlong_penalty(
                     int(row["valid_response_length"]), self.max_resp_len, buf.len, buf.penalty_factor
                 )
