@@ -1,4 +1,4 @@
-"""Rollout correction (IS weights, rejection sampling, diagnostics, presets) against reference §5 and §10."""
+"""Rollout correction (IS weights, rejection sampling, diagnostics, presets): docs/REFERENCE.md §5, §10."""
 
 import math
 
