@@ -337,12 +337,12 @@ def minibatch_update(
 
     For each of `epochs` passes (rows in a permutation seeded by `seed` when `shuffle`, else in order), each
     mini-batch of `mini_batch_size` rows is one optimizer step: every micro-batch of `micro_batch_size` rows
-    (moved to `device`) gives `micro_loss(micro_batch, global_batch_info) -> (loss, metrics)` and `backward(loss)`
-    (no division by the number of micro-batches: the loss is already normalised by `global_batch_info =
-    {dp_size: 1, batch_num_tokens: Σ response_mask of the mini-batch, global_batch_size: its rows}`), then
-    `optimizer_step()` steps and returns its own metrics (grad norm, lr). Returns the metrics averaged over
-    mini-batches, where a mini-batch's value of a `micro_loss` metric is its sum over micro-batches for
-    `sum_keys` and its mean otherwise.
+    (moved to `device`) gives `micro_loss(micro_batch, global_batch_info) -> (loss, metrics)` and
+    `backward(loss)` (no division by the number of micro-batches: the loss is already normalised by
+    `global_batch_info = {dp_size: 1, batch_num_tokens: Σ response_mask of the mini-batch, global_batch_size:
+    its rows}`), then `optimizer_step()` steps and returns its own metrics (grad norm, lr). Returns the
+    metrics averaged over mini-batches, where a mini-batch's value of a `micro_loss` metric is its sum over
+    micro-batches for `sum_keys` and its mean otherwise.
     """
     n = int(batch_tensors["response_mask"].shape[0])
     if mini_batch_size < 1 or n % mini_batch_size != 0:

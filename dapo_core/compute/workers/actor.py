@@ -135,7 +135,7 @@ class ActorWorker:
 
     # -- update ------------------------------------------------------------------------------------------------
     def _loss_fn(self, log_probs, entropy, mb: dict, global_batch_info: dict):
-        """`actor_objective` of one micro-batch with this actor's settings (the `ppo_update` loss function)."""
+        """`actor_objective` of one micro-batch with this actor's settings (`ppo_update`'s loss function)."""
         params = self.loss_params
         if self.loss_mode == "bypass_mode":
             params = dataclasses.replace(params, rollout_log_probs=mb["rollout_log_probs"])
