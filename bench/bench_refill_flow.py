@@ -1,9 +1,10 @@
-"""Dynamic sampling on the real flow: fixed generation batches (reference) vs adaptive refills, same data and model.
+"""Dynamic sampling on the real flow: fixed generation batches (reference) vs adaptive refills, same data and
+model.
 
 Builds the CPU default's data and warmed-up base model once (in --root), then runs the real `dapo-train` flow
 (in-process workers, ephemeral Prefect) twice for --steps steps from that same base model, with
-`algorithm.filter_groups.refill=fixed` and `=adaptive`, and reports per step: kept groups thrown away as surplus
-(`train/discarded_surplus_groups`), prompts generated, generation batches, and the step time.
+`algorithm.filter_groups.refill=fixed` and `=adaptive`, and reports per step: kept groups thrown away as
+surplus (`train/discarded_surplus_groups`), prompts generated, generation batches, and the step time.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_refill_flow.py [--steps 20] [--root /tmp/refill_bench]
 """
@@ -87,9 +88,8 @@ def main() -> None:
             "step_s_median": sorted(r["timing_s/step"] for r in rows)[n // 2],
             "final_keep_rate": rows[-1].get("train/keep_rate"),
         }
-    print(
-        f"{'mode':<10}{'surplus groups/step':>22}{'prompts/step':>14}{'gen batches/step':>18}{'step s (med)':>14}"
-    )
+    header = ("surplus groups/step", 22), ("prompts/step", 14), ("gen batches/step", 18), ("step s (med)", 14)
+    print(f"{'mode':<10}" + "".join(f"{name:>{width}}" for name, width in header))
     for mode, r in results.items():
         print(
             f"{mode:<10}{r['surplus_groups_per_step']:>22.2f}{r['prompts_per_step']:>14.1f}"

@@ -1,8 +1,9 @@
 """dapo-base-model: build the embedded tiny Qwen2 model and warm it up with a short supervised phase.
 
 A randomly initialised model scores nothing and gives DAPO no signal (every group has zero reward spread and
-dynamic sampling drops it), so the CPU default starts from a model fine-tuned for a few hundred steps on worked
-solutions of the synthetic training problems. The result is an ordinary HF folder (`models/tiny_base/`).
+dynamic sampling drops it), so the CPU default starts from a model fine-tuned for a few hundred steps on
+worked solutions of the synthetic training problems. The result is an ordinary HF folder
+(`models/tiny_base/`).
 
 `actor_rollout_ref.model.sft.answer_line_prob` < 1 makes the warm-up imitate a common failure of instruction
 models: the worked line is right but the final `Answer: <n>` line the verifier needs is often left out. The
@@ -14,54 +15,50 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import asdict
 from pathlib import Path
 
-from omegaconf import OmegaConf
 from prefect import flow, get_run_logger, task
 
 from dapo_core.compute.models import build_tiny_model, load_tokenizer
 from dapo_core.compute.sft import answer_line_solution, warmup_sft
-from dapo_core.config import load_config_text
+from dapo_core.config import DapoConfig, load_config_text, typed
 from dapo_core.data.datasets import read_parquet
 
 
 @task(name="build_tiny_model")
 def build(cfg_yaml: str, out_dir: str) -> str:
     """Random-init tiny model + char tokenizer as an HF folder."""
-    cfg = load_config_text(cfg_yaml)
-    tiny = OmegaConf.to_container(cfg.actor_rollout_ref.model.tiny, resolve=True)
-    return str(build_tiny_model(out_dir, tiny, seed=int(tiny.get("seed", 0))))
+    tiny = typed(load_config_text(cfg_yaml)).actor_rollout_ref.model.tiny
+    return str(build_tiny_model(out_dir, asdict(tiny), seed=tiny.seed))
 
 
 @task(name="sft_warmup")
 def sft(cfg_yaml: str, model_dir: str) -> dict:
     """Supervised warm-up on synthetic worked solutions (saved back into `model_dir`)."""
-    cfg = load_config_text(cfg_yaml)
+    cfg = typed(load_config_text(cfg_yaml))
     s = cfg.actor_rollout_ref.model.sft
-    files = cfg.data.train_files
-    rows = read_parquet(files if isinstance(files, str) else files[0]).to_pylist()
+    rows = read_parquet(cfg.data.train_files[0]).to_pylist()
     return warmup_sft(
         model_dir,
         rows,
         load_tokenizer(model_dir),
-        steps=int(s.steps),
-        lr=float(s.lr),
-        batch_size=int(s.batch_size),
-        seed=int(s.seed),
-        solution_fn=functools.partial(
-            answer_line_solution, answer_line_prob=float(s.answer_line_prob), seed=int(s.seed)
-        ),
+        steps=s.steps,
+        lr=s.lr,
+        batch_size=s.batch_size,
+        seed=s.seed,
+        solution_fn=functools.partial(answer_line_solution, answer_line_prob=s.answer_line_prob, seed=s.seed),
     )
 
 
 @flow(name="dapo-base-model", log_prints=True)
 def base_model_flow(cfg_yaml: str) -> str:
-    """Build (and warm up) the tiny base model unless `actor_rollout_ref.model.path` names an existing model."""
-    cfg = load_config_text(cfg_yaml)
+    """Build (and warm up) the tiny base model unless `actor_rollout_ref.model.path` names a model."""
+    cfg = typed(load_config_text(cfg_yaml))
     logger = get_run_logger()
     if cfg.actor_rollout_ref.model.path:
         logger.info("using the model at %s", cfg.actor_rollout_ref.model.path)
-        return str(cfg.actor_rollout_ref.model.path)
+        return cfg.actor_rollout_ref.model.path
     out = Path(cfg.trainer.models_dir) / "tiny_base"
     recipe = _recipe(cfg)
     stamp = out / "base_model_recipe.json"
@@ -82,14 +79,12 @@ def base_model_flow(cfg_yaml: str) -> str:
     return path
 
 
-def _recipe(cfg) -> dict:
+def _recipe(cfg: DapoConfig) -> dict:
     """Everything the base model depends on (model sizes, warm-up settings, training data)."""
     files = cfg.data.train_files
-    files = [files] if isinstance(files, str) else list(files)
-    data = {f: (Path(f).stat().st_size if Path(f).exists() else None) for f in files}
     return {
-        "tiny": OmegaConf.to_container(cfg.actor_rollout_ref.model.tiny, resolve=True),
-        "sft": OmegaConf.to_container(cfg.actor_rollout_ref.model.sft, resolve=True),
-        "synthetic": OmegaConf.to_container(cfg.data.synthetic, resolve=True),
-        "train_files": data,
+        "tiny": asdict(cfg.actor_rollout_ref.model.tiny),
+        "sft": asdict(cfg.actor_rollout_ref.model.sft),
+        "synthetic": asdict(cfg.data.synthetic),
+        "train_files": {f: (Path(f).stat().st_size if Path(f).exists() else None) for f in files},
     }

@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_task_run_logs() -> None:
-    """Keep the console readable: one line per finished task run is Prefect's default (hundreds per run).
-    Task runs stay fully visible in the Prefect UI; `PREFECT_LOGGING_LEVEL=DEBUG` or `DAPO_TASK_LOGS=1` restores
+    """Keep the console readable: one line per finished task run is Prefect's default (hundreds per run). Task
+    runs stay fully visible in the Prefect UI; `PREFECT_LOGGING_LEVEL=DEBUG` or `DAPO_TASK_LOGS=1` restores
     them on the console."""
     import logging
     import os
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides.append(f"eval.output={args.output}")
     try:
         cfg = load_config(args.config, overrides)
-        run_id = None
+        run_id = ""
         if args.command == "train":
             run_id = cfg.trainer.experiment_name or make_run_id()
             if not cfg.trainer.experiment_name:

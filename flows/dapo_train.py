@@ -5,15 +5,15 @@
         → old_log_prob → [ref] → [values] → advantage → [update_critic] → update_actor → sync weights
         → [checkpoint every save_freq] → [validate every test_freq] → log
 
-Every stage is a Prefect task (tasks/) that commits its output to the run store `runs/<run_id>/`; tasks pass URIs
-and the run id, never batches or actor handles. Models live in long-lived workers (Ray actors, or in-process with
-`trainer.use_ray=false`). Resume = run the flow again with the same run id (`trainer.resume_mode=auto`): the latest
-checkpoint is loaded, committed rollouts of later steps are replayed instead of regenerated, and prompts left in
-flight are re-issued (`RunStore.reissue_inflight`).
+Every stage is a Prefect task (tasks/) that commits its output to the run store `runs/<run_id>/`; tasks pass
+URIs and the run id, never batches or actor handles. Models live in long-lived workers (Ray actors, or
+in-process with `trainer.use_ray=false`). Resume = run the flow again with the same run id
+(`trainer.resume_mode=auto`): the latest checkpoint is loaded, committed rollouts of later steps are replayed
+instead of regenerated, and prompts left in flight are re-issued (`RunStore.reissue_inflight`).
 
-Step accounting: `gen_step` counts generation batches (it seeds sampling), `train_step` counts policy updates (the
-lr schedule and `total_training_steps` follow it). The reference counts `total_training_steps` in generation
-batches, so with filtering its last-step logic rarely fires; we deliberately count training steps.
+Step accounting: `gen_step` counts generation batches (it seeds sampling), `train_step` counts policy updates
+(the lr schedule and `total_training_steps` follow it). The reference counts `total_training_steps` in
+generation batches, so with filtering its last-step logic rarely fires; we deliberately count training steps.
 """
 
 from __future__ import annotations
@@ -22,39 +22,45 @@ import time
 
 from prefect import flow, get_run_logger
 
-from dapo_core.algo.dynamic_sampling import next_gen_batch_size
-from dapo_core.config import gen_batch_size, need_reference_policy, use_critic
+from dapo_core.config import gen_batch_size
 from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
+from flows.learn import learn
 from flows.replay_order import replay_train_step
-from flows.run_setup import DriverState, close_run, load_cfg, open_run, restore, step_metrics
-from tasks import runtime
-from tasks.compute import advantage, old_log_prob, ref, values
+from flows.run_setup import (
+    DriverState,
+    TrainRun,
+    add_metrics,
+    close_run,
+    load_cfg,
+    open_run,
+    refill_size,
+    restore,
+    step_metrics,
+)
 from tasks.rollout import assemble_batch, filter_groups, generate, reward, sample_prompts
-from tasks.update import checkpoint, sync_weights, update_actor, update_critic
+from tasks.update import checkpoint, sync_weights
 from tasks.validate import validate
 
 
-def collect_batch(run_id: str, cfg, step: int, state: DriverState, progress) -> tuple[str, dict]:
+def collect_batch(rt: TrainRun, step: int, state: DriverState) -> tuple[str, dict]:
     """Dynamic sampling (docs/REFERENCE.md §6.1): generate, score and filter until `train_batch_size` groups
     are kept."""
-    fg = cfg.algorithm.filter_groups
-    need = int(cfg.data.train_batch_size)
-    base = gen_batch_size(cfg)
-    keep_rate = runtime.get(run_id).extras["keep_rate"]  # run-wide: the first batch of a step adapts too
+    run_id, fg, keep_rate = rt.run_id, rt.cfg.algorithm.filter_groups, rt.keep_rate
+    need = rt.cfg.data.train_batch_size
     kept_uris: list[str] = []
-    kept_groups, k, metrics = 0, 0, {}
+    kept_groups, k = 0, 0
+    metrics: dict[str, float] = {}
     while True:
-        size = base
-        if fg.enable and str(fg.refill) == "adaptive":  # sized to the deficit and the observed keep rate
-            size = next_gen_batch_size(need - kept_groups, keep_rate.rate, base=base)
-        progress.stage(f"generate g{k} ({size} prompts)")
-        prompts_uri, _ = sample_prompts(run_id, step, k, size)
+        # gen_batch_size prompts (refill=adaptive: sized to the deficit and the run-wide keep rate)
+        size = refill_size(rt.cfg, keep_rate, need - kept_groups, fixed=gen_batch_size(rt.cfg))
+        rt.progress.stage(f"generate g{k} ({size} prompts)")
+        prompts_uri, _ = sample_prompts(run_id, step, f"g{k}", size)
         state.gen_step += 1
         gen_uri, m = generate(run_id, step, k, state.gen_step, prompts_uri)
-        _accumulate(metrics, m)
-        progress.stage(f"reward g{k}")
+        add_metrics(metrics, m)
+        rt.progress.stage(f"reward g{k}")
         reward_uri, m = reward(run_id, step, k, gen_uri)
-        _accumulate(metrics, m)
+        add_metrics(metrics, m)
         k += 1
         if not fg.enable:
             kept_uris.append(reward_uri)
@@ -66,50 +72,28 @@ def collect_batch(run_id: str, cfg, step: int, state: DriverState, progress) -> 
         if kept_groups >= need:
             break
         print(f"num_prompt_in_batch={kept_groups} < prompt_bsz={need}")
-        max_gen = int(fg.max_num_gen_batches)
-        if max_gen > 0 and k >= max_gen:
-            raise DynamicSamplingExhausted(exhausted_message(k, max_gen, kept_groups, need))
+        if fg.max_num_gen_batches > 0 and k >= fg.max_num_gen_batches:
+            raise DynamicSamplingExhausted(exhausted_message(k, fg.max_num_gen_batches, kept_groups, need))
         print(f"num_gen_batches={k}. Keep generating...")
-    progress.stage("assemble batch")
+    rt.progress.stage("assemble batch")
     batch_uri, m = assemble_batch(run_id, step, kept_uris, k)
     metrics.update(m)
     metrics["train/keep_rate"] = keep_rate.rate if fg.enable and keep_rate.rate is not None else 1.0
     return batch_uri, metrics
 
 
-def _accumulate(acc: dict, new: dict) -> None:
-    for key, v in new.items():
-        acc[key] = acc.get(key, 0.0) + v if key.startswith(("timing_s/", "perf/")) else v
-
-
-def train_step(run_id: str, cfg, step: int, state: DriverState, progress) -> dict:
+def train_step(rt: TrainRun, step: int, state: DriverState) -> dict:
     """One DAPO training step; returns its metrics."""
     t0 = time.perf_counter()
-    uri, metrics = collect_batch(run_id, cfg, step, state, progress)
-    progress.stage("old_log_prob")
-    uri, m = old_log_prob(run_id, step, uri)
-    metrics.update(m)
-    if need_reference_policy(cfg):
-        progress.stage("ref")
-        uri, m = ref(run_id, step, uri)
+    uri, metrics = collect_batch(rt, step, state)
+    adv_uri, stage_metrics = learn(rt, step, uri)
+    for m in stage_metrics:
         metrics.update(m)
-    if use_critic(cfg):
-        progress.stage("values")
-        uri, m = values(run_id, step, uri)
-        metrics.update(m)
-    progress.stage("advantage")
-    uri, m = advantage(run_id, step, uri)
-    metrics.update(m)
-    if use_critic(cfg):
-        progress.stage("update_critic")
-        metrics.update(update_critic(run_id, step, uri)[1])
-    if step > int(cfg.trainer.critic_warmup):
-        progress.stage("update_actor")
-        metrics.update(update_actor(run_id, step, uri)[1])
+    if step > rt.cfg.trainer.critic_warmup:
         state.weight_version += 1
-        sync_weights(run_id, step, state.weight_version)
+        sync_weights(rt.run_id, step, state.weight_version)
     metrics["timing_s/step"] = time.perf_counter() - t0
-    metrics.update(step_metrics(run_id, step, uri, metrics))
+    metrics.update(step_metrics(rt, step, adv_uri, metrics))
     return metrics
 
 
@@ -117,6 +101,7 @@ def train_step(run_id: str, cfg, step: int, state: DriverState, progress) -> dic
 def dapo_train(config_yaml: str, run_id: str) -> dict:
     """Train with DAPO under run id `run_id` (resumes it if it exists and `trainer.resume_mode` allows)."""
     cfg = load_cfg(config_yaml)
+    tr = cfg.trainer
     logger = get_run_logger()
     rt = open_run(cfg, run_id)
     try:
@@ -130,33 +115,31 @@ def dapo_train(config_yaml: str, run_id: str) -> dict:
             total,
             rt.store.root,
         )
-        progress = rt.extras["progress"]
-        tracker = rt.extras["tracker"]
-        if cfg.trainer.val_before_train and state.train_step == 0:
-            progress.stage("validate (before training)")
-            tracker.log(0, validate(run_id, 0, state.gen_step)[1])
+        if tr.val_before_train and state.train_step == 0:
+            rt.progress.stage("validate (before training)")
+            rt.tracker.log(0, validate(run_id, 0, state.gen_step)[1])
+        step_fn = replay_train_step if tr.step_order == "replay_buffer" else train_step
         while state.train_step < total:
             step = state.train_step + 1
-            progress.begin_step(step, total)
-            step_fn = replay_train_step if str(cfg.trainer.step_order) == "replay_buffer" else train_step
-            metrics = step_fn(run_id, cfg, step, state, progress)
+            rt.progress.begin_step(step, total)
+            metrics = step_fn(rt, step, state)
             state.train_step = step
             last = step == total
-            if int(cfg.trainer.test_freq) > 0 and (step % int(cfg.trainer.test_freq) == 0 or last):
-                progress.stage("validate")
+            if tr.test_freq > 0 and (step % tr.test_freq == 0 or last):
+                rt.progress.stage("validate")
                 metrics.update(validate(run_id, step, state.gen_step)[1])
             metrics.update(
                 {
                     "training/global_step": step,
                     "training/gen_step": state.gen_step,
-                    "training/epoch": rt.extras["sampler"].epoch,
+                    "training/epoch": rt.sampler.epoch,
                 }
             )
-            tracker.log(step, metrics)  # before the checkpoint: a resumed run never misses a step's row
-            if int(cfg.trainer.save_freq) > 0 and (step % int(cfg.trainer.save_freq) == 0 or last):
-                progress.stage("checkpoint")
+            rt.tracker.log(step, metrics)  # before the checkpoint: a resumed run never misses a step's row
+            if tr.save_freq > 0 and (step % tr.save_freq == 0 or last):
+                rt.progress.stage("checkpoint")
                 checkpoint(run_id, step, state.to_json(rt))
-            progress.end_step(metrics)
+            rt.progress.end_step(metrics)
             logger.info("step %d (gen_step %d) done in %.1fs", step, state.gen_step, metrics["timing_s/step"])
         return {
             "run_id": run_id,

@@ -6,15 +6,15 @@
     prefect deployment run dapo-train/tiny --watch           # from another shell; retry steps in the UI
 
 `serve` keeps a runner in this process that picks up flow runs of the deployment. The resolved config is the
-deployment's default `config_yaml` parameter; `run_id` defaults to `trainer.experiment_name` (or the deployment
-name), so re-running the deployment resumes the same run, and a parameter override starts another.
+deployment's default `config_yaml` parameter; `run_id` defaults to `trainer.experiment_name` (or the
+deployment name), so re-running the deployment resumes the same run, and a parameter override starts another.
 """
 
 from __future__ import annotations
 
 import os
 
-from dapo_core.config import load_config_text
+from dapo_core.config import load_config_text, typed
 
 
 def deploy(cfg_yaml: str, name: str, run_id: str | None = None, serve: bool = True):
@@ -26,8 +26,7 @@ def deploy(cfg_yaml: str, name: str, run_id: str | None = None, serve: bool = Tr
         )
     from flows.dapo_train import dapo_train
 
-    cfg = load_config_text(cfg_yaml)
-    rid = run_id or str(cfg.trainer.experiment_name or name)
+    rid = run_id or typed(load_config_text(cfg_yaml)).trainer.experiment_name or name
     params = {"config_yaml": cfg_yaml, "run_id": rid}
     if serve:
         dapo_train.serve(

@@ -1,8 +1,8 @@
 """dapo-evaluate: score a model on held-out parquet files with k samples per prompt.
 
 Writes `eval.output` (default `metrics/eval.json`) with mean@k, pass@k, maj@k (and best@k, std@k) per data
-source. The checkpoint may be an HF folder, a run checkpoint `runs/<id>/ckpt/step_<n>` (its `actor/` weights are
-used) or a run folder (its latest checkpoint). Sampling follows `eval.{n,temperature,top_p,top_k}`; the
+source. The checkpoint may be an HF folder, a run checkpoint `runs/<id>/ckpt/step_<n>` (its `actor/` weights
+are used) or a run folder (its latest checkpoint). Sampling follows `eval.{n,temperature,top_p,top_k}`; the
 reproduction configs use the reference's AIME settings (temperature 1.0, top_p 0.7).
 """
 
@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger, task
 
 from dapo_core.compute.models import load_tokenizer
 from dapo_core.compute.workers import RewardWorker, RolloutWorker
-from dapo_core.config import load_config_text, resolve_device
+from dapo_core.config import load_config_text, resolve_device, typed
 from dapo_core.data import batch as B
 from dapo_core.metrics.validation import validation_summary
 from dapo_core.seeding import uid_factory
@@ -46,42 +46,39 @@ def evaluate_model(cfg_yaml: str, model_dir: str) -> dict:
     """Generate `eval.n` samples per held-out prompt and summarise the scores."""
     from flows.run_setup import default_model_path, val_prompts
 
-    cfg = load_config_text(cfg_yaml)
+    cfg = typed(load_config_text(cfg_yaml))
     ev = cfg.eval
     tok_path = (
         model_dir
         if (Path(model_dir) / "tokenizer.json").exists() or (Path(model_dir) / "tokenizer").exists()
-        else str(cfg.actor_rollout_ref.model.tokenizer_path or default_model_path(cfg))
+        else cfg.actor_rollout_ref.model.tokenizer_path or default_model_path(cfg)
     )
-    files = list(ev.files) if ev.files else cfg.data.val_files
-    cfg_val = cfg.copy()
-    cfg_val.data.val_files = files
-    prompts = val_prompts(cfg_val, load_tokenizer(tok_path))
+    prompts = val_prompts(cfg.data, load_tokenizer(tok_path), files=ev.files or None)
     sampling = {
-        "temperature": float(ev.temperature),
-        "top_p": float(ev.top_p),
-        "top_k": int(ev.top_k),
-        "max_new_tokens": int(cfg.data.max_response_length),
-        "do_sample": float(ev.temperature) > 0,
+        "temperature": ev.temperature,
+        "top_p": ev.top_p,
+        "top_k": ev.top_k,
+        "max_new_tokens": cfg.data.max_response_length,
+        "do_sample": ev.temperature > 0,
     }
     rollout = RolloutWorker(
         model_dir,
-        engine=str(cfg.actor_rollout_ref.rollout.name),
+        engine=cfg.actor_rollout_ref.rollout.name,
         device=resolve_device(cfg),
-        seed=int(cfg.trainer.seed),
+        seed=cfg.trainer.seed,
         train_sampling=sampling,
         val_sampling=sampling,
     )
     reward = RewardWorker(
         tok_path,
-        max_resp_len=int(cfg.data.max_response_length),
+        max_resp_len=cfg.data.max_response_length,
         overlong_buffer=None,
-        num_workers=int(cfg.reward_model.num_workers),
-        timeout_s=float(cfg.reward_model.timeout_s),
+        num_workers=cfg.reward_model.num_workers,
+        timeout_s=cfg.reward_model.timeout_s,
     )
     try:
         t0 = time.perf_counter()
-        table = B.repeat_interleave_prompts(prompts, int(ev.n), uid_fn=uid_factory(cfg.trainer.seed, "eval"))
+        table = B.repeat_interleave_prompts(prompts, ev.n, uid_fn=uid_factory(cfg.trainer.seed, "eval"))
         out = rollout.generate(table, gen_step=0, validate=True)
         out, _ = reward.score(out)
         summary = validation_summary(out)
@@ -97,11 +94,11 @@ def evaluate_model(cfg_yaml: str, model_dir: str) -> dict:
 @flow(name="dapo-evaluate", log_prints=True)
 def evaluate_flow(cfg_yaml: str, checkpoint: str = "", output: str = "") -> dict:
     """Evaluate `checkpoint` (or `eval.checkpoint`) and write the metrics JSON; returns the metrics."""
-    cfg = load_config_text(cfg_yaml)
+    cfg = typed(load_config_text(cfg_yaml))
     logger = get_run_logger()
-    model_dir = resolve_checkpoint(checkpoint or str(cfg.eval.checkpoint))
+    model_dir = resolve_checkpoint(checkpoint or cfg.eval.checkpoint)
     metrics = evaluate_model(cfg_yaml, model_dir)
-    out = Path(output or str(cfg.eval.output))
+    out = Path(output or cfg.eval.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"checkpoint": model_dir, "metrics": metrics}, indent=1, sort_keys=True))
     headline = {k: round(v, 4) for k, v in metrics.items() if k.startswith("val-core/") and "/acc/" in k}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from dapo_core.config import load_config_text
+from dapo_core.config import load_config_text, typed
 from flows.base_model import base_model_flow
 from flows.dapo_train import dapo_train
 from flows.evaluate import evaluate_flow
@@ -29,7 +29,7 @@ def headline_accuracy(metrics: dict) -> float | None:
 def pipeline(cfg_yaml: str, run_id: str) -> dict:
     """Run the whole job; returns before/after accuracy and paths."""
     t0 = time.perf_counter()
-    cfg = load_config_text(cfg_yaml)
+    cfg = typed(load_config_text(cfg_yaml))
     stats = prepare_data_flow(cfg_yaml)
     model_path = base_model_flow(cfg_yaml)
     run_dir = Path(cfg.trainer.runs_dir) / run_id
@@ -38,7 +38,7 @@ def pipeline(cfg_yaml: str, run_id: str) -> dict:
     result = dapo_train(cfg_yaml, run_id)
     train_s = time.perf_counter() - t_train
     final = export_final(run_dir, Path(cfg.trainer.models_dir) / "dapo_final")
-    after = evaluate_flow(cfg_yaml, str(final), output=str(cfg.eval.output))
+    after = evaluate_flow(cfg_yaml, str(final), output=cfg.eval.output)
     acc0, acc1 = headline_accuracy(before), headline_accuracy(after)
     wall = time.perf_counter() - t0
     summary = {
@@ -61,7 +61,7 @@ def pipeline(cfg_yaml: str, run_id: str) -> dict:
             f"DAPO run {run_id} finished in {wall / 60:.1f} min (training {train_s / 60:.1f} min, "
             f"{result['train_step']} train steps, {result['gen_step']} generation batches)"
         ),
-        f"held-out accuracy (mean@{int(cfg.eval.n)}): before {_pct(acc0)}  ->  after {_pct(acc1)}"
+        f"held-out accuracy (mean@{cfg.eval.n}): before {_pct(acc0)}  ->  after {_pct(acc1)}"
         + (f"   ({(acc1 - acc0) * 100:+.1f} points)" if acc0 is not None and acc1 is not None else ""),
         f"data:        {', '.join(st['path'] for st in stats.values())}",
         f"base model:  {model_path}",

@@ -1,9 +1,9 @@
 """dapo-prepare-data: write the training and validation parquet files (verl schema) and `data/stats.json`.
 
 - CPU default (`data.synthetic.enable=true`): generate arithmetic problems, train and held-out disjoint.
-- Real runs: read DAPO-Math-17k and AIME-2024 from `data.source_files.{train,val}` (local paths or URLs reachable
-  from the machine), report duplicate counts, and drop duplicates only when `data.dedup=true` (the reference keeps
-  them: DAPO-Math-17k holds ~100 copies of each problem).
+- Real runs: read DAPO-Math-17k and AIME-2024 from `data.source_files.{train,val}` (local paths or URLs
+  reachable from the machine), report duplicate counts, and drop duplicates only when `data.dedup=true` (the
+  reference keeps them: DAPO-Math-17k holds ~100 copies of each problem).
 Every written table is validated with the dataset schema before it is written.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from dapo_core.config import load_config_text
+from dapo_core.config import load_config_text, typed
 from dapo_core.data.datasets import load_dapo_math, make_synthetic_splits, read_parquet, write_parquet
 from dapo_core.data.schemas import validate_dataset
 
@@ -22,16 +22,15 @@ from dapo_core.data.schemas import validate_dataset
 @task(name="synthetic_data")
 def synthetic_data(cfg_yaml: str) -> dict:
     """Generate the synthetic train/val splits."""
-    cfg = load_config_text(cfg_yaml)
-    syn = cfg.data.synthetic
+    syn = typed(load_config_text(cfg_yaml)).data.synthetic
     train, val = make_synthetic_splits(
-        int(syn.num_train),
-        int(syn.num_val),
-        seed=int(syn.seed),
-        min_value=int(syn.min_value),
-        max_value=int(syn.max_value),
-        num_operands=int(syn.num_operands),
-        ops=list(syn.ops),
+        syn.num_train,
+        syn.num_val,
+        seed=syn.seed,
+        min_value=syn.min_value,
+        max_value=syn.max_value,
+        num_operands=syn.num_operands,
+        ops=syn.ops,
     )
     out = Path(syn.out_dir)
     stats = {}
@@ -47,24 +46,24 @@ def synthetic_data(cfg_yaml: str) -> dict:
 @task(name="dapo_data")
 def dapo_data(cfg_yaml: str) -> dict:
     """Read DAPO-Math-17k / AIME-2024 from the configured sources, count (and optionally drop) duplicates."""
-    cfg = load_config_text(cfg_yaml)
+    cfg = typed(load_config_text(cfg_yaml))
     out = Path(cfg.data.synthetic.out_dir)
     stats = {}
     for name, src in (("train", cfg.data.source_files.train), ("val", cfg.data.source_files.val)):
         if not src:
             continue
-        table, st = load_dapo_math([src], dedup=bool(cfg.data.dedup))
-        validate_dataset(table, name=str(src))
+        table, st = load_dapo_math([src], dedup=cfg.data.dedup)
+        validate_dataset(table, name=src)
         path = out / f"{'dapo-math-17k' if name == 'train' else 'aime-2024'}.parquet"
         write_parquet(table, path)
-        stats[name] = {"path": str(path), "source": str(src), **st}
+        stats[name] = {"path": str(path), "source": src, **st}
     return stats
 
 
 @flow(name="dapo-prepare-data", log_prints=True)
 def prepare_data_flow(cfg_yaml: str) -> dict:
     """Write the datasets named by the config and `stats.json` beside them; returns the stats."""
-    cfg = load_config_text(cfg_yaml)
+    cfg = typed(load_config_text(cfg_yaml))
     logger = get_run_logger()
     stats = synthetic_data(cfg_yaml) if cfg.data.synthetic.enable else dapo_data(cfg_yaml)
     out = Path(cfg.data.synthetic.out_dir)

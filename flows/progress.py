@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 
 class StepProgress:
-    """rich progress bar over training steps with the current stage and headline metrics; no-op when disabled."""
+    """rich progress bar over training steps with the stage running and headline metrics (or a no-op)."""
 
     def __init__(self, run_id: str, enabled: bool = True):
         self.enabled = enabled
         self.run_id = run_id
-        self._progress = None
-        self._task = None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
         self._last = ""
         if enabled:
             self._progress = Progress(
@@ -31,7 +31,7 @@ class StepProgress:
 
     def begin_step(self, step: int, total: int) -> None:
         """A new train step starts."""
-        if not self.enabled:
+        if self._progress is None:
             return
         if self._task is None:
             self._task = self._progress.add_task(
@@ -41,12 +41,12 @@ class StepProgress:
 
     def stage(self, name: str) -> None:
         """The stage now running."""
-        if self.enabled and self._task is not None:
+        if self._progress is not None and self._task is not None:
             self._progress.update(self._task, stage=name)
 
     def end_step(self, metrics: dict) -> None:
         """A step finished: advance and show its score, accuracy and generated tokens."""
-        if not self.enabled or self._task is None:
+        if self._progress is None or self._task is None:
             return
         parts = []
         for key, label in (

@@ -1,4 +1,5 @@
-"""The commit discipline shared by every stage task: skip if committed, else compute → validate → commit."""
+"""The commit discipline shared by every stage task (skip if committed, else compute → validate → commit), and
+the small table helpers the rollout-side tasks of both step orders share."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ import time
 from collections.abc import Callable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from dapo_core.data import batch as B
 from dapo_core.data.schemas import validate_stage
 from tasks.runtime import Runtime
 
 StageResult = tuple[str, dict[str, float]]
+"""What a stage task returns: the committed table's URI and the stage's metrics."""
+StageOutput = tuple[pa.Table, dict[str, float]]
+"""What a stage computes: its table and metrics."""
 
 # Generation-batch (`_g0`, `_ga`, `_gr1`) and local-update (`_p0`) suffixes: one timer name per stage kind.
 _STAGE_SUFFIX = re.compile(r"_(?:g[a-z]?\d*|p\d+)$")
@@ -21,36 +27,49 @@ def run_stage(
     rt: Runtime,
     step: int,
     stage: str,
-    compute: Callable[[], tuple[pa.Table, dict[str, float]]],
+    compute: Callable[[], StageOutput],
     *,
     schema: str | None = None,
     n: int | None = None,
     meta: dict | None = None,
 ) -> StageResult:
-    """Return the committed output of (step, stage) if it exists, else compute, validate against `schema`, commit.
+    """Return the committed output of (step, stage) if it exists, else compute, validate against `schema`,
+    commit.
 
-    The run store is the single source of truth: a retried task, a retried flow run or a resumed run skips work
-    whose manifest is already written. Timing goes into the metrics as `timing_s/<stage>`.
+    The run store is the single source of truth: a retried task, a retried flow run or a resumed run skips
+    work whose manifest is already written. Timing goes into the metrics as `timing_s/<stage>`.
     """
-    if rt.store.is_committed(step, stage):
-        m = rt.store.meta(step, stage) or {}
-        return rt.store.stage_uri(step, stage), dict(m.get("metrics", {}))
+    done = committed(rt, step, stage)
+    if done is not None:
+        return done
     t0 = time.perf_counter()
     table, metrics = compute()
     if schema is not None:
-        cfg = rt.cfg
         validate_stage(
             schema,
             table,
             n=n,
             vocab_size=rt.vocab_size,
-            max_prompt_length=int(cfg.data.max_prompt_length),
-            max_response_length=int(cfg.data.max_response_length),
+            max_prompt_length=rt.cfg.data.max_prompt_length,
+            max_response_length=rt.cfg.data.max_response_length,
         )
     metrics = dict(metrics)
     metrics[f"timing_s/{_STAGE_SUFFIX.sub('', stage)}"] = time.perf_counter() - t0
     uri = rt.store.write_stage(step, stage, table, meta={**(meta or {}), "metrics": metrics})
     return uri, metrics
+
+
+def precomputed(table: pa.Table, metrics: dict[str, float] | None = None) -> Callable[[], StageOutput]:
+    """A `run_stage` compute function for a table that is already computed (committed as it is)."""
+    return lambda: (table, metrics or {})
+
+
+def committed(rt: Runtime, step: int, stage: str) -> StageResult | None:
+    """The URI and metrics of (step, stage) if it is committed, else None."""
+    if not rt.store.is_committed(step, stage):
+        return None
+    meta = rt.store.meta(step, stage) or {}
+    return rt.store.stage_uri(step, stage), dict(meta.get("metrics", {}))
 
 
 def stage_name(stage: str, part: int | None) -> str:
@@ -59,7 +78,7 @@ def stage_name(stage: str, part: int | None) -> str:
 
 
 def run_name(stage: str):
-    """A Prefect `task_run_name` callable: `<stage>-step<step>[-p<part>]`, so the UI shows a step's timeline."""
+    """A Prefect `task_run_name` callable: `<stage>-step<step>[-p<part>]` (the UI shows a step's timeline)."""
 
     def name() -> str:
         from prefect.runtime import task_run
@@ -69,3 +88,48 @@ def run_name(stage: str):
         return f"{stage}-step{params.get('step')}" + ("" if part is None else f"-p{part}")
 
     return name
+
+
+def filter_metric(rt: Runtime) -> str:
+    """`algorithm.filter_groups.metric` (the config checks require it whenever dynamic sampling is on)."""
+    metric = rt.cfg.algorithm.filter_groups.metric
+    if metric is None:
+        raise ValueError("algorithm.filter_groups.metric: required with filter_groups.enable — use acc")
+    return metric
+
+
+def balanced(rt: Runtime, table: pa.Table) -> pa.Table:
+    """`table` reordered for equal per-rank token loads if `trainer.balance_batch` (one training process)."""
+    return B.balance_batch(table, dp_size=1) if rt.cfg.trainer.balance_batch else table
+
+
+def uids_of(table: pa.Table) -> list[str]:
+    """The group uids of `table`, in order of first appearance."""
+    return list(dict.fromkeys(table.column("uid").to_pylist()))
+
+
+def rows_of(table: pa.Table, uids: list[str]) -> pa.Table:
+    """The rows of `table` whose uid is in `uids` (table order)."""
+    return table.filter(pc.is_in(table.column("uid"), value_set=pa.array(uids, pa.string())))
+
+
+def to_ipc(table: pa.Table) -> bytes:
+    """`table` as Arrow IPC stream bytes (a ledger payload)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(data: bytes) -> pa.Table:
+    """The table `to_ipc` wrote."""
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+def generation_metrics(out: pa.Table) -> dict[str, float]:
+    """Mean response length and generated tokens of a generation batch."""
+    lens = B.response_lengths(out)
+    return {
+        "response_length/gen_mean": float(sum(lens) / max(len(lens), 1)),
+        "perf/gen_tokens": float(sum(lens)),
+    }

@@ -1,6 +1,8 @@
-"""Rollout-side stage tasks: sample prompts, generate, reward, filter groups (dynamic sampling), assemble the batch."""
+"""Rollout-side stage tasks: sample prompts, generate, reward, filter groups (dynamic sampling), assemble."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pyarrow as pa
 from prefect import task
@@ -10,41 +12,60 @@ from dapo_core.data import batch as B
 from dapo_core.seeding import uid_factory
 from dapo_core.stages import apply_group_filter, truncate_to_groups
 from tasks import runtime
-from tasks.common import StageResult, run_stage
+from tasks.common import (
+    StageResult,
+    balanced,
+    committed,
+    filter_metric,
+    generation_metrics,
+    precomputed,
+    rows_of,
+    run_stage,
+    to_ipc,
+    uids_of,
+)
 
-_OPTS = {"retries": 2, "retry_delay_seconds": 1, "cache_policy": NO_CACHE}
+_OPTS: dict[str, Any] = {"retries": 2, "retry_delay_seconds": 1, "cache_policy": NO_CACHE}
 
 
-@task(name="sample_prompts", task_run_name="sample_prompts-step{step}-g{gen_idx}", **_OPTS)
-def sample_prompts(run_id: str, step: int, gen_idx: int, num_prompts: int) -> StageResult:
-    """Draw `num_prompts` prompts, repeat each n times with a fresh uid, register them as pending in the ledger.
+@task(name="sample_prompts", task_run_name="sample_prompts-step{step}-{tag}", **_OPTS)
+def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: bool = False) -> StageResult:
+    """Draw `num_prompts` prompts as stage `prompts_<tag>`, each repeated n times with a fresh uid, and
+    register their groups `pending` in the ledger. Both step orders draw their prompts here.
 
-    The sampler position after the draw is stored in the stage's manifest, so a replayed step restores it.
+    The sampler position after the draw is stored in the stage's manifest: a committed stage is reused and the
+    position restored, so a retried or resumed step draws the same prompts and skips none. The ledger write
+    follows the commit and registers only uids the ledger does not know, so a crash between the two duplicates
+    nothing. The replay-buffer order (`replay=True`) keeps each group's rows as its ledger payload, from which
+    a prompt re-issued after a crash is regenerated (`tasks.replay.regenerate_reissued`).
     """
     rt = runtime.get(run_id)
-    sampler = rt.extras["sampler"]
-    stage = f"prompts_g{gen_idx}"
-    if rt.store.is_committed(step, stage):
-        meta = rt.store.meta(step, stage) or {}
-        sampler.load_state_dict(meta["sampler_state"])
-        return rt.store.stage_uri(step, stage), dict(meta.get("metrics", {}))
-    before = sampler.state_dict()
-    try:
-        prompts = sampler.next_batch(num_prompts)
-        uid_fn = uid_factory(rt.cfg.trainer.seed, "train", step, gen_idx)
-        table = B.repeat_interleave_prompts(prompts, rt.n, uid_fn=uid_fn)
-        uids = sorted(set(table.column("uid").to_pylist()))
-        rt.store.put_many([(u, {"is_prompt": True, "status": "pending", "global_steps": step}) for u in uids])
-        return run_stage(
-            rt,
-            step,
-            stage,
-            lambda: (table, {"train/epoch": float(sampler.epoch)}),
-            meta={"sampler_state": sampler.state_dict()},
-        )
-    except BaseException:
-        sampler.load_state_dict(before)  # a retry draws the same prompts (none skipped)
-        raise
+    sampler = rt.sampler
+    stage = f"prompts_{tag}"
+    done = committed(rt, step, stage)
+    if done is not None:
+        sampler.load_state_dict((rt.store.meta(step, stage) or {})["sampler_state"])
+        uri, metrics = done
+    else:
+        # uids are seeded by (seed, step, generation batch) — the batch's index in the sync order ("g3" → 3),
+        # its tag in the replay order — so a re-run samples the same tokens (sampling seeds derive from uids)
+        uid_fn = uid_factory(rt.cfg.trainer.seed, "train", step, tag if replay else int(tag[1:]))
+        before = sampler.state_dict()
+        try:
+            table = B.repeat_interleave_prompts(sampler.next_batch(num_prompts), rt.n, uid_fn=uid_fn)
+            metrics = {"train/epoch": float(sampler.epoch)}
+            meta = {"sampler_state": sampler.state_dict()}
+            uri, metrics = run_stage(rt, step, stage, precomputed(table, metrics), meta=meta)
+        except BaseException:
+            sampler.load_state_dict(before)  # a retry draws the same prompts (none skipped)
+            raise
+    table = rt.store.read_uri(uri)
+    known = rt.store.get_many(uids_of(table))
+    new = [u for u in uids_of(table) if u not in known]
+    if new:
+        tags = {"is_prompt": True, "status": "pending", "global_steps": step}
+        rt.store.put_many([(u, tags, to_ipc(rows_of(table, [u])) if replay else None) for u in new])
+    return uri, metrics
 
 
 @task(name="generate", task_run_name="generate-step{step}-g{gen_idx}", **_OPTS)
@@ -56,12 +77,8 @@ def generate(run_id: str, step: int, gen_idx: int, gen_step: int, prompts_uri: s
         table = rt.store.read_uri(prompts_uri)
         uids = sorted(set(table.column("uid").to_pylist()))
         rt.store.update_tags(uids, status="running")
-        out = rt.worker("rollout").call("generate", table, gen_step)
-        lens = B.response_lengths(out)
-        return out, {
-            "response_length/gen_mean": float(sum(lens) / max(len(lens), 1)),
-            "perf/gen_tokens": float(sum(lens)),
-        }
+        out = rt.rollout.generate(table, gen_step)
+        return out, generation_metrics(out)
 
     return run_stage(rt, step, f"generate_g{gen_idx}", compute, schema="generate", n=rt.n)
 
@@ -73,13 +90,13 @@ def reward(run_id: str, step: int, gen_idx: int, gen_uri: str) -> StageResult:
 
     def compute():
         table = rt.store.read_uri(gen_uri)
-        out, metrics = rt.worker("reward").call("score", table)
+        out, metrics = rt.reward.score(table)
         uids = table.column("uid").to_pylist()
         samples = table.column("sample_idx").to_pylist()
         rt.store.put_many(
             [
                 (f"{u}_{s}", {"is_prompt": False, "status": "finished", "global_steps": step})
-                for u, s in zip(uids, samples)
+                for u, s in zip(uids, samples, strict=True)
             ]
         )
         rt.store.update_tags(sorted(set(uids)), status="finished")
@@ -90,12 +107,12 @@ def reward(run_id: str, step: int, gen_idx: int, gen_uri: str) -> StageResult:
 
 @task(name="filter_groups", task_run_name="filter_groups-step{step}-g{gen_idx}", **_OPTS)
 def filter_groups(run_id: str, step: int, gen_idx: int, reward_uri: str) -> StageResult:
-    """Dynamic sampling: keep the groups whose metric varies (reference §6.1 steps 7–8)."""
+    """Dynamic sampling: keep the groups whose metric varies (docs/REFERENCE.md §6.1 steps 7–8)."""
     rt = runtime.get(run_id)
 
     def compute():
         table = rt.store.read_uri(reward_uri)
-        outcome = apply_group_filter(table, str(rt.cfg.algorithm.filter_groups.metric))
+        outcome = apply_group_filter(table, filter_metric(rt))
         return outcome.kept, {
             **outcome.metrics,
             "train/num_groups": float(outcome.num_groups),
@@ -113,10 +130,8 @@ def assemble_batch(run_id: str, step: int, kept_uris: list[str], num_gen_batches
     def compute():
         tables = [rt.store.read_uri(u) for u in kept_uris]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        table, dropped = truncate_to_groups(table, int(rt.cfg.data.train_batch_size), rt.n)
-        if bool(rt.cfg.trainer.balance_batch):
-            table = B.balance_batch(table, dp_size=int(rt.extras.get("dp_size", 1)))
-        return table, {
+        table, dropped = truncate_to_groups(table, rt.cfg.data.train_batch_size, rt.n)
+        return balanced(rt, table), {
             "train/num_gen_batches": float(num_gen_batches),
             "train/discarded_surplus_groups": float(dropped),
         }

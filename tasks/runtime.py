@@ -1,42 +1,117 @@
-"""The per-run objects tasks need (store, workers, tokenizer facts, config), registered by the flow under the run id.
+"""The per-run objects tasks need (store, workers, sampler, config), registered by the flow under the run id.
 
 Tasks receive the run id (a small, hashable value) and look the rest up here, so no batch or actor handle ever
-becomes a Prefect task input.
+becomes a Prefect task input. Every field is typed: the workers are `dapo_core.compute.cluster.proxy` objects
+typed as their worker class, so `rt.actor.update_actor(table, step)` is checked against
+`ActorWorker.update_actor`.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
-from dapo_core.compute.cluster import Cluster
+import pyarrow as pa
+
+from dapo_core.algo.kl import AdaptiveKLController, FixedKLController
+from dapo_core.compute.cluster import Cluster, Future
+from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
+from dapo_core.config import DapoConfig
+from dapo_core.data.datasets import PromptSampler
 from dapo_core.store import RunStore
+from dapo_core.store.replay import ReplayBuffer
 
 _RUNTIMES: dict[str, Runtime] = {}
 _LOCK = threading.Lock()
+W = TypeVar("W")
+
+
+class ChunkSampler:
+    """Draws any number of prompts from a one-prompt-per-batch PromptSampler (refills of any size)."""
+
+    def __init__(self, sampler: PromptSampler):
+        self.sampler = sampler
+
+    def next_batch(self, size: int) -> pa.Table:
+        """The next `size` prompts (crossing epoch boundaries as needed)."""
+        return pa.concat_tables([self.sampler.next_batch() for _ in range(size)])
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next prompt comes from."""
+        return self.sampler.epoch
+
+    def state_dict(self) -> dict:
+        """The sampler position (stored with each prompt stage and in each checkpoint)."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a position saved by `state_dict`."""
+        self.sampler.load_state_dict(state)
 
 
 @dataclass
+class Launch:
+    """A generation submitted to the rollout worker and not collected yet (replay-buffer order)."""
+
+    future: Future[pa.Table]
+    """The generated table, once the rollout worker has finished."""
+    uids: list[str]
+    """The prompt groups it generates."""
+
+
+@dataclass(kw_only=True)
 class Runtime:
     """Everything a stage task of run `run_id` may use."""
 
     run_id: str
-    cfg: Any  # DictConfig
+    cfg: DapoConfig
+    """The resolved run configuration."""
     store: RunStore
+    """The run store `runs/<run_id>/` (stage files, ledger, checkpoints)."""
     cluster: Cluster
+    """Owns the worker processes (shut down at the end of the run)."""
     pad_token_id: int
+    """The tokenizer's padding id (tables ⇄ padded tensors)."""
     vocab_size: int
-    extras: dict[str, Any] = field(default_factory=dict)
+    """The tokenizer's vocabulary size (stage validation checks token ids against it)."""
+    rollout: RolloutWorker
+    """Generates responses (HF or vLLM engine); receives the actor's weights after each update."""
+    actor: ActorWorker
+    """The trained policy: old log-probs and the DAPO update."""
+    reward: RewardWorker
+    """Scores responses (math_dapo + overlong shaping)."""
+    ref: RefWorker | None = None
+    """The frozen reference policy: only when a KL term needs it (`need_reference_policy`)."""
+    critic: CriticWorker | None = None
+    """The value model: only for GAE-style estimators (`use_critic`)."""
+    sampler: ChunkSampler
+    """Training prompts (its position is checkpointed)."""
+    val_prompts: pa.Table
+    """The tokenised validation prompts, in file order."""
+    kl_ctrl: FixedKLController | AdaptiveKLController
+    """The in-reward KL coefficient (its value is checkpointed)."""
+    replay_buffer: ReplayBuffer | None = None
+    """Replay-buffer order: the buffer over the run store (created on first use by `tasks.replay.buffer`)."""
+    launches: dict[tuple[int, str], Launch] = field(default_factory=dict)
+    """Replay-buffer order: generations submitted and not collected yet, by (step, tag)."""
 
     @property
     def n(self) -> int:
         """Samples per prompt (actor_rollout_ref.rollout.n)."""
-        return int(self.cfg.actor_rollout_ref.rollout.n)
+        return self.cfg.actor_rollout_ref.rollout.n
 
-    def worker(self, role: str):
-        """The handle of a worker role (rollout, actor, ref, critic, reward)."""
-        return self.cluster.get(role)
+
+def need(worker: W | None, role: str) -> W:
+    """`worker`, or a RuntimeError when this run did not build it (a stage called without its config)."""
+    if worker is None:
+        raise RuntimeError(
+            f"this run has no '{role}' worker: the reference policy is built only for a KL term "
+            f"(algorithm.use_kl_in_reward / actor.use_kl_loss), the critic only for critic.enable or "
+            f"algorithm.adv_estimator=gae"
+        )
+    return worker
 
 
 def register(rt: Runtime) -> None:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from dapo_core.compute.cluster import chain
 from tasks import runtime
 from tasks.common import StageResult, run_name, run_stage, stage_name
 
-_OPTS = {"cache_policy": NO_CACHE}
+_OPTS: dict[str, Any] = {"cache_policy": NO_CACHE}
 
 
 def _marker(step: int, part: int | None) -> pa.Table:
@@ -29,7 +31,7 @@ def update_critic(run_id: str, step: int, in_uri: str, part: int | None = None) 
         stage_name("update_critic", part),
         lambda: (
             _marker(step, part),
-            rt.worker("critic").call("update_critic", rt.store.read_uri(in_uri), step),
+            runtime.need(rt.critic, "critic").update_critic(rt.store.read_uri(in_uri), step),
         ),
     )
 
@@ -45,7 +47,7 @@ def update_actor(run_id: str, step: int, in_uri: str, part: int | None = None) -
         stage_name("update_actor", part),
         lambda: (
             _marker(step, part),
-            rt.worker("actor").call("update_actor", rt.store.read_uri(in_uri), step),
+            rt.actor.update_actor(rt.store.read_uri(in_uri), step),
         ),
     )
 
@@ -54,28 +56,34 @@ def update_actor(run_id: str, step: int, in_uri: str, part: int | None = None) -
 def sync_weights(run_id: str, step: int, weight_version: int) -> int:
     """Push the actor's weights to the rollout worker; returns the new weight version."""
     rt = runtime.get(run_id)
-    rt.cluster.sync_weights("actor", "rollout")
-    rt.worker("rollout").call("set_weight_version", weight_version)
+    push_weights(rt, weight_version)
     return weight_version
+
+
+def push_weights(rt: runtime.Runtime, weight_version: int) -> None:
+    """Copy the actor's weights into the rollout worker and stamp them `weight_version` (with Ray the tensors
+    go from actor to rollout through the object store, not through the driver)."""
+    chain(rt.actor.weights, rt.rollout.sync_weights)
+    rt.rollout.set_weight_version(weight_version)
 
 
 @task(name="checkpoint", task_run_name="checkpoint-step{step}", cache_policy=NO_CACHE, retries=1)
 def checkpoint(run_id: str, step: int, driver_state: dict) -> str:
     """Write ckpt/step_<step>/ (actor [+critic] states, driver state) atomically; `latest` is written last."""
     rt = runtime.get(run_id)
-    ckpts = rt.extras["checkpoints"]
+    ckpts = rt.store.checkpoints
 
     def write(tmp_dir: str) -> None:
-        rt.worker("actor").call("save_checkpoint", os.path.join(tmp_dir, "actor"))
-        if rt.cluster.has("critic"):
-            rt.worker("critic").call("save_checkpoint", os.path.join(tmp_dir, "critic"))
+        rt.actor.save_checkpoint(os.path.join(tmp_dir, "actor"))
+        if rt.critic is not None:
+            rt.critic.save_checkpoint(os.path.join(tmp_dir, "critic"))
         with open(os.path.join(tmp_dir, "driver_state.json"), "w") as f:
             json.dump(driver_state, f, indent=1, sort_keys=True)
 
     # overwrite: a retry after a save that completed, or a run resumed (resume_path) from before its latest
     # checkpoint, writes this step again; the state being saved is the driver's current one either way
     path = ckpts.save(step, write, {"step": step, "run_id": run_id}, overwrite=True)
-    keep = rt.cfg.trainer.get("max_actor_ckpt_to_keep")
+    keep = rt.cfg.trainer.max_actor_ckpt_to_keep
     if keep:
-        ckpts.keep_last(int(keep))
+        ckpts.keep_last(keep)
     return str(path)

@@ -20,12 +20,10 @@ def validate(run_id: str, step: int, gen_step: int) -> StageResult:
     vk = rt.cfg.actor_rollout_ref.rollout.val_kwargs
 
     def compute():
-        prompts = rt.extras["val_table"]
-        table = B.repeat_interleave_prompts(
-            prompts, int(vk.n), uid_fn=uid_factory(rt.cfg.trainer.seed, "val", step)
-        )
-        out = rt.worker("rollout").call("generate", table, gen_step, True)
-        out, _ = rt.worker("reward").call("score", out)
+        uid_fn = uid_factory(rt.cfg.trainer.seed, "val", step)
+        table = B.repeat_interleave_prompts(rt.val_prompts, vk.n, uid_fn=uid_fn)
+        out = rt.rollout.generate(table, gen_step, True)
+        out, _ = rt.reward.score(out)
         return out, validation_summary(out)
 
     return run_stage(rt, step, "val", compute)

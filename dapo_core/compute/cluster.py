@@ -1,16 +1,20 @@
 """Where the workers live: long-lived named Ray actors, or plain in-process objects with the same interface.
 
-`Cluster` starts a local Ray (or joins `trainer.ray_address` / `RAY_ADDRESS`), creates one named actor per role
-(`rollout`, `actor`, `ref`, `critic`, `reward`) for a run, and hands out `Handle`s whose `call(method, ...)` blocks
-and returns the result. With `trainer.use_ray=False` the same roles are plain objects in this process: the flow and
-the tasks cannot tell the difference, which keeps tests and debugging simple.
+`Cluster` starts a local Ray (or joins `trainer.ray_address` / `RAY_ADDRESS`), creates one named actor per
+role (`rollout`, `actor`, `ref`, `critic`, `reward`) for a run, and hands out `Handle`s. Callers do not use a
+handle directly: `proxy(handle, ActorWorker)` is typed as the worker class, so `actor.update_actor(table,
+step)` is checked against `ActorWorker.update_actor` and "go to definition" lands there; the call runs on the
+worker and blocks. `submit(actor.weights)` starts a call without waiting (a `Future`), and
+`chain(actor.weights, rollout.sync_weights)` hands one worker's result to another without routing it through
+the driver (weight sync). With `trainer.use_ray=False` the same roles are plain objects in this process: the
+flow and the tasks cannot tell the difference, which keeps tests and debugging simple.
 
-Actors are named `dapo/<run_id>/<role>` in the namespace `dapo`, so a task can look a worker up by run id and role
-(`Cluster.lookup`) instead of receiving an actor handle as an argument. `shutdown()` kills only the actors this
-object created and stops Ray only if this object started it.
+Actors are named `dapo/<run_id>/<role>` in the namespace `dapo`, so a task can look a worker up by run id and
+role (`Cluster.lookup`) instead of receiving an actor handle as an argument. `shutdown()` kills only the
+actors this object created and stops Ray only if this object started it.
 
-On CPU each actor asks for `num_cpus=1` and runs torch with one thread (stack notes: two threads collapse under a
-neighbour's load); on GPU the model-holding roles ask for `num_gpus` each.
+On CPU each actor asks for `num_cpus=1` and runs torch with one thread (docs/STACK_NOTES.md: two threads
+collapse under a neighbour's load); on GPU the model-holding roles ask for `num_gpus` each.
 """
 
 from __future__ import annotations
@@ -20,9 +24,14 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, Generic, ParamSpec, Self, TypeVar, cast
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+S = TypeVar("S")
+P = ParamSpec("P")
 
 NAMESPACE = "dapo"
 _LOCAL_REGISTRY: dict[tuple[str, str], Handle] = {}
@@ -55,7 +64,8 @@ class _RayHost:
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         import ray
 
-        # ObjectRefs nested in the argument tuple are not resolved by Ray: fetch them here (worker-to-worker data).
+        # ObjectRefs nested in the argument tuple are not resolved by Ray: fetch them here (worker-to-worker
+        # data, see `chain`).
         args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
         kwargs = {k: ray.get(v) if isinstance(v, ray.ObjectRef) else v for k, v in kwargs.items()}
         return getattr(self._obj, method)(*args, **kwargs)
@@ -66,11 +76,11 @@ class _RayHost:
 
 @dataclass
 class Handle:
-    """A blocking handle on one worker: `handle.call("generate", table, gen_step=3)`.
+    """The untyped plumbing under a worker proxy: starts a method, by name, on a Ray actor (`ray_actor`) or on
+    a local object (`local`). Use `proxy(handle, WorkerClass)` rather than naming methods by string.
 
-    Wraps either a Ray actor (`ray_actor`) or a local object (`local`). `submit` returns a future-like object
-    (a Ray ObjectRef, or the already computed value locally) that `Handle.wait` resolves; it lets the driver pass
-    one worker's output to another without copying it through the driver (weight sync).
+    `submit` returns a reference to the result (a Ray ObjectRef, or the value already computed in-process) and
+    `wait` resolves it.
     """
 
     role: str
@@ -89,10 +99,6 @@ class Handle:
         with self._lock:  # in-process workers are not thread-safe; serialise calls like an actor would
             return getattr(self.local, method)(*args, **kwargs)
 
-    def call(self, method: str, *args, **kwargs) -> Any:
-        """Run `method` on the worker and return its result."""
-        return self.wait(self.submit(method, *args, **kwargs))
-
     def wait(self, ref: Any) -> Any:
         """Resolve a reference returned by `submit`."""
         if self.is_ray:
@@ -100,6 +106,85 @@ class Handle:
 
             return ray.get(ref)
         return ref
+
+
+class Future(Generic[R]):
+    """The pending result of a worker call started with `submit`; `result()` waits for it."""
+
+    def __init__(self, handle: Handle, ref: Any):
+        self._handle = handle
+        self._ref = ref
+
+    def result(self) -> R:
+        """Block until the call has finished and return its result (the worker's exception is raised here)."""
+        return cast(R, self._handle.wait(self._ref))
+
+
+class _RemoteMethod:
+    """`<proxy>.<method>`: calling it runs the method on the worker and waits for the result."""
+
+    def __init__(self, handle: Handle, name: str):
+        self.handle = handle
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.handle.wait(self.handle.submit(self.name, *args, **kwargs))
+
+    def __repr__(self) -> str:
+        return f"<method {self.name} of worker '{self.handle.role}'>"
+
+
+class _WorkerProxy:
+    """Stands for a worker of class `cls` behind `handle`: attribute `m` is a blocking remote `cls.m`."""
+
+    def __init__(self, handle: Handle, cls: type):
+        self._handle = handle
+        self._cls = cls
+
+    def __getattr__(self, name: str) -> _RemoteMethod:
+        if name.startswith("_"):  # private names, and the copy/pickle protocol, are not forwarded
+            raise AttributeError(name)
+        if not callable(getattr(self._cls, name, None)):
+            raise AttributeError(
+                f"worker '{self._handle.role}' ({self._cls.__name__}) has no method {name!r}; only "
+                f"methods of {self._cls.__name__} can be called through its proxy"
+            )
+        return _RemoteMethod(self._handle, name)
+
+    def __repr__(self) -> str:
+        return f"<{self._cls.__name__} proxy of worker '{self._handle.role}'>"
+
+
+def proxy(handle: Handle, cls: type[T]) -> T:
+    """The worker behind `handle`, typed as `cls`: `proxy(h, ActorWorker).update_actor(table, 3)` runs
+    `ActorWorker.update_actor` on the worker (Ray actor or in-process object), waits and returns its result.
+
+    Arguments that are Ray ObjectRefs are resolved inside the actor (worker-to-worker data, see `chain`).
+    """
+    return cast(T, _WorkerProxy(handle, cls))
+
+
+def submit(method: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+    """Start a worker call without waiting: `fut = submit(rollout.generate, table, gen_step)`, later
+    `fut.result()`. A Ray actor runs it while the driver goes on; an in-process worker computes it here, at
+    submission (nothing overlaps). `method` must be a method of a `proxy`."""
+    if not isinstance(method, _RemoteMethod):
+        raise TypeError(
+            f"submit() takes a method of a worker proxy (e.g. rt.rollout.generate), not {method!r}"
+        )
+    return Future(method.handle, method.handle.submit(method.name, *args, **kwargs))
+
+
+def chain(source: Callable[[], R], sink: Callable[[R], S]) -> S:
+    """`sink(source())`, without routing the intermediate result through the driver when both are methods of
+    Ray actor proxies: `sink`'s actor receives the ObjectRef of `source()` and fetches it from the object
+    store. Weight sync is `chain(actor.weights, rollout.sync_weights)`. Plain callables are composed."""
+    if not (isinstance(source, _RemoteMethod) and isinstance(sink, _RemoteMethod)):
+        return sink(source())
+    ref = source.handle.submit(source.name)
+    if source.handle.is_ray and sink.handle.is_ray:
+        return cast(S, sink.handle.wait(sink.handle.submit(sink.name, ref)))
+    return cast(S, sink(source.handle.wait(ref)))
 
 
 class Cluster:
@@ -136,8 +221,9 @@ class Cluster:
                 if address:
                     ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
                 else:
-                    # Logical CPUs: every worker holds one for its lifetime (rollout, actor, reward, ref, critic)
-                    # even on a 2-core machine, where the sync step order runs them one after another.
+                    # Logical CPUs: every worker (rollout, actor, reward, ref, critic) holds one for its
+                    # lifetime, even on a 2-core machine, where the sync step order runs them one after
+                    # another.
                     ncpu = num_cpus or max(8, os.cpu_count() or 2)
                     ray.init(
                         num_cpus=ncpu,
@@ -151,10 +237,11 @@ class Cluster:
     def create(
         self, role: str, factory: Callable[[], Any], *, num_gpus: float = 0.0, num_cpus: float = 1.0
     ) -> Handle:
-        """Create the worker `role` from a zero-argument `factory` (a picklable callable) and return its handle.
+        """Create the worker `role` from a zero-argument `factory` (a picklable callable) and return its
+        handle.
 
-        An existing actor of the same name (e.g. left by a crashed driver) is killed and replaced, so a resumed run
-        never talks to a worker holding stale weights.
+        An existing actor of the same name (e.g. left by a crashed driver) is killed and replaced, so a
+        resumed run never talks to a worker holding stale weights.
         """
         if not self.use_ray:
             handle = Handle(role=role, local=factory())
@@ -171,7 +258,7 @@ class Cluster:
             ray.kill(stale)
         except ValueError:
             pass
-        remote_cls = ray.remote(_RayHost)
+        remote_cls: Any = ray.remote(_RayHost)
         actor = remote_cls.options(
             name=name, namespace=NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1
         ).remote(factory, self.num_threads)
@@ -179,24 +266,15 @@ class Cluster:
         if not ready:
             ray.kill(actor)
             raise RuntimeError(
-                f"worker '{role}' of run {self.run_id} did not start within {self.start_timeout_s:.0f}s; it asked for "
-                f"num_cpus={num_cpus}, num_gpus={num_gpus} and the cluster has {ray.available_resources()} free — "
-                f"free resources, or start Ray with more (RAY_ADDRESS / ray start --num-cpus)"
+                f"worker '{role}' of run {self.run_id} did not start within {self.start_timeout_s:.0f}s; it "
+                f"asked for num_cpus={num_cpus}, num_gpus={num_gpus} and the cluster has "
+                f"{ray.available_resources()} free — free resources, or start Ray with more "
+                f"(RAY_ADDRESS / ray start --num-cpus)"
             )
         ray.get(ready[0])  # surface construction errors here, with the role in the traceback
         handle = Handle(role=role, ray_actor=actor)
         self._owned[role] = handle
         return handle
-
-    def get(self, role: str) -> Handle:
-        """The handle of a worker this cluster created (KeyError naming the known roles otherwise)."""
-        if role not in self._owned:
-            raise KeyError(f"no worker '{role}' in run {self.run_id}; created: {sorted(self._owned)}")
-        return self._owned[role]
-
-    def has(self, role: str) -> bool:
-        """Whether this cluster created `role`."""
-        return role in self._owned
 
     @staticmethod
     def lookup(run_id: str, role: str) -> Handle:
@@ -211,15 +289,6 @@ class Cluster:
                 f"worker '{role}' of run {run_id} is not in this process and Ray is not initialised"
             )
         return Handle(role=role, ray_actor=ray.get_actor(actor_name(run_id, role), namespace=NAMESPACE))
-
-    def sync_weights(self, src: str = "actor", dst: str = "rollout") -> None:
-        """Push `src`'s current weights to `dst` without routing the tensors through the driver (Ray)."""
-        s, d = self.get(src), self.get(dst)
-        ref = s.submit("weights")
-        if s.is_ray and d.is_ray:
-            d.wait(d.submit("sync_weights", ref))  # Ray resolves the ObjectRef inside the destination actor
-        else:
-            d.call("sync_weights", s.wait(ref))
 
     def shutdown(self) -> None:
         """Kill the actors this object created; stop Ray only if this object started it."""

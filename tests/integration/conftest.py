@@ -1,4 +1,4 @@
-"""Shared fixtures for integration tests: an isolated Prefect home, and small data + a tiny base model built once."""
+"""Shared fixtures for integration tests: an isolated Prefect home, small data and a tiny base model."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def tiny_overrides(root: Path, **extra) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory, prefect_home):
-    """Synthetic data and a briefly warmed-up tiny base model (built once per session through the real flows)."""
+    """Synthetic data and a briefly warmed-up tiny base model, built once per session by the real flows."""
     from dapo_core.config import load_config, to_yaml
     from flows.base_model import base_model_flow
     from flows.prepare_data import prepare_data_flow

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from dapo_core.compute.cluster import Cluster, actor_name
+from dapo_core.compute.cluster import Cluster, actor_name, chain, proxy, submit
 
 
 class Counter:
@@ -36,16 +36,21 @@ def test_workers_are_created_called_synced_and_shut_down(use_ray, monkeypatch):
 
     cluster = Cluster("t1", use_ray=use_ray, num_cpus=4)
     try:
-        a = cluster.create("actor", functools.partial(Counter, 5))
-        r = cluster.create("rollout", Counter)
-        assert a.call("add", 2) == 7
-        assert cluster.lookup("t1", "actor").call("add", 1) == 8  # found by run id + role, from anywhere
-        cluster.sync_weights("actor", "rollout")
-        assert r.call("add", 0) == 8
+        a = proxy(cluster.create("actor", functools.partial(Counter, 5)), Counter)
+        r = proxy(cluster.create("rollout", Counter), Counter)
+        assert a.add(2) == 7
+        # found by run id + role, from anywhere
+        assert proxy(Cluster.lookup("t1", "actor"), Counter).add(1) == 8
+        assert chain(a.weights, r.sync_weights) == 8  # worker to worker
+        assert r.add(0) == 8
+        future = submit(a.add, 1)
+        assert future.result() == 9
+        with pytest.raises(AttributeError, match="has no method 'ad'"):
+            a.ad(1)  # type: ignore[attr-defined]
+        with pytest.raises(TypeError, match="method of a worker proxy"):
+            submit(Counter().add, 1)
         if use_ray:
             assert ray.get_actor(actor_name("t1", "actor"), namespace="dapo") is not None
-        with pytest.raises(KeyError, match="no worker 'critic'"):
-            cluster.get("critic")
     finally:
         cluster.shutdown()
     if use_ray:

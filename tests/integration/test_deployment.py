@@ -1,4 +1,4 @@
-"""A real Prefect server: `dapo deploy` serves dapo-train/<name>, `prefect deployment run` trains through it."""
+"""A real Prefect server: `dapo deploy` serves dapo-train/<name>; `prefect deployment run` trains with it."""
 
 from __future__ import annotations
 

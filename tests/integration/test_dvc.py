@@ -24,7 +24,10 @@ def test_dvc_repro_prepare_then_noop(tmp_path, prefect_home):
     for name in ("dvc.yaml", "params.yaml"):
         shutil.copy(ROOT / name, tmp_path / name)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = lambda *a: subprocess.run(a, cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+
+    def run(*a):
+        return subprocess.run(a, cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+
     assert run("git", "init", "-q").returncode == 0
     assert run(str(DVC), "init", "-q").returncode == 0
     first = run(str(DVC), "repro", "prepare")

@@ -2,7 +2,8 @@
 
 A tiny run (4 prompts × n=2 per step, a 1-layer model warmed up by 3 SFT steps) trains 3 global steps with
 `trainer.parameter_sync_step=2`, once with in-process workers and once on a local Ray, and checks:
-- the actor got 2 local updates per global step (stages `update_actor_p0/p1`; in-process also by counting calls);
+- the actor got 2 local updates per global step (stages `update_actor_p0/p1`; in-process also by counting
+  calls);
 - `training/off_policy/trajectory_staleness*` is logged every step and is >= 0;
 - step 1 trains on data of weight version 0 (staleness 0); the batch of step k >= 2 was generated during step
   k−1 with the weights before step k−1's update, i.e. version k−2 = one step stale (staleness 1);
@@ -23,12 +24,13 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pytest
-import torch
-from safetensors.torch import load_file
+# Prefect reads its settings at import: the environment above must be set first.
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
-from dapo_core.config import load_config, to_yaml
-from dapo_core.store import RunStore
+from dapo_core.config import load_config, to_yaml  # noqa: E402
+from dapo_core.store import RunStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -203,14 +205,14 @@ def test_replay_order_on_ray(assets, monkeypatch):
 
 
 def test_replay_order_resumes_after_crash(assets, local_run, monkeypatch):
-    """Crash in step 2's first local update (the rollouts for step 3 are in flight, checkpoint at step 1), resume:
-    the in-flight prompts are re-issued and regenerated from their payloads with their original gen_step, the
-    committed batch of step 2 is replayed, nothing is lost or trained twice, and the final weights are bitwise
-    those of the uninterrupted run (same seeds, same uids)."""
+    """Crash in step 2's first local update (the rollouts for step 3 are in flight, checkpoint at step 1),
+    resume: the in-flight prompts are re-issued and regenerated from their payloads with their original
+    gen_step, the committed batch of step 2 is replayed, nothing is lost or trained twice, and the final
+    weights are bitwise those of the uninterrupted run (same seeds, same uids)."""
     import flows.dapo_train as dt
-    import flows.replay_order as ro
+    import flows.learn as learn
 
-    original = ro.update_actor
+    original = learn.update_actor
 
     def crash_at_step_2(run_id, step, uri, part=None):
         if step == 2:
@@ -220,9 +222,9 @@ def test_replay_order_resumes_after_crash(assets, local_run, monkeypatch):
     run = "replay-crash"
     cfg = load_config(
         ROOT / "configs" / "tiny_cpu.yaml",
-        _overrides(assets, use_ray=False, run=run) + ["trainer.save_freq=1"],
+        [*_overrides(assets, use_ray=False, run=run), "trainer.save_freq=1"],
     )
-    monkeypatch.setattr(ro, "update_actor", crash_at_step_2)
+    monkeypatch.setattr(learn, "update_actor", crash_at_step_2)
     with pytest.raises(Exception, match="injected crash"):
         dt.dapo_train(to_yaml(cfg), run)
     root = assets / "runs" / run
@@ -233,7 +235,7 @@ def test_replay_order_resumes_after_crash(assets, local_run, monkeypatch):
         tags = store.get_many(sorted(ahead_uids))
         assert {t["status"] for t in tags.values()} == {"running"}  # generated, never collected
         batch2 = store.read_stage(2, "batch")
-    monkeypatch.setattr(ro, "update_actor", original)
+    monkeypatch.setattr(learn, "update_actor", original)
     out = dt.dapo_train(to_yaml(cfg), run)
     assert out["train_step"] == STEPS and out["gen_step"] == 1 + (STEPS - 1)
     with RunStore(root) as store:

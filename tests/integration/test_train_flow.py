@@ -1,4 +1,4 @@
-"""The real dapo-train flow (real Prefect, real Ray or in-process workers, real run store) on a tiny config."""
+"""The real dapo-train flow (real Prefect, Ray or in-process workers, real run store) on a tiny config."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from dapo_core.config import load_config, to_yaml
+from dapo_core.config import load_config, to_yaml, typed
 from dapo_core.stages import DynamicSamplingExhausted
 from tests.integration.conftest import CONFIG, tiny_overrides
 
@@ -110,8 +110,8 @@ def _weights(run: Path, step: int) -> dict:
 
 @pytest.mark.timeout(900)
 def test_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
-    """SIGKILL the training process inside step 3, start it again with the same run id: final weights are equal
-    bit for bit to an uninterrupted run (CPU, one thread)."""
+    """SIGKILL the training process inside step 3, start it again with the same run id: final weights are
+    equal bit for bit to an uninterrupted run (CPU, one thread)."""
     common = {
         "trainer.total_training_steps": 3,
         "trainer.save_freq": 1,
@@ -220,31 +220,31 @@ def test_failed_open_run_leaves_no_workers_and_retried_draw_skips_no_prompt(tiny
     from dapo_core.compute.cluster import _LOCAL_REGISTRY
     from tasks.rollout import sample_prompts
 
-    cfg = _cfg(tiny_assets, **{"trainer.experiment_name": "openfail", "trainer.use_ray": "false"})
+    cfg = typed(_cfg(tiny_assets, **{"trainer.experiment_name": "openfail", "trainer.use_ray": "false"}))
 
-    class Boom(RuntimeError):
+    class BoomError(RuntimeError):
         pass
 
     def boom(*a, **k):
-        raise Boom("progress display failed")
+        raise BoomError("progress display failed")
 
     with monkeypatch.context() as mp:
         mp.setattr(rs, "StepProgress", boom)
-        with pytest.raises(Boom):
+        with pytest.raises(BoomError):
             rs.open_run(cfg, "openfail")
     assert not [key for key in _LOCAL_REGISTRY if key[0] == "openfail"]  # every in-process worker was closed
 
     rt = rs.open_run(cfg, "openfail")
     try:
         fresh = rs.ChunkSampler(
-            rt.extras["sampler"].sampler.__class__(
+            rt.sampler.sampler.__class__(
                 rs.read_table(cfg.data.train_files),
                 rs.load_tokenizer(rs.default_model_path(cfg)),
                 batch_size=1,
-                seed=int(cfg.data.seed),
-                shuffle=bool(cfg.data.shuffle),
-                max_prompt_length=int(cfg.data.max_prompt_length),
-                truncation=str(cfg.data.truncation),
+                seed=cfg.data.seed,
+                shuffle=cfg.data.shuffle,
+                max_prompt_length=cfg.data.max_prompt_length,
+                truncation=cfg.data.truncation,
             )
         )
         expected = fresh.next_batch(3).column("prompt_id").to_pylist()
@@ -258,9 +258,9 @@ def test_failed_open_run_leaves_no_workers_and_retried_draw_skips_no_prompt(tiny
             return original(items)
 
         monkeypatch.setattr(rt.store, "put_many", flaky)
-        with pytest.raises(OSError):
-            sample_prompts.fn("openfail", 1, 0, 3)
-        uri, _ = sample_prompts.fn("openfail", 1, 0, 3)
+        with pytest.raises(OSError, match="disk hiccup"):
+            sample_prompts.fn("openfail", 1, "g0", 3)
+        uri, _ = sample_prompts.fn("openfail", 1, "g0", 3)
         got = rt.store.read_uri(uri).column("prompt_id").to_pylist()
         assert list(dict.fromkeys(got)) == expected
     finally:

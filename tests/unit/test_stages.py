@@ -57,7 +57,7 @@ def test_filter_keeps_varying_groups_in_order():
 def test_seq_reward_metric_reads_the_shaped_reward_and_unknown_metric_is_named():
     t = _table([[1, 1]])
     assert np.allclose(filter_metric_values(t, "seq_reward"), [1, 1])
-    with pytest.raises(KeyError, match="filter_groups.metric='nope'"):
+    with pytest.raises(KeyError, match=r"filter_groups\.metric='nope'"):
         filter_metric_values(t, "nope")
 
 
@@ -84,7 +84,7 @@ def test_advantage_stage_grpo_matches_the_worked_example():
     out, _ = compute_advantage_table(t, pad_token_id=0, adv_estimator="grpo")
     adv = out.column("advantages").to_pylist()
     expected = 1 / (np.sqrt(4 / 3) + 1e-6)
-    for row, sign, ln in zip(adv, [1, -1, -1, 1], [2, 3, 1, 2]):
+    for row, sign, ln in zip(adv, [1, -1, -1, 1], [2, 3, 1, 2], strict=True):
         assert len(row) == ln
         assert np.allclose(row, [sign * expected] * ln, atol=1e-6)
     assert out.column("response_mask").to_pylist() == [[1] * ln for ln in [2, 3, 1, 2]]
@@ -114,30 +114,32 @@ def test_padded_round_trip_used_by_the_stage():
     assert torch.equal(p["old_log_probs"][1], torch.full((3,), -0.5))
 
 
-def test_replay_order_keep_rate_is_the_checkpointed_one():
-    """The replay-buffer order feeds the run-wide keep-rate estimator that DriverState saves and restore() loads,
-    so adaptive refill sizes survive a resume."""
+def test_replay_order_keep_rate_is_the_checkpointed_one(monkeypatch):
+    """The replay-buffer order feeds the run-wide keep-rate estimator that DriverState saves and restore()
+    loads, so adaptive refill sizes survive a resume; its generation metrics fold into the step's as in the
+    sync order."""
     from types import SimpleNamespace
 
     import flows.replay_order as ro
     from dapo_core.algo.dynamic_sampling import KeepRateEstimator
     from flows.run_setup import DriverState
-    from tasks import runtime
 
+    new = {
+        "train/num_groups": 4.0,
+        "train/num_kept_groups": 1.0,
+        "timing_s/generate": 2.0,
+        "perf/gen_tokens": 5.0,
+    }
+    monkeypatch.setattr(ro, "collect_generation", lambda run_id, step, tag: dict(new))
     est = KeepRateEstimator()
-    rt = runtime.Runtime(
+    rt = SimpleNamespace(
         run_id="keeprate",
-        cfg=None,
-        store=None,
-        cluster=None,
-        pad_token_id=0,
-        vocab_size=1,
-        extras={"keep_rate": est, "kl_ctrl": object(), "sampler": SimpleNamespace(state_dict=dict)},
+        keep_rate=est,
+        kl_ctrl=SimpleNamespace(value=0.5),
+        sampler=SimpleNamespace(state_dict=dict),
     )
-    runtime.register(rt)
-    try:
-        ro._add({}, {"train/num_groups": 4.0, "train/num_kept_groups": 1.0}, "keeprate")
-        assert est.state_dict() == {"kept": 1.0, "seen": 4.0}
-        assert DriverState().to_json(rt)["keep_rate_state"] == {"kept": 1.0, "seen": 4.0}
-    finally:
-        runtime.unregister("keeprate")
+    metrics = {"timing_s/generate": 1.0, "perf/gen_tokens": 3.0}
+    ro._collect(rt, 1, "ga", metrics)
+    assert est.state_dict() == {"kept": 1.0, "seen": 4.0}
+    assert metrics == {**new, "timing_s/generate": 3.0, "perf/gen_tokens": 8.0}
+    assert DriverState().to_json(rt)["keep_rate_state"] == {"kept": 1.0, "seen": 4.0}
