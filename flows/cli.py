@@ -5,8 +5,9 @@
     dapo train --flow-only   (only the dapo-train flow: resume a run; data and base model must exist)
 
 Every subcommand loads and validates the config first; a bad config prints the problems and exits 2
-(no traceback). Each flow module is imported only by the subcommand that runs it, so `dapo config` and
-`dapo --help` answer without importing Prefect, Ray or torch. Exit codes: 0 ok, 2 configuration error.
+(no traceback). Each flow module is imported only by the subcommand that runs it, so `dapo config` answers
+without starting Prefect or Ray (it imports torch: the config checks ask the algorithm's registries which loss
+modes, estimators and KL kinds exist). Exit codes: 0 ok, 2 configuration error.
 """
 
 from __future__ import annotations
