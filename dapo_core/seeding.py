@@ -55,10 +55,10 @@ def torch_generator(seed: int, device: str | torch.device = "cpu") -> torch.Gene
 def uid_factory(*namespace: object):
     """A callable returning reproducible uids (32 hex chars, no `_`) unique within `namespace`.
 
-    Used instead of uuid4 for the uids of sampled prompts, so that a re-run of a step (after a crash, or a second
-    run with the same seed) gives the same uids and therefore the same sampling seeds
-    (`request_seed(seed, gen_step, uid, sample_idx)`). Different namespaces (seed, step, generation batch) never
-    collide in practice (128-bit blake2b).
+    Used instead of uuid4 for the uids of sampled prompts, so that a re-run of a step (after a crash, or a
+    second run with the same seed) gives the same uids and therefore the same sampling seeds
+    (`request_seed(seed, gen_step, uid, sample_idx)`). Different namespaces (seed, step, generation batch)
+    never collide in practice (128-bit blake2b).
     """
     prefix = "/".join(str(x) for x in namespace)
     counter = iter(range(1 << 62))

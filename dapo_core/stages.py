@@ -21,31 +21,29 @@ from dapo_core.data import batch as B
 
 
 class DynamicSamplingExhausted(ValueError):
-    """Raised when `max_num_gen_batches` generation batches did not yield `train_batch_size` informative groups."""
+    """Raised when `max_num_gen_batches` generation batches did not yield `train_batch_size` informative
+    groups."""
 
 
 def exhausted_message(num_gen_batches: int, max_num_gen_batches: int, kept: int, needed: int) -> str:
     """The reference's error text (§6.1 step 9), with our counts and the two ways out."""
     return (
-        f"num_gen_batches={num_gen_batches} >= max_num_gen_batches={max_num_gen_batches}. Generated too many. "
-        f"Please check if your data are too difficult. You could also try set max_num_gen_batches=0 to enable "
-        f"endless trials. (kept {kept} of the {needed} groups needed; key: "
-        f"algorithm.filter_groups.max_num_gen_batches)"
+        f"num_gen_batches={num_gen_batches} >= max_num_gen_batches={max_num_gen_batches}. Generated too "
+        "many. Please check if your data are too difficult. You could also try set max_num_gen_batches=0 to "
+        f"enable endless trials. (kept {kept} of the {needed} groups needed; key: "
+        "algorithm.filter_groups.max_num_gen_batches)"
     )
 
 
 def filter_metric_values(table: pa.Table, metric: str) -> np.ndarray:
     """Per-trajectory values of the dynamic-sampling metric (§6.1 step 7).
 
-    `seq_reward` = score + overlong penalty (the token-level score sum); `seq_final_reward` additionally includes a
-    KL-in-reward penalty in the reference. We filter before the reference policy runs, so here `seq_final_reward`
-    equals `seq_reward` (identical unless `use_kl_in_reward` is on; `validate_config` warns about that case).
-    Any other name reads the reward column of that name (`acc`, `score`, ...).
+    `seq_reward` = score + overlong penalty (the token-level score sum); `seq_final_reward` additionally
+    includes a KL-in-reward penalty in the reference. We filter before the reference policy runs, so here
+    `seq_final_reward` equals `seq_reward` (identical unless `use_kl_in_reward` is on; `validate_config` warns
+    about that case). Any other name reads the reward column of that name (`acc`, `score`, ...).
     """
-    if metric in ("seq_reward", "seq_final_reward"):
-        col = "reward"
-    else:
-        col = metric
+    col = "reward" if metric in ("seq_reward", "seq_final_reward") else metric
     if col not in table.column_names:
         raise KeyError(
             f"algorithm.filter_groups.metric={metric!r}: the reward stage produced no column {col!r}; "
@@ -75,16 +73,20 @@ def apply_group_filter(table: pa.Table, metric: str) -> FilterOutcome:
 
 
 def truncate_to_groups(table: pa.Table, num_groups: int, n: int) -> tuple[pa.Table, int]:
-    """First `num_groups·n` rows (a group boundary, since every kept group has n rows); returns dropped groups."""
+    """First `num_groups·n` rows (a group boundary, since every kept group has n rows); returns dropped
+    groups."""
     rows = num_groups * n
     have = table.num_rows // n
     return table.slice(0, min(rows, table.num_rows)), max(have - num_groups, 0)
 
 
-def place_scalar_at_last_token(values: Sequence[float], lengths: Sequence[int], width: int) -> torch.Tensor:
-    """(B, L) float32 zeros with `values[i]` at index `lengths[i]−1` (index −1 for an empty response, §6.2)."""
+def place_scalar_at_last_token(
+    values: Sequence[float], lengths: Sequence[int] | np.ndarray, width: int
+) -> torch.Tensor:
+    """(B, L) float32 zeros with `values[i]` at index `lengths[i]−1` (index −1 for an empty response,
+    §6.2)."""
     out = torch.zeros(len(values), max(width, 1), dtype=torch.float32)
-    for i, (v, ln) in enumerate(zip(values, lengths)):
+    for i, (v, ln) in enumerate(zip(values, lengths, strict=True)):
         out[i, ln - 1 if ln > 0 else -1] = float(v)
     return out
 
@@ -103,10 +105,11 @@ def compute_advantage_table(
     rollout_correction: Mapping[str, Any] | None = None,
     extra_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[pa.Table, dict[str, float]]:
-    """The advantage stage: token rewards (− β·KL), rollout correction (IS weights, RS mask), advantages/returns.
+    """The advantage stage: token rewards (− β·KL), rollout correction (IS weights, RS mask),
+    advantages/returns.
 
-    Order as the reference trainer: KL-in-reward, then rollout correction (its RS mask zeroes advantages of rejected
-    tokens; group statistics still use the unmasked scores), then the estimator grouped by `uid`.
+    Order as the reference trainer: KL-in-reward, then rollout correction (its RS mask zeroes advantages of
+    rejected tokens; group statistics still use the unmasked scores), then the estimator grouped by `uid`.
     """
     metrics: dict[str, float] = {}
     cols = [

@@ -19,7 +19,7 @@ them in float32), and the label factorisation is hash-based (pyarrow) for string
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 import numpy as np
@@ -43,8 +43,8 @@ GRPO_EPSILON = 1e-6
 """Default epsilon added to the group std (outside the sqrt)."""
 
 
-class AdvantageEstimator(str, Enum):
-    """Names of the built-in estimators (`algorithm.adv_estimator`)."""
+class AdvantageEstimator(StrEnum):
+    """Names of the built-in estimators (`algorithm.adv_estimator`); members compare equal to their value."""
 
     GAE = "gae"
     GRPO = "grpo"
@@ -144,8 +144,8 @@ def _check(
             )
         if len(index) != token_level_rewards.shape[0]:
             raise ValueError(
-                f"index has {len(index)} labels but token_level_rewards has {token_level_rewards.shape[0]} rows; "
-                "pass one uid per trajectory"
+                f"index has {len(index)} labels but token_level_rewards has {token_level_rewards.shape[0]} "
+                "rows; pass one uid per trajectory"
             )
 
 

@@ -1,12 +1,12 @@
 """Dynamic sampling (DAPO's group filtering) and adaptive refill sizing (docs/REFERENCE.md §6.1 steps 7–10).
 
-* :func:`filter_groups` keeps every trajectory of a prompt group whose metric varies (population std > 0) and of
-  singleton groups; order is preserved. Groups are identified by ``uid`` (one per sampled prompt).
-* :func:`next_gen_batch_size` / :class:`KeepRateEstimator` are our addition: instead of always generating a fixed
-  ``gen_batch_size`` prompts per refill (the reference), ask for about as many prompts as the running keep rate
-  says are needed to fill the deficit, so fewer kept groups are generated only to be discarded as surplus.
-  With ``keep_rate=None`` the first batch uses ``base`` (= the configured ``gen_batch_size``), which is the
-  reference behaviour. ``bench/bench_refill.py`` measures the effect.
+* :func:`filter_groups` keeps every trajectory of a prompt group whose metric varies (population std > 0) and
+  of singleton groups; order is preserved. Groups are identified by ``uid`` (one per sampled prompt).
+* :func:`next_gen_batch_size` / :class:`KeepRateEstimator` are our addition: instead of always generating a
+  fixed ``gen_batch_size`` prompts per refill (the reference), ask for about as many prompts as the running
+  keep rate says are needed to fill the deficit, so fewer kept groups are generated only to be discarded as
+  surplus. With ``keep_rate=None`` the first batch uses ``base`` (= the configured ``gen_batch_size``), which
+  is the reference behaviour. ``bench/bench_refill.py`` measures the effect.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ def _group_arrays(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np
     val_arr = np.asarray(values, dtype=np.float64)
     if uid_arr.ndim != 1 or val_arr.ndim != 1:
         raise ValueError(
-            f"uids and values must be 1-D (one entry per trajectory), got shapes {uid_arr.shape} and {val_arr.shape}"
+            f"uids and values must be 1-D (one entry per trajectory), got shapes {uid_arr.shape} and "
+            f"{val_arr.shape}"
         )
     if uid_arr.shape[0] != val_arr.shape[0]:
         raise ValueError(
-            f"uids has {uid_arr.shape[0]} entries but values has {val_arr.shape[0]}; pass one metric value per "
-            "trajectory (the filter_groups.metric column of the same rows)"
+            f"uids has {uid_arr.shape[0]} entries but values has {val_arr.shape[0]}; pass one metric value "
+            "per trajectory (the filter_groups.metric column of the same rows)"
         )
     return uid_arr, val_arr
 
@@ -44,7 +45,7 @@ def _group_keep(uid_arr: np.ndarray, val_arr: np.ndarray) -> tuple[np.ndarray, n
     ordered = val_arr[order]
     ends = starts + counts
     # np.std per group, exactly as the reference (population std; NaN > 0 is False, so a NaN group is dropped)
-    std = np.array([np.std(ordered[a:b]) for a, b in zip(starts, ends)], dtype=np.float64)
+    std = np.array([np.std(ordered[a:b]) for a, b in zip(starts, ends, strict=True)], dtype=np.float64)
     keep = (std > 0) | (counts == 1)
     return keep, inverse
 
@@ -54,8 +55,9 @@ def filter_groups(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np
 
     A group (same ``uid``) is kept iff ``np.std(values) > 0`` (population std) or it has exactly one row
     (§6.1 step 8, §11 trap 1), computed with ``np.std`` per group so the decision is the reference's to the
-    bit — including its quirk that identical values such as ``[0.1, 0.1, 0.1]`` can have a std of ~1e-17 and be
-    kept. Bools (``acc``) and floats are accepted. A group containing NaN is dropped (unless it is a singleton).
+    bit — including its quirk that identical values such as ``[0.1, 0.1, 0.1]`` can have a std of ~1e-17 and
+    be kept. Bools (``acc``) and floats are accepted. A group containing NaN is dropped (unless it is a
+    singleton).
     """
     uid_arr, val_arr = _group_arrays(uids, values)
     if uid_arr.shape[0] == 0:
@@ -78,8 +80,9 @@ def next_gen_batch_size(
 
     ``keep_rate=None`` (nothing observed yet) → ``base`` (the configured ``gen_batch_size``; clamped to
     ``max_size``). Otherwise ``ceil(deficit / max(keep_rate, keep_rate_floor) · safety)`` clamped to
-    ``[min_size, max_size]``. ``deficit_groups <= 0`` → 0 (the batch is full). The floor keeps a batch of hopeless
-    prompts from asking for an unbounded number; ``safety`` > 1 trades a little surplus for fewer extra rounds.
+    ``[min_size, max_size]``. ``deficit_groups <= 0`` → 0 (the batch is full). The floor keeps a batch of
+    hopeless prompts from asking for an unbounded number; ``safety`` > 1 trades a little surplus for fewer
+    extra rounds.
     """
     if isinstance(deficit_groups, bool) or int(deficit_groups) != deficit_groups:
         raise ValueError(f"deficit_groups={deficit_groups!r} must be an int (groups still needed)")
@@ -112,9 +115,10 @@ def next_gen_batch_size(
 class KeepRateEstimator:
     """Running estimate of the fraction of prompt groups that survive filtering, with a prior.
 
-    ``rate = (kept + prior_rate·prior_weight) / (seen + prior_weight)`` where ``kept``/``seen`` are exponentially
-    decayed counts (``decay`` per :meth:`update`; 1.0 = plain running totals), so the estimate follows the
-    keep rate as the policy improves. ``rate`` is ``None`` until the first update when ``prior_weight == 0``.
+    ``rate = (kept + prior_rate·prior_weight) / (seen + prior_weight)`` where ``kept``/``seen`` are
+    exponentially decayed counts (``decay`` per :meth:`update`; 1.0 = plain running totals), so the estimate
+    follows the keep rate as the policy improves. ``rate`` is ``None`` until the first update when
+    ``prior_weight == 0``.
     """
 
     def __init__(self, prior_rate: float = 0.5, prior_weight: float = 0.0, decay: float = 0.9) -> None:

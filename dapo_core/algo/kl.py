@@ -18,7 +18,7 @@ DAPO itself runs with every KL term off; these are here for PPO/GRPO configurati
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -129,7 +129,7 @@ def get_kl_controller(
     """
     if not isinstance(type, str):
         cfg = type
-        get = (
+        get: Callable[[str, Any], Any] = (
             cfg.get if isinstance(cfg, Mapping) or hasattr(cfg, "get") else (lambda k, d: getattr(cfg, k, d))
         )
         type = get("type", "fixed")
@@ -168,8 +168,9 @@ def apply_kl_in_reward(
     with torch.no_grad():
         mask = response_mask.to(token_level_scores.dtype)
         kld = kl_penalty(old_log_probs, ref_log_probs, kind).to(token_level_scores.dtype)
-        # masked entries are replaced by 0 *before* multiplying (reference masked_sum convention), so a NaN from
-        # padded log-probs (e.g. −inf − −inf) cannot reach the rewards, whose row sums are the GRPO scores
+        # masked entries are replaced by 0 *before* multiplying (reference masked_sum convention), so a NaN
+        # from padded log-probs (e.g. −inf − −inf) cannot reach the rewards, whose row sums are the GRPO
+        # scores
         kld = torch.where(mask != 0, kld * mask, torch.zeros((), dtype=kld.dtype))
         beta = kl_ctrl.value
         token_level_rewards = token_level_scores - beta * kld

@@ -117,8 +117,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
                 tok.pad_token = tok.eos_token
             return tok
     raise FileNotFoundError(
-        f"no tokenizer.json in {p} or {p / TOKENIZER_SUBDIR}; set actor_rollout_ref.model.tokenizer_path to a "
-        "folder with tokenizer.json (HF fast tokenizer) or build one with dapo_core.compute.models.build_tiny_model."
+        f"no tokenizer.json in {p} or {p / TOKENIZER_SUBDIR}; set actor_rollout_ref.model.tokenizer_path to "
+        "a folder with tokenizer.json (HF fast tokenizer) or build one with "
+        "dapo_core.compute.models.build_tiny_model."
     )
 
 
@@ -130,7 +131,8 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
 def save_model(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast | None, out_dir: str | Path
 ) -> Path:
-    """Save `model` as HF safetensors (and `tokenizer`, also in `tokenizer/`) into `out_dir`; return the path."""
+    """Save `model` as HF safetensors (and `tokenizer`, also in `tokenizer/`) into `out_dir`; return the
+    path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
@@ -144,8 +146,8 @@ def _tiny_config(tiny_cfg: Mapping[str, Any], tokenizer: PreTrainedTokenizerFast
     if missing:
         raise ModelConfigError(
             f"actor_rollout_ref.model.tiny is missing {missing}; set them (e.g. hidden_size=64, "
-            "intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, "
-            "max_position_embeddings=1024, tie_word_embeddings=true)."
+            "intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, "
+            "head_dim=32, max_position_embeddings=1024, tie_word_embeddings=true)."
         )
     c = {k: tiny_cfg[k] for k in _TINY_KEYS}
     for k in _TINY_KEYS[:-1]:
@@ -153,15 +155,15 @@ def _tiny_config(tiny_cfg: Mapping[str, Any], tokenizer: PreTrainedTokenizerFast
             raise ModelConfigError(f"actor_rollout_ref.model.tiny.{k}={c[k]} must be a positive integer.")
     if int(c["head_dim"]) < 32:
         raise ModelConfigError(
-            f"actor_rollout_ref.model.tiny.head_dim={c['head_dim']} is below 32, which vLLM's CPU kernels reject; "
-            "use 32 or 64."
+            f"actor_rollout_ref.model.tiny.head_dim={c['head_dim']} is below 32, which vLLM's CPU kernels "
+            "reject; use 32 or 64."
         )
     if int(c["num_attention_heads"]) % int(c["num_key_value_heads"]) != 0:
         raise ModelConfigError(
-            f"actor_rollout_ref.model.tiny.num_attention_heads={c['num_attention_heads']} is not a multiple of "
-            f"num_key_value_heads={c['num_key_value_heads']}; pick a divisor."
+            f"actor_rollout_ref.model.tiny.num_attention_heads={c['num_attention_heads']} is not a multiple "
+            f"of num_key_value_heads={c['num_key_value_heads']}; pick a divisor."
         )
-    return Qwen2Config(  # type: ignore[call-arg]  (the stubs list only a subset of the config kwargs)
+    return Qwen2Config(  # type: ignore[call-arg]  # the stubs list only a subset of the config kwargs
         vocab_size=len(tokenizer),
         hidden_size=int(c["hidden_size"]),
         intermediate_size=int(c["intermediate_size"]),
@@ -227,6 +229,6 @@ def load_model(
             "(or build one with dapo_core.compute.models.build_tiny_model)."
         )
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, attn_implementation=attn_implementation)
-    model.to(device)  # type: ignore[arg-type]  (transformers types `to` through a decorator)
+    model.to(device)  # type: ignore[arg-type]  # transformers types `to` through a decorator
     model.eval()
     return model

@@ -49,11 +49,12 @@ def synthetic_solution(row: dict[str, Any]) -> str:
 
 
 def answer_line_solution(row: dict[str, Any], *, answer_line_prob: float = 1.0, seed: int = 0) -> str:
-    """A worked solution that ends with the ``Answer: <n>`` line only for a share ``answer_line_prob`` of rows.
+    """A worked solution that ends with the ``Answer: <n>`` line only for a share ``answer_line_prob`` of
+    rows.
 
     The rest stop after the worked line (``47+38=85``), which ``math_dapo`` scores −1 (no ``Answer:`` line): a
-    base model warmed up on this mix computes the sums but often forgets the final line, as instruction-following
-    models do. Which rows keep the line is a pure function of (problem, seed).
+    base model warmed up on this mix computes the sums but often forgets the final line, as
+    instruction-following models do. Which rows keep the line is a pure function of (problem, seed).
     """
     full = synthetic_solution(row)
     if answer_line_prob >= 1.0:

@@ -513,7 +513,7 @@ def validate_stage(
 
 def _explain_rows(rcs: tuple[_RowCheck, ...], table: pa.Table) -> list[dict]:
     """Re-run each row predicate and describe the ones that fail (failure path only)."""
-    out = []
+    out: list[dict] = []
     for rc in rcs:
         try:
             ok = rc.fn(table)

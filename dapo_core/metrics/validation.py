@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ def validation_summary(table: pa.Table, *, seed: int = 42) -> dict[str, float]:
     uid)."""
     sources = table.column("data_source").to_pylist()
     uids = table.column("uid").to_pylist()
-    infos = {
+    infos: dict[str, list[Any]] = {
         "acc": [float(bool(a)) for a in table.column("acc").to_pylist()],
         "reward": [float(r) for r in table.column("reward").to_pylist()],
         "pred": [p if p is not None else "" for p in table.column("pred").to_pylist()],
@@ -91,7 +91,7 @@ def bootstrap_metric(
     return out
 
 
-def calc_maj_val(data: Sequence[Mapping[str, Any]], vote_key: str, val_key: str) -> float:
+def calc_maj_val(data: Iterable[Mapping[str, Any]], vote_key: str, val_key: str) -> float:
     """Majority vote on ``vote_key``; returns ``val_key`` of the first item with the winning vote
     (ties: the vote seen first wins)."""
     counts: Counter = Counter()

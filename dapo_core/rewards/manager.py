@@ -9,13 +9,14 @@ Robustness (our addition; verl scores inline and can hang on a pathological answ
 
 * Scoring runs in a small pool of long-lived worker *processes* that we own (one pipe each), so a sample that
   hangs (e.g. catastrophic regex backtracking, which holds the GIL) can be killed. The per-sample timeout is
-  enforced from the calling thread by polling the pipes; it needs no signals, so ``score`` works from any thread.
+  enforced from the calling thread by polling the pipes; it needs no signals, so ``score`` works from any
+  thread.
 * A timeout or an exception is a counted, logged failure carrying the row's ``uid``; the row gets
   ``failure_score`` (default −1.0, the wrong-answer score of math_dapo) — never a silent 0. A hung or dead
   worker is killed and replaced, so later rows and batches keep working.
 * Batches of at most ``inline_max_rows`` rows may be scored in a helper thread of this process to skip the
-  pipe round trips. A hang there cannot be killed (the thread is abandoned; a C-level regex hang also blocks the
-  timer until it returns), so after one inline timeout the manager uses only the pool. The default is 0
+  pipe round trips. A hang there cannot be killed (the thread is abandoned; a C-level regex hang also blocks
+  the timer until it returns), so after one inline timeout the manager uses only the pool. The default is 0
   (always the pool): on a shared 2-CPU machine a warm pool scored 16/64/256 math_dapo rows in ~0.6/1.8/7–17 ms
   vs ~0.5–3.8/1.1–2.5/4–7 ms inline (noisy; no consistent win below ~64 rows), the pool's one-off start-up is
   ~0.25–0.6 s for 2 workers, and only the pool guarantees the timeout.
@@ -127,8 +128,9 @@ class RewardResult:
 
 
 def _worker_main(conn: Connection, compute_score: ComputeScore) -> None:
-    """Worker loop: announce readiness, then for each chunk of ``(idx, kwargs)`` send one ``(idx, ok, value)`` per
-    row as it finishes (so the parent times each row from the previous row's answer, not from start-up)."""
+    """Worker loop: announce readiness, then for each chunk of ``(idx, kwargs)`` send one ``(idx, ok, value)``
+    per row as it finishes (so the parent times each row from the previous row's answer, not from
+    start-up)."""
     conn.send(("ready", None, None))
     while True:
         try:
@@ -183,13 +185,15 @@ class RewardManager:
     """Scores decoded rows in parallel with per-sample timeouts and applies DAPO overlong shaping (§6.2).
 
     Args:
-        compute_score: ``fn(data_source, solution_str, ground_truth, extra_info) -> dict | float`` (called with
-            keywords). Must be picklable by reference (a module-level function) for the process pool.
+        compute_score: ``fn(data_source, solution_str, ground_truth, extra_info) -> dict | float``
+            (called with keywords). Must be picklable by reference (a module-level function) for the
+            process pool.
         max_resp_len: generation cap in tokens; required when the overlong buffer is enabled.
         overlong_buffer: None or an object/mapping with ``enable, len, penalty_factor, log``.
         num_workers: scoring processes (≥ 1).
         timeout_s: per-sample time limit in seconds (> 0).
-        failure_score: score given to a row that timed out or raised (default −1.0 = math_dapo's wrong answer).
+        failure_score: score given to a row that timed out or raised (default −1.0 = math_dapo's wrong
+            answer).
         inline_max_rows: batches with at most this many rows are scored in a helper thread (0 = never).
         chunk_size: rows sent to a worker per message (results still come back one per row).
         start_method: multiprocessing start method for the workers ("spawn" is safe in threaded parents).
@@ -294,10 +298,10 @@ class RewardManager:
             w.proc.join(timeout=1.0)
             _stop_workers(self._workers)
             raise RuntimeError(
-                f"reward scoring process {reason}. With start_method={self._ctx.get_start_method()!r} each worker "
-                "imports the calling script and compute_score: guard the script with "
-                "`if __name__ == '__main__':` and make compute_score a module-level function; see the worker's "
-                "stderr for its traceback"
+                f"reward scoring process {reason}. With start_method={self._ctx.get_start_method()!r} each "
+                "worker imports the calling script and compute_score: guard the script with "
+                "`if __name__ == '__main__':` and make compute_score a module-level function; see the "
+                "worker's stderr for its traceback"
             )
 
     def _spawn(self) -> _Worker:
@@ -316,10 +320,11 @@ class RewardManager:
             self._start_up_deaths = 0
             _stop_workers(self._workers)
             raise RuntimeError(
-                f"reward scoring processes keep dying before scoring a row (last exit code {w.proc.exitcode}). "
-                f"With start_method={self._ctx.get_start_method()!r} each worker imports the calling script and "
-                "compute_score: guard the script with `if __name__ == '__main__':` and make compute_score a "
-                "module-level function; see the worker's stderr for its traceback"
+                "reward scoring processes keep dying before scoring a row (last exit code "
+                f"{w.proc.exitcode}). With start_method={self._ctx.get_start_method()!r} each worker "
+                "imports the calling script and compute_score: guard the script with "
+                "`if __name__ == '__main__':` and make compute_score a module-level function; see the "
+                "worker's stderr for its traceback"
             )
 
     def _kill(self, w: _Worker) -> None:
@@ -426,7 +431,8 @@ class RewardManager:
             missing = [k for k in _REQUIRED_KEYS if k not in row]
             if missing:
                 raise KeyError(
-                    f"reward row {i} (uid={row.get('uid')!r}) lacks {missing}; each row needs {list(_REQUIRED_KEYS)}"
+                    f"reward row {i} (uid={row.get('uid')!r}) lacks {missing}; each row needs "
+                    f"{list(_REQUIRED_KEYS)}"
                 )
             n = row["valid_response_length"]
             if isinstance(n, bool) or int(n) != n or int(n) < 0:
@@ -435,9 +441,9 @@ class RewardManager:
                 )
 
     def score(self, rows: Sequence[Mapping[str, Any]]) -> RewardResult:
-        """Score ``rows`` (dicts with ``uid, data_source, solution_str, ground_truth, valid_response_length`` and
-        optional ``extra_info``); returns a :class:`RewardResult` in input order. Thread-safe; callable from any
-        thread."""
+        """Score ``rows`` (dicts with ``uid, data_source, solution_str, ground_truth, valid_response_length``
+        and optional ``extra_info``); returns a :class:`RewardResult` in input order. Thread-safe; callable
+        from any thread."""
         self._validate_rows(rows)
         t0 = time.perf_counter()
         tasks = [

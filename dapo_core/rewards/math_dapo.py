@@ -2,9 +2,9 @@
 
 The answer is read from the *last* ``Answer: ...`` line in the last 300 characters of the response, normalised
 with the Minerva rules (:func:`normalize_final_answer`), and compared to the normalised ground truth by exact
-string equality. If no ``Answer:`` line exists, the last ``\\boxed{...}`` in the final 100 characters is compared
-to the raw ground truth. Score is +1 / −1 (not 1 / 0). Pure Python, standard library only, so it can run in a
-spawned scoring process without importing torch.
+string equality. If no ``Answer:`` line exists, the last ``\\boxed{...}`` in the final 100 characters is
+compared to the raw ground truth. Score is +1 / −1 (not 1 / 0). Pure Python, standard library only, so it can
+run in a spawned scoring process without importing torch.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def normalize_final_answer(final_answer: str) -> str:
     """Minerva-style normalisation of a final answer string (§6.3 a–e; order matters).
 
     Keeps the text after the last ``=``, applies the fixed replacements and deletions, unwraps ``\\text``,
-    ``\\textbf``, ``\\overline`` and ``\\boxed``, expands ``frac12``/``sqrt2`` shorthands, drops ``$``, removes
-    thousands separators from pure numbers and strips whitespace. Examples: ``"x = 5"`` → ``"5"``,
+    ``\\textbf``, ``\\overline`` and ``\\boxed``, expands ``frac12``/``sqrt2`` shorthands, drops ``$``,
+    removes thousands separators from pure numbers and strips whitespace. Examples: ``"x = 5"`` → ``"5"``,
     ``"1,000"`` → ``"1000"``, ``"34."`` stays ``"34."``.
     """
     s = final_answer.split("=")[-1]
@@ -122,7 +122,8 @@ def normalize_final_answer(final_answer: str) -> str:
 
 
 def last_boxed_only_string(string: str) -> str | None:
-    """The last ``\\boxed{...}`` in ``string`` including the wrapper, with brace matching; None if absent/unclosed."""
+    """The last ``\\boxed{...}`` in ``string`` including the wrapper, with brace matching; None if
+    absent/unclosed."""
     start = string.rfind("\\boxed{")
     if start < 0:
         return None
@@ -147,7 +148,8 @@ def remove_boxed(s: str) -> str:
 
 
 def is_correct_minerva(solution_str: str, gt: str) -> tuple[bool, str]:
-    """Minerva check: the last ``Answer:`` line (or ``"[INVALID]"``) normalised vs the normalised ground truth."""
+    """Minerva check: the last ``Answer:`` line (or ``"[INVALID]"``) normalised vs the normalised ground
+    truth."""
     matches = _ANSWER_RE.findall(solution_str)
     extracted = matches[-1] if matches else INVALID
     pred = normalize_final_answer(extracted)
@@ -157,18 +159,19 @@ def is_correct_minerva(solution_str: str, gt: str) -> tuple[bool, str]:
 def is_correct_strict_box(
     solution_str: str, gt: str, pause_tokens_index: Sequence[int] | None = None
 ) -> tuple[int, str | None]:
-    """Strict box check: +1 if the last ``\\boxed{}`` in the final 100 characters equals the *raw* ``gt``, else −1.
+    """Strict box check: +1 if the last ``\\boxed{}`` in the final 100 characters equals the *raw* ``gt``,
+    else −1.
 
     With ``pause_tokens_index`` (exactly 4 indices) the window starts 100 characters before the last index and
-    runs to the end of the string (as the reference). Deliberate difference: the start is clamped at 0, whereas the
-    reference slices ``[idx − 100:]`` and so, for ``idx < 100``, wraps to the last ``100 − idx`` characters.
-    Returns ``(±1, extracted or None)``.
+    runs to the end of the string (as the reference). Deliberate difference: the start is clamped at 0,
+    whereas the reference slices ``[idx − 100:]`` and so, for ``idx < 100``, wraps to the last ``100 − idx``
+    characters. Returns ``(±1, extracted or None)``.
     """
     if pause_tokens_index is not None:
         if len(pause_tokens_index) != 4:
             raise ValueError(
-                f"pause_tokens_index must hold exactly 4 indices, got {len(pause_tokens_index)}; pass None to "
-                "look at the last 100 characters"
+                f"pause_tokens_index must hold exactly 4 indices, got {len(pause_tokens_index)}; pass None "
+                "to look at the last 100 characters"
             )
         tail = solution_str[max(pause_tokens_index[-1] - _BOX_TAIL_CHARS, 0) :]
     else:

@@ -33,7 +33,8 @@ def default_compute_score(
     else:
         raise NotImplementedError(
             f"no reward function for data_source={data_source!r}; supported: {sorted(MATH_DAPO_SOURCES)} and "
-            "'aime*'. Fix the data_source column of the dataset or pass a custom compute_score to RewardManager"
+            "'aime*'. Fix the data_source column of the dataset or pass a custom compute_score to "
+            "RewardManager"
         )
     if isinstance(result, dict):
         return result

@@ -118,7 +118,8 @@ class CheckpointDir:
         *,
         overwrite: bool = False,
     ) -> Path:
-        """Save checkpoint ``step`` atomically: ``write_fn(tmp_dir)`` writes the files; returns the final path.
+        """Save checkpoint ``step`` atomically: ``write_fn(tmp_dir)`` writes the files; returns the final
+        path.
 
         An existing ``step_<n>`` that ``latest`` does not point at (left by a crash before the pointer was
         written) is replaced. Replacing the checkpoint ``latest`` points at needs ``overwrite=True``; the
@@ -232,12 +233,13 @@ class CheckpointDir:
         return self.path(step)
 
     def rewind(self, step: int) -> list[int]:
-        """Make ``step`` the newest checkpoint of this run (resuming from an earlier step starts a new branch).
+        """Make ``step`` the newest checkpoint of this run (resuming from an earlier step starts a new
+        branch).
 
         Checkpoints after ``step`` are moved to ``ckpt/abandoned-<id>/step_<n>`` (kept for inspection, never
-        loaded), then ``latest`` is pointed at ``step`` (or removed if this run has no ``step_<step>``, e.g. when
-        resuming from another run's folder). Returns the moved steps. Without this, ``latest`` — which otherwise
-        only moves forward — would still name the abandoned branch after a crash.
+        loaded), then ``latest`` is pointed at ``step`` (or removed if this run has no ``step_<step>``, e.g.
+        when resuming from another run's folder). Returns the moved steps. Without this, ``latest`` — which
+        otherwise only moves forward — would still name the abandoned branch after a crash.
         """
         _check_step(step)
         later = [s for s in self.steps() if s > step]
@@ -255,7 +257,8 @@ class CheckpointDir:
         return later
 
     def keep_last(self, k: int) -> list[int]:
-        """Delete all but the ``k`` newest checkpoints (never the ``latest`` one); returns the deleted steps."""
+        """Delete all but the ``k`` newest checkpoints (never the ``latest`` one); returns the deleted
+        steps."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise CheckpointError(f"keep_last(k={k!r}): k must be an int >= 1")
         latest = self.latest_step()

@@ -5,13 +5,15 @@ The primitive under every commit of the run store (stage manifests, run files) a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
 
 
 def fsync_dir(path: str | Path) -> None:
-    """fsync a directory so that renames/creations inside it survive a power loss (no-op where unsupported)."""
+    """fsync a directory so that renames/creations inside it survive a power loss (no-op where
+    unsupported)."""
     try:
         fd = os.open(str(path), os.O_RDONLY)
     except OSError:
@@ -43,7 +45,5 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def unlink_missing_ok(path: Path) -> None:
     """Remove `path`; a missing file is not an error."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

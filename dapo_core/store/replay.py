@@ -309,9 +309,8 @@ class ReplayBuffer:
                 continue
             if evict_train and self.filter_groups_metric is not None:
                 vals = [t.get("metric") for t in group]
-                if all(
-                    v is not None and not (isinstance(v, float) and math.isnan(v)) for v in vals
-                ) and _is_filtered(vals):
+                present = [v for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+                if len(present) == len(vals) and _is_filtered(present):
                     evict.append(uid)
                     n_filtered += 1
                     dapo_counts[vals[0]] += 1

@@ -12,7 +12,8 @@ A run lives in one directory, ``runs/<run_id>/``:
   and the directory fsynced. **The manifest is the commit**: a stage is either committed with a file whose
   checksum matches, or it does not exist. Re-writing a committed stage first removes its manifest.
 - ``*.json`` run-level files (resolved config, run state), written atomically.
-- ``ckpt/`` — checkpoints, managed by :class:`dapo_core.store.checkpoint.CheckpointDir` (see :attr:`RunStore.checkpoints`).
+- ``ckpt/`` — checkpoints, managed by :class:`dapo_core.store.checkpoint.CheckpointDir` (see
+  :attr:`RunStore.checkpoints`).
 
 The ledger has one writer (the flow's driver); stage files may be written by any process that can reach
 the directory. Local paths use a direct fast path (fsync needs a local file); ``read_uri`` accepts any
@@ -31,7 +32,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import fsspec
 import pyarrow as pa
@@ -269,7 +270,8 @@ class RunStore:
 
     @property
     def checkpoints(self):
-        """The run's :class:`~dapo_core.store.checkpoint.CheckpointDir` (``root/ckpt``), opened on first use."""
+        """The run's :class:`~dapo_core.store.checkpoint.CheckpointDir` (``root/ckpt``), opened on first
+        use."""
         if self._ckpt is None:
             self._ckpt = CheckpointDir(self.root)
         return self._ckpt
@@ -282,10 +284,10 @@ class RunStore:
 
     def _tx(self):
         """Context manager: one IMMEDIATE transaction under the instance lock."""
-        store = self
+        store = self  # the inner class's methods take their own `self` (the _Tx instance)
 
         class _Tx:
-            def __enter__(self_inner):
+            def __enter__(self) -> sqlite3.Connection:
                 store._lock.acquire()
                 try:
                     store._conn().execute("BEGIN IMMEDIATE")
@@ -294,7 +296,7 @@ class RunStore:
                     raise
                 return store._conn()
 
-            def __exit__(self_inner, et, ev, tb):
+            def __exit__(self, et: object, ev: object, tb: object) -> Literal[False]:
                 try:
                     store._conn().execute("ROLLBACK" if et else "COMMIT")
                 finally:
@@ -339,7 +341,8 @@ class RunStore:
         self.put_many([(key, tags, payload)], partition=partition)
 
     def put_many(self, items: Iterable[tuple], partition: str = "train") -> int:
-        """Insert or replace many keys in ONE transaction; ``items`` are ``(key, tags)`` or ``(key, tags, payload)``.
+        """Insert or replace many keys in ONE transaction; ``items`` are ``(key, tags)`` or ``(key, tags,
+        payload)``.
 
         Returns the number of keys written. Either all are written or none (on error).
         """
@@ -366,7 +369,8 @@ class RunStore:
         partition: str = "train",
     ) -> None:
         """Several ledger changes in ONE transaction: ``puts`` as in :meth:`put_many` (in ``partition``),
-        ``merges`` {key: tags} merged into existing keys (payload kept; ``KeyError`` if missing), then ``deletes``.
+        ``merges`` {key: tags} merged into existing keys (payload kept; ``KeyError`` if missing), then
+        ``deletes``.
         """
         rows = []
         for item in puts:
@@ -470,7 +474,8 @@ class RunStore:
         return (" WHERE " + " AND ".join(clauses)) if clauses else "", args
 
     def list_keys(self, partition: str | None = None, **tag_equals: Any) -> list[str]:
-        """Keys (in insertion order) whose tags equal every ``tag_equals`` (a list/tuple value means "one of").
+        """Keys (in insertion order) whose tags equal every ``tag_equals`` (a list/tuple value means "one
+        of").
 
         ``uid=`` selects a prompt and its trajectories. ``None`` matches a missing tag.
         """
@@ -506,7 +511,8 @@ class RunStore:
 
         In one transaction, each such prompt loses its (partial) trajectories and is re-tagged
         ``status="pending"``, ``global_steps=current_step`` (its other tags and payload are kept).
-        Finished/failed prompts are untouched. Returns the number of prompts re-issued (0 = nothing in flight).
+        Finished/failed prompts are untouched. Returns the number of prompts re-issued (0 = nothing in
+        flight).
         """
         _check_step(current_step)
         with self._tx() as db:

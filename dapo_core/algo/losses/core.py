@@ -97,7 +97,8 @@ class PolicyLossParams:
     tau_neg: float = 1.05
     """sapo: gate temperature for non-positive advantages."""
     rollout_correction: dict[str, Any] | None = None
-    """bypass_mode: the `algorithm.rollout_correction` settings (rollout_is, thresholds, rollout_rs, loss_type)."""
+    """bypass_mode: the `algorithm.rollout_correction` settings (rollout_is, thresholds, rollout_rs,
+    loss_type)."""
     rollout_log_probs: torch.Tensor | None = field(default=None, repr=False)
     """bypass_mode: log π_rollout (B, L); when None the `old_log_prob` argument is taken as π_rollout."""
 
@@ -161,8 +162,8 @@ def _apply_is_weights(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor 
         return pg_losses
     if rollout_is_weights.shape != pg_losses.shape:
         raise ValueError(
-            f"rollout_is_weights shape {tuple(rollout_is_weights.shape)} != loss shape {tuple(pg_losses.shape)}; "
-            "pass the (B, L) per-token weights from rollout correction"
+            f"rollout_is_weights shape {tuple(rollout_is_weights.shape)} != loss shape "
+            f"{tuple(pg_losses.shape)}; pass the (B, L) per-token weights from rollout correction"
         )
     return pg_losses * rollout_is_weights.detach().to(pg_losses.dtype)
 
@@ -270,8 +271,8 @@ def _vanilla(
     """The clipped surrogate with dual clip, in the reference order of operations (§ 1.2)."""
     if not clip_ratio_c > 1.0:
         raise ValueError(
-            f"clip_ratio_c must be > 1.0 (it is the dual-clip lower bound -A·c for A < 0), got {clip_ratio_c}; "
-            "set actor.clip_ratio_c (DAPO uses 10.0)"
+            "clip_ratio_c must be > 1.0 (it is the dual-clip lower bound -A·c for A < 0), got "
+            f"{clip_ratio_c}; set actor.clip_ratio_c (DAPO uses 10.0)"
         )
     neg_kl = _clamped_log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(neg_kl)

@@ -2,9 +2,9 @@
 kl_cov, geo_mean, dppo_tv, dppo_kl, cispo, dro, reinforce and bypass_mode.
 
 Each loss has the shared signature described in `dapo_core.algo.losses.core` and registers itself by name with
-`register_policy_loss` on import. `dapo_core.algo.losses.core` imports this module at its end, so every loss is in
-`POLICY_LOSS_REGISTRY` whenever `dapo_core.algo.losses.core` is imported; use `get_policy_loss(name)` rather than
-importing from here.
+`register_policy_loss` on import. `dapo_core.algo.losses.core` imports this module at its end, so every loss
+is in `POLICY_LOSS_REGISTRY` whenever `dapo_core.algo.losses.core` is imported; use `get_policy_loss(name)`
+rather than importing from here.
 """
 
 from __future__ import annotations
@@ -398,7 +398,8 @@ def compute_policy_loss_dro(
     p = _resolve_params(params)
     if p.dro_beta is None or not p.dro_beta > 0:
         raise ValueError(
-            f"loss_mode 'dro' needs actor.policy_loss.dro_beta > 0 (got {p.dro_beta}); set PolicyLossParams.dro_beta"
+            f"loss_mode 'dro' needs actor.policy_loss.dro_beta > 0 (got {p.dro_beta}); set "
+            "PolicyLossParams.dro_beta"
         )
     delta = log_prob - old_log_prob
     pg_losses = -(log_prob * advantages - 0.5 * p.dro_beta * delta.square())

@@ -4,22 +4,24 @@ training/inference mismatch between the rollout engine (π_rollout) and the trai
 What this module does (docs/REFERENCE.md §5, NEWEST):
 
 * ``log_ratio = old_log_prob − rollout_log_prob`` = log π_train/π_rollout. In *decoupled* mode π_train is the
-  recomputed old policy; in *bypass* mode the caller sets ``old_log_probs := rollout_log_probs`` and the policy
-  loss recomputes IS/RS per micro-batch against the current π_θ by calling
-  :func:`compute_rollout_correction_and_rejection_mask` itself (so :func:`apply_rollout_correction` computes no
-  weights and leaves the mask alone in bypass mode).
+  recomputed old policy; in *bypass* mode the caller sets ``old_log_probs := rollout_log_probs`` and the
+  policy loss recomputes IS/RS per micro-batch against the current π_θ by calling
+  :func:`compute_rollout_correction_and_rejection_mask` itself (so :func:`apply_rollout_correction` computes
+  no weights and leaves the mask alone in bypass mode).
 * IS weights (:func:`compute_rollout_correction_weights`): token or sequence level, truncated (TIS, a single
-  upper cap) or masked (IcePop, ``"lower_upper"``), optionally batch-normalised to mean 1. Weights are detached.
+  upper cap) or masked (IcePop, ``"lower_upper"``), optionally batch-normalised to mean 1. Weights are
+  detached.
 * RS (:func:`compute_rollout_rejection_mask`): k1/k2/k3 divergence statistics per token, per-sequence sum,
   mean or max; options combine with AND and only edit the response mask (weights are never zeroed by RS).
-* Diagnostics (:func:`compute_is_metrics`, :func:`compute_offpolicy_metrics`); the unified entry prefixes every
-  key with ``rollout_corr/``.
+* Diagnostics (:func:`compute_is_metrics`, :func:`compute_offpolicy_metrics`); the unified entry prefixes
+  every key with ``rollout_corr/``.
 
 Pure torch, float32 and float64; no Prefect, no DataProto (the weights tensor is returned directly).
 
 The option values, threshold parsing and :class:`RolloutCorrection` with its presets live in
-:mod:`dapo_core.algo.rollout_correction.config`, the diagnostics in :mod:`dapo_core.algo.rollout_correction.metrics`;
-both are re-exported here, so import every public name from this module.
+:mod:`dapo_core.algo.rollout_correction.config`, the diagnostics in
+:mod:`dapo_core.algo.rollout_correction.metrics`; both are re-exported here, so import every public name from
+this module.
 """
 
 from __future__ import annotations
@@ -95,12 +97,12 @@ def compute_rollout_correction_weights(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """IS weights ``π_train/π_rollout`` (§5.2) and their metrics (no prefix).
 
-    ``token``: ``w_t = exp(clamp(log_ratio_t, ±20))``; ``sequence``: ``w_i = exp(clamp(Σ_t log_ratio_t, ±20))``
-    broadcast over the row. Then ``w ← w·mask``; TIS caps at ``upper``; IcePop (``"lower_upper"``) zeroes weights
-    outside ``[lower, upper]`` (the mask is unchanged). Metrics are computed on the truncated weights *before*
-    batch normalisation; normalisation (optional) divides by the masked token mean (all ranks) at token level or
-    by the mean per-sequence weight over non-empty rows at sequence level, only if that mean > 1e-8, so
-    normalised weights may exceed the cap. The returned weights are detached.
+    ``token``: ``w_t = exp(clamp(log_ratio_t, ±20))``; ``sequence``: ``w_i = exp(clamp(Σ_t log_ratio_t,
+    ±20))`` broadcast over the row. Then ``w ← w·mask``; TIS caps at ``upper``; IcePop (``"lower_upper"``)
+    zeroes weights outside ``[lower, upper]`` (the mask is unchanged). Metrics are computed on the truncated
+    weights *before* batch normalisation; normalisation (optional) divides by the masked token mean (all
+    ranks) at token level or by the mean per-sequence weight over non-empty rows at sequence level, only if
+    that mean > 1e-8, so normalised weights may exceed the cap. The returned weights are detached.
     """
     _check_rollout_is(rollout_is)
     if rollout_is is None:
@@ -117,8 +119,9 @@ def compute_rollout_correction_weights(
         seq_log_ratio = _masked_sum(log_ratio, response_mask, axis=-1).unsqueeze(-1)
         log_ratio_for_metrics = seq_log_ratio
         raw = torch.exp(torch.clamp(seq_log_ratio, -SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
-    # ``w · mask``, but with masked entries replaced by 0 first (reference masked_sum convention): a NaN log-prob
-    # in padding must not become a NaN weight, whose product with the loss would put NaN into the gradient.
+    # ``w · mask``, but with masked entries replaced by 0 first (reference masked_sum convention): a NaN
+    # log-prob in padding must not become a NaN weight, whose product with the loss would put NaN into the
+    # gradient.
     raw = torch.where(response_mask.bool(), raw * mask_f, torch.zeros((), dtype=raw.dtype))
 
     if icepop:
@@ -195,9 +198,10 @@ def compute_rollout_rejection_mask(
 
     With ``x = clamp(log_ratio, ±20)`` the per-token statistics are ``k1 = −x``, ``k2 = x²/2``,
     ``k3 = exp(x) − 1 − x``. Token options drop offending tokens; ``seq_sum``/``seq_mean``/``seq_max`` options
-    drop whole rows. k1 keeps ``log(lower) <= stat <= log(upper)`` (because ``k1 = −log r`` the bounds constrain
-    π_rollout/π_train; asymmetric specs are mirrored relative to π_train/π_rollout); k2/k3 keep ``stat <= upper``.
-    Options combine with AND. The returned mask has the input's dtype; an empty batch returns the mask unchanged.
+    drop whole rows. k1 keeps ``log(lower) <= stat <= log(upper)`` (because ``k1 = −log r`` the bounds
+    constrain π_rollout/π_train; asymmetric specs are mirrored relative to π_train/π_rollout); k2/k3 keep
+    ``stat <= upper``. Options combine with AND. The returned mask has the input's dtype; an empty batch
+    returns the mask unchanged.
     """
     _check_pair(log_ratio, response_mask, "log_ratio", "response_mask")
     parsed = parse_rs_options(rollout_rs, rollout_rs_threshold)
@@ -240,9 +244,9 @@ def compute_rollout_correction_and_rejection_mask(
     """Unified IS + RS entry (§5.4): ``(rollout_is_weights | None, modified_response_mask, metrics)``.
 
     IS runs only if ``rollout_is`` and ``rollout_is_threshold`` are both set; RS only if ``rollout_rs`` is set
-    (``None`` or ``""`` = off) and then needs ``rollout_rs_threshold``. RS acts only through the mask (IS weights
-    are not zeroed). Off-policy diagnostics are always included. Every key is prefixed ``rollout_corr/``.
-    Unlike verl the weights tensor is returned directly rather than wrapped in a DataProto.
+    (``None`` or ``""`` = off) and then needs ``rollout_rs_threshold``. RS acts only through the mask (IS
+    weights are not zeroed). Off-policy diagnostics are always included. Every key is prefixed
+    ``rollout_corr/``. Unlike verl the weights tensor is returned directly rather than wrapped in a DataProto.
     """
     _check_pair(old_log_prob, rollout_log_prob, "old_log_prob", "rollout_log_prob")
     _check_pair(old_log_prob, response_mask, "old_log_prob", "response_mask")

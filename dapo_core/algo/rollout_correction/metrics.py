@@ -2,8 +2,8 @@
 (docs/REFERENCE.md §§5.2-5.4), plus the small reductions they share with
 :mod:`dapo_core.algo.rollout_correction.core`.
 
-Split out of :mod:`dapo_core.algo.rollout_correction.core`, which re-exports every public name defined here; import them
-from there. Metric keys are returned without the ``rollout_corr/`` prefix.
+Split out of :mod:`dapo_core.algo.rollout_correction.core`, which re-exports every public name defined here;
+import them from there. Metric keys are returned without the ``rollout_corr/`` prefix.
 """
 
 from __future__ import annotations
@@ -85,13 +85,13 @@ def compute_is_metrics(
     rollout_is_threshold_lower: float | None = None,
 ) -> dict[str, float]:
     """IS diagnostics (§5.2), keys without prefix: ``rollout_is_{mean,max,min,std,
-    eff_sample_size,ratio_fraction_high,ratio_fraction_low}``, ``rollout_is_seq_{mean,std,max,min,max_deviation,
-    fraction_high,fraction_low}`` and, for IcePop, ``rollout_is_oob_ratio``.
+    eff_sample_size,ratio_fraction_high,ratio_fraction_low}``, ``rollout_is_seq_{mean,std,max,min,
+    max_deviation,fraction_high,fraction_low}`` and, for IcePop, ``rollout_is_oob_ratio``.
 
-    ``rollout_is_weights`` are the applied (truncated/masked, un-normalised) weights, ``raw_rollout_is_weights``
-    the weights before truncation. ``log_ratio_for_metrics`` is the token log-ratio (token level) or the
-    per-sequence summed log-ratio, shape ``(B,)`` or ``(B, 1)`` (sequence level; a ``(B, L)`` tensor with
-    ``L > 1`` is summed over the mask). The lower bound defaults to ``1/upper``.
+    ``rollout_is_weights`` are the applied (truncated/masked, un-normalised) weights,
+    ``raw_rollout_is_weights`` the weights before truncation. ``log_ratio_for_metrics`` is the token log-ratio
+    (token level) or the per-sequence summed log-ratio, shape ``(B,)`` or ``(B, 1)`` (sequence level; a
+    ``(B, L)`` tensor with ``L > 1`` is summed over the mask). The lower bound defaults to ``1/upper``.
     Per-sequence statistics use only rows with at least one valid token (deliberate: padding rows are not
     sequences); std values are population stds.
     """

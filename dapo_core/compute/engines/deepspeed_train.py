@@ -160,7 +160,8 @@ class DeepSpeedTrainEngine(TrainEngine):
         return self.engine
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate gradients of `loss` (no scaling by accumulation steps; reduction is deferred to `step`)."""
+        """Accumulate gradients of `loss` (no scaling by accumulation steps; reduction is deferred to
+        `step`)."""
         self.engine.set_gradient_accumulation_boundary(False)
         self.engine.backward(loss, scale_wrt_gas=False)
 
@@ -239,13 +240,15 @@ class DeepSpeedTrainEngine(TrainEngine):
         d = Path(ckpt_dir)
         if not (d / EXTRA_FILE).is_file() or not (d / DS_SUBDIR / DS_TAG).is_dir():
             raise FileNotFoundError(
-                f"{d} lacks {EXTRA_FILE} or {DS_SUBDIR}/{DS_TAG}; it is not a complete DeepSpeed-engine checkpoint."
+                f"{d} lacks {EXTRA_FILE} or {DS_SUBDIR}/{DS_TAG}; it is not a complete DeepSpeed-engine "
+                "checkpoint."
             )
         extra = torch.load(d / EXTRA_FILE, weights_only=False)
         if extra.get("engine") != "deepspeed" or int(extra.get("zero_stage", -1)) != self.zero_stage:
             raise ValueError(
-                f"{d} was written by engine={extra.get('engine')!r} zero_stage={extra.get('zero_stage')}; this engine "
-                f"is deepspeed zero_stage={self.zero_stage}. Set actor_rollout_ref.actor.deepspeed.zero_stage to match."
+                f"{d} was written by engine={extra.get('engine')!r} zero_stage={extra.get('zero_stage')}; "
+                f"this engine is deepspeed zero_stage={self.zero_stage}. Set "
+                "actor_rollout_ref.actor.deepspeed.zero_stage to match."
             )
         path, _ = self.engine.load_checkpoint(
             str(d / DS_SUBDIR), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
@@ -262,4 +265,4 @@ class DeepSpeedTrainEngine(TrainEngine):
         engine = getattr(self, "engine", None)
         if engine is not None and hasattr(engine, "destroy"):
             engine.destroy()
-        self.engine = None  # type: ignore[assignment]
+        self.engine = None

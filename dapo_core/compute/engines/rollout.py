@@ -79,7 +79,8 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    """One sampled response: its tokens (EOS included when it stopped), per-token log-probs, and why it ended."""
+    """One sampled response: its tokens (EOS included when it stopped), per-token log-probs, and why it
+    ended."""
 
     token_ids: list[int]
     """Generated token ids; the EOS token is the last one when finish_reason == "stop"."""
@@ -121,7 +122,8 @@ class RolloutEngine(abc.ABC):
         self._weight_version = int(value)
 
     def close(self) -> None:
-        """Release resources (processes, memory). Safe to call twice."""
+        """Release resources (processes, memory). Safe to call twice. The base class holds none."""
+        return None
 
     def __enter__(self) -> Self:
         return self

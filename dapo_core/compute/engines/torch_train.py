@@ -132,8 +132,8 @@ class TorchTrainEngine(TrainEngine):
         extra = torch.load(d / EXTRA_FILE, weights_only=False)
         if extra.get("engine") != "torch":
             raise ValueError(
-                f"{d} was written by the {extra.get('engine')!r} engine; set actor_rollout_ref.actor.strategy "
-                "to match, or start from its exported HF weights."
+                f"{d} was written by the {extra.get('engine')!r} engine; set "
+                "actor_rollout_ref.actor.strategy to match, or start from its exported HF weights."
             )
         load_hf_weights_into(self.model, d)
         self.optimizer.load_state_dict(torch.load(d / OPTIM_FILE, weights_only=False))

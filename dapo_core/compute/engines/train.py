@@ -23,10 +23,13 @@ import random
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "TRAIN_ENGINES",
@@ -168,7 +171,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 class TrainEngine(abc.ABC):
     """One trainable HF causal LM with optimizer + LR scheduler. Subclasses implement the optimizer side."""
 
-    model: torch.nn.Module
+    model: PreTrainedModel
     """The HF model (unwrapped; HF parameter names)."""
     model_path: Path
     """Folder the model was loaded from (its tokenizer is exported with the weights)."""
@@ -185,7 +188,8 @@ class TrainEngine(abc.ABC):
         temperature: float = 1.0,
         calculate_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Teacher-forced log-probs (B, L) of the response tokens (last L of input_ids), entropy (B, L) or None.
+        """Teacher-forced log-probs (B, L) of the response tokens (last L of input_ids), entropy (B, L) or
+        None.
 
         Gradients flow when the engine is in train mode; in eval mode this runs under `torch.no_grad`.
         """
@@ -260,11 +264,12 @@ class TrainEngine(abc.ABC):
             tokenizer = None
         return save_model(self._export_model(), tokenizer, out_dir)
 
-    def _export_model(self) -> torch.nn.Module:
+    def _export_model(self) -> PreTrainedModel:
         return self.model
 
     def close(self) -> None:
-        """Release resources. Safe to call twice."""
+        """Release resources. Safe to call twice. The base class holds none."""
+        return None
 
 
 TRAIN_ENGINES: dict[str, str] = {
@@ -290,7 +295,8 @@ def make_train_engine(
     """Build the training engine for `strategy` ("torch" or "deepspeed") on the HF folder `model_path`."""
     if strategy not in TRAIN_ENGINES:
         raise ValueError(
-            f"actor_rollout_ref.actor.strategy={strategy!r} is unknown; choose one of {sorted(TRAIN_ENGINES)}."
+            f"actor_rollout_ref.actor.strategy={strategy!r} is unknown; choose one of "
+            f"{sorted(TRAIN_ENGINES)}."
         )
     if total_steps < 1:
         raise ValueError(f"total_steps={total_steps} must be >= 1 (trainer.total_training_steps).")

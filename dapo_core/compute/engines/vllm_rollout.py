@@ -140,12 +140,13 @@ class VLLMRolloutEngine(RolloutEngine):
         self.model_path = Path(model_path)
         if not (self.model_path / "config.json").is_file():
             raise FileNotFoundError(
-                f"{self.model_path} has no config.json; set actor_rollout_ref.model.path to an HF model folder "
-                "(or build one with dapo_core.compute.models.build_tiny_model)."
+                f"{self.model_path} has no config.json; set actor_rollout_ref.model.path to an HF model "
+                "folder (or build one with dapo_core.compute.models.build_tiny_model)."
             )
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(
-                f"actor_rollout_ref.rollout.gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]."
+                f"actor_rollout_ref.rollout.gpu_memory_utilization={gpu_memory_utilization} "
+                "must be in (0, 1]."
             )
         tp = int(opts.pop("tensor_model_parallel_size", tensor_parallel_size))
         if tp < 1:
@@ -194,8 +195,9 @@ class VLLMRolloutEngine(RolloutEngine):
             from vllm import LLM
         except ImportError as e:  # pragma: no cover - exercised only without vllm
             raise ImportError(
-                f"VLLMRolloutEngine needs vllm ({e}); on CPU build .venv-vllm with infra/setup_vllm_cpu_env.sh, "
-                "on GPU `pip install 'dapo[vllm]'`, or set actor_rollout_ref.rollout.name=hf."
+                f"VLLMRolloutEngine needs vllm ({e}); on CPU build .venv-vllm with "
+                "infra/setup_vllm_cpu_env.sh, on GPU `pip install 'dapo[vllm]'`, or set "
+                "actor_rollout_ref.rollout.name=hf."
             ) from e
 
         llm_kwargs: dict[str, Any] = {
@@ -245,7 +247,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def generate(
         self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int]
     ) -> list[Completion]:
-        """Sample one completion per row with vLLM; `seeds[i]` seeds row i. Returns completions in input order."""
+        """Sample one completion per row with vLLM; `seeds[i]` seeds row i. Returns completions in input
+        order."""
         from vllm.inputs import TokensPrompt
 
         check_generate_args(prompt_ids, seeds)
@@ -255,8 +258,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if longest + params.max_new_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the vLLM engine's "
-                f"max_model_len={self.max_model_len}; lower data.max_prompt_length / data.max_response_length "
-                "or build the engine with a larger max_model_len."
+                f"max_model_len={self.max_model_len}; lower data.max_prompt_length / "
+                "data.max_response_length or build the engine with a larger max_model_len."
             )
         if not prompt_ids:
             return []
@@ -284,7 +287,8 @@ class VLLMRolloutEngine(RolloutEngine):
             if seq.logprobs is None or len(seq.logprobs) != len(token_ids):
                 raise RuntimeError(
                     f"vLLM returned {0 if seq.logprobs is None else len(seq.logprobs)} log-probs for "
-                    f"{len(token_ids)} tokens in row {row}; this vLLM version is not supported (need logprobs=0)."
+                    f"{len(token_ids)} tokens in row {row}; this vLLM version is not supported "
+                    "(need logprobs=0)."
                 )
             log_probs = [float(seq.logprobs[i][tok].logprob) for i, tok in enumerate(token_ids)]
             stopped = bool(token_ids) and token_ids[-1] in self.eos_token_ids
@@ -314,8 +318,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 continue
             if tuple(tensor.shape) != shape:
                 raise ValueError(
-                    f"sync_weights: {name} has shape {tuple(tensor.shape)} but the rollout model expects {shape}; "
-                    "the trainer and rollout models differ (check actor_rollout_ref.model.path)."
+                    f"sync_weights: {name} has shape {tuple(tensor.shape)} but the rollout model expects "
+                    f"{shape}; the trainer and rollout models differ (check actor_rollout_ref.model.path)."
                 )
             out.append((key, tensor.detach().to("cpu").contiguous()))
         if unknown:
@@ -355,8 +359,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if mismatched or unknown:
             raise ValueError(
                 f"load_weights_from: {p} does not match the rollout model {self.model_path} "
-                f"(shape mismatches: {mismatched[:5]}, unknown names: {unknown[:5]}); pass a folder of the same "
-                "architecture."
+                f"(shape mismatches: {mismatched[:5]}, unknown names: {unknown[:5]}); pass a folder of the "
+                "same architecture."
             )
         self.llm.collective_rpc(_reload_path_on_worker, args=(str(p.resolve()),))
         self.llm.reset_prefix_cache()
@@ -387,7 +391,7 @@ class VLLMRolloutEngine(RolloutEngine):
         llm = getattr(self, "llm", None)
         if llm is None:
             return
-        self.llm = None  # type: ignore[assignment]
+        self.llm = None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             try:

@@ -1,6 +1,7 @@
 """Workers: plain classes that hold models and do the heavy work, taking and returning Arrow tables.
 
-They run in-process or inside Ray actors (`dapo_core.compute.cluster`); nothing here knows about Prefect or Ray.
+They run in-process or inside Ray actors (`dapo_core.compute.cluster`); nothing here knows about Prefect or
+Ray.
 """
 
 from dapo_core.compute.workers.actor import ActorWorker, RefWorker

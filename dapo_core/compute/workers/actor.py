@@ -1,8 +1,8 @@
 """ActorWorker and RefWorker: the policy being trained and the frozen reference policy.
 
 The actor recomputes `old_log_probs` (decoupled mode), runs the PPO mini-batch/epoch loop with the configured
-policy loss (DAPO: `vanilla` with clip-higher and dual clip, token-mean over the global mini-batch), and exports
-weights for the rollout engine. The objective is docs/REFERENCE.md §1.4:
+policy loss (DAPO: `vanilla` with clip-higher and dual clip, token-mean over the global mini-batch), and
+exports weights for the rollout engine. The objective is docs/REFERENCE.md §1.4:
 `pg_loss − entropy_coeff·agg(entropy) + kl_loss_coef·agg(kl_penalty(logp, ref_logp))`.
 """
 
@@ -29,7 +29,8 @@ def _log_prob_table(
     micro_batch_size: int | None,
     calculate_entropy: bool,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
-    """Teacher-forced log-probs (and entropy) of every row's response, micro-batched; returns padded chunks."""
+    """Teacher-forced log-probs (and entropy) of every row's response, micro-batched; returns padded
+    chunks."""
     engine.eval()
     lengths = torch.tensor(B.response_lengths(table), dtype=torch.long)
     rows = table.num_rows
@@ -117,7 +118,7 @@ class ActorWorker:
             }
         )
 
-    # -- log-probs ---------------------------------------------------------------------------------------------
+    # -- log-probs -------------------------------------------------------------------------------------------
     def compute_log_prob(self, table: pa.Table, calculate_entropy: bool = True) -> pa.Table:
         """Add `old_log_probs` (and `entropy`) computed by the current weights."""
         logps, ents, lengths = _log_prob_table(
@@ -133,7 +134,7 @@ class ActorWorker:
             table = B.set_column(table, "entropy", _to_list_column(ents, lengths))
         return table
 
-    # -- update ------------------------------------------------------------------------------------------------
+    # -- update ----------------------------------------------------------------------------------------------
     def _loss_fn(self, log_probs, entropy, mb: dict, global_batch_info: dict):
         """`actor_objective` of one micro-batch with this actor's settings (`ppo_update`'s loss function)."""
         params = self.loss_params
@@ -161,7 +162,8 @@ class ActorWorker:
         )
 
     def update_actor(self, table: pa.Table, global_steps: int) -> dict[str, float]:
-        """One PPO update over the batch (mini-batches of `ppo_mini_batch_size·n` trajectories); steps the lr."""
+        """One PPO update over the batch (mini-batches of `ppo_mini_batch_size·n` trajectories); steps the
+        lr."""
         cols = ["old_log_probs", "advantages"]
         for c in ("rollout_is_weights", "ref_log_probs", "rollout_log_probs"):
             if c in table.column_names:
@@ -188,7 +190,7 @@ class ActorWorker:
         self.engine.lr_step()
         return metrics
 
-    # -- weights and checkpoints ---------------------------------------------------------------------------------
+    # -- weights and checkpoints -----------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
         """Current weights under HF parameter names (CPU tensors), for the rollout engine."""
         return {k: v.detach().to("cpu").clone() for k, v in self.engine.state_dict_for_sync().items()}

@@ -1,8 +1,9 @@
-"""RewardWorker: decodes responses and scores them with the DAPO reward manager (math_dapo + overlong shaping).
+"""RewardWorker: decodes responses and scores them with the DAPO reward manager (math_dapo + overlong
+shaping).
 
-Adds `score` (raw ±1), `acc`, `pred`, `overlong_reward` and `reward` (score + overlong penalty; the scalar that
-the advantage stage places at the last valid token). Failed or timed-out samples are counted and logged with
-their uid by the reward manager (never a silent zero).
+Adds `score` (raw ±1), `acc`, `pred`, `overlong_reward` and `reward` (score + overlong penalty; the scalar
+that the advantage stage places at the last valid token). Failed or timed-out samples are counted and logged
+with their uid by the reward manager (never a silent zero).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class RewardWorker:
                 table.column("ground_truth").to_pylist(),
                 texts,
                 responses,
+                strict=True,
             )
         ]
         res = self.manager.score(rows)

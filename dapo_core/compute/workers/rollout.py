@@ -1,8 +1,9 @@
 """RolloutWorker: generates responses for prompt rows with a rollout engine (HF generate or vLLM).
 
-Input rows are already one per sample (the driver repeats each prompt `n` times and stamps `uid`/`sample_idx`);
-each row's sampling seed is `request_seed(seed, gen_step, uid, sample_idx)`, so regenerating a committed step
-after a crash gives the same tokens where the engine is deterministic (HF on CPU is).
+Input rows are already one per sample (the driver repeats each prompt `n` times and stamps
+`uid`/`sample_idx`); each row's sampling seed is `request_seed(seed, gen_step, uid, sample_idx)`, so
+regenerating a committed step after a crash gives the same tokens where the engine is deterministic (HF on CPU
+is).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pyarrow as pa
+import torch
 
 from dapo_core.compute.engines.rollout import SamplingParams, make_rollout_engine
 from dapo_core.data import batch as B
@@ -39,13 +41,14 @@ class RolloutWorker:
         self.val_params = SamplingParams(**dict(val_sampling))
 
     def generate(self, table: pa.Table, gen_step: int, validate: bool = False) -> pa.Table:
-        """Add `response_ids`, `rollout_log_probs`, `finish_reason`, `weight_version`, `gen_step` to `table`."""
+        """Add `response_ids`, `rollout_log_probs`, `finish_reason`, `weight_version`, `gen_step` to
+        `table`."""
         params = self.val_params if validate else self.train_params
         uids = table.column("uid").to_pylist()
         sample_idx = table.column("sample_idx").to_pylist()
         prompts = table.column("prompt_ids").to_pylist()
         seed = self.seed + (1_000_003 if validate else 0)
-        seeds = [request_seed(seed, gen_step, u, s) for u, s in zip(uids, sample_idx)]
+        seeds = [request_seed(seed, gen_step, u, s) for u, s in zip(uids, sample_idx, strict=True)]
         outs = self.engine.generate(prompts, params, seeds)
         n = table.num_rows
         cols = {
@@ -61,14 +64,17 @@ class RolloutWorker:
             table = B.set_column(table, name, col)
         return table
 
-    def sync_weights(self, named_tensors: Mapping[str, Any] | Iterable) -> int:
+    def sync_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> int:
         """Load new weights (HF names) into the engine; returns the new weight version."""
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         self.engine.sync_weights(items)
         return self.engine.weight_version
 
     def set_weight_version(self, version: int) -> None:
-        """Stamp the engine's weight version (after a resume the loaded weights carry the checkpoint's version)."""
+        """Stamp the engine's weight version (after a resume the loaded weights carry the checkpoint's
+        version)."""
         self.engine.weight_version = int(version)
 
     def close(self) -> None:
