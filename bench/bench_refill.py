@@ -1,10 +1,10 @@
 """Simulate DAPO's dynamic-sampling loop: fixed gen_batch_size refills (reference) vs adaptive refills.
 
 Each sampled prompt's group survives filtering independently with probability p (p ∈ {0.2, 0.4, 0.7}). A step
-keeps generating batches until at least ``train_batch_size`` groups are kept; kept groups beyond that are thrown
-away as surplus (docs/REFERENCE.md §6.1 step 10). Fixed mode always asks for ``gen_batch_size`` prompts;
-adaptive mode asks ``next_gen_batch_size(deficit, KeepRateEstimator.rate, base=gen_batch_size, ...)`` (the
-very first batch of the run uses ``gen_batch_size``). No model is involved: this measures only the prompt
+keeps generating batches until at least ``train_batch_size`` groups are kept; kept groups beyond that are
+thrown away as surplus (docs/REFERENCE.md §6.1 step 10). Fixed mode always asks for ``gen_batch_size``
+prompts; adaptive mode asks ``next_gen_batch_size(deficit, KeepRateEstimator.rate, base=gen_batch_size, ...)``
+(the very first batch of the run uses ``gen_batch_size``). No model is involved: this measures only the prompt
 accounting.
 
     .venv/bin/python bench/bench_refill.py [--steps 300] [--seed 0] [--min-size 64] [--safety 1.2]
@@ -34,7 +34,8 @@ def simulate(
     safety: float,
     seed: int,
 ) -> dict[str, float]:
-    """Run ``steps`` training steps; return per-step means of surplus groups, prompts and generation batches."""
+    """Run ``steps`` training steps; return per-step means of surplus groups, prompts and generation
+    batches."""
     rng = np.random.default_rng(seed)
     est = KeepRateEstimator(decay=0.9)
     surplus, prompts, batches = [], [], []

@@ -1,10 +1,10 @@
 """What a guarded stage costs at the schema benchmark's size, to put validation time in proportion.
 
 Times the cheapest real work of the `old_log_prob` stage — a teacher-forced forward of the CPU default's tiny
-policy (hidden 128, 2 layers; `dapo_core.compute.engines.train` forward with log-probs and entropy) — on slices of
-256-token prompts + 2,048-token responses, and extrapolates linearly to the 512 × 16 = 8,192 trajectories of
-`bench_schemas.py`. Any real model (e.g. Qwen2.5-32B on GPUs) costs far more per token, so this is a lower bound
-on the stage cost and an upper bound on validation's share.
+policy (hidden 128, 2 layers; `dapo_core.compute.engines.train` forward with log-probs and entropy) — on
+slices of 256-token prompts + 2,048-token responses, and extrapolates linearly to the 512 × 16 = 8,192
+trajectories of `bench_schemas.py`. Any real model (e.g. Qwen2.5-32B on GPUs) costs far more per token, so
+this is a lower bound on the stage cost and an upper bound on validation's share.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_stage_cost.py [--rows 8] [--repeats 3]
 """
@@ -60,8 +60,8 @@ def main() -> None:
     per_row = statistics.median(times) / args.rows
     total = per_row * 8192
     print(
-        f"tiny-model old_log_prob forward: {per_row * 1000:.1f} ms per 2,304-token row (median of {args.repeats}),"
-        f" {total:.0f} s extrapolated to 8,192 rows"
+        f"tiny-model old_log_prob forward: {per_row * 1000:.1f} ms per 2,304-token row (median of "
+        f"{args.repeats}), {total:.0f} s extrapolated to 8,192 rows"
     )
     for stage, ms in (("generate", 114), ("old_log_prob", 102), ("advantage", 341)):
         print(f"  validation of {stage:<12} {ms} ms = {100 * ms / 1000 / total:.3f} % of that")

@@ -1,8 +1,9 @@
 """Learning probe: does DAPO visibly raise held-out accuracy of the tiny CPU model within ~10 minutes?
 
 End to end, in one process with one torch thread:
-  build a tiny Qwen2 model + char tokenizer (dapo_core.compute.models) → supervised warm-up (dapo_core.compute.sft)
-  → held-out evaluation → DAPO steps → held-out evaluation, printing accuracy before/after and wall time.
+  build a tiny Qwen2 model + char tokenizer (dapo_core.compute.models) → supervised warm-up
+  (dapo_core.compute.sft) → held-out evaluation → DAPO steps → held-out evaluation, printing accuracy
+  before/after and wall time.
 
 The DAPO step here is deliberately self-contained and small (it is a benchmark of *learnability*, not the
 product's training loop): sample n responses per prompt with HF ``generate``; score with
@@ -15,7 +16,8 @@ No KL, no entropy bonus, no overlong shaping (responses are short). Evaluation i
 default) and/or sampled mean@k at temperature 1.
 
 Example:
-  OMP_NUM_THREADS=1 .venv/bin/python bench/learn_probe.py --out /tmp/learn_probe --eval-every 20 --lr-warmup-steps 15
+  OMP_NUM_THREADS=1 .venv/bin/python bench/learn_probe.py --out /tmp/learn_probe --eval-every 20 \\
+      --lr-warmup-steps 15
 (defaults = run 6 of docs/LEARNING.md; the goal of +30 points is not yet met, see there)
 """
 
@@ -42,7 +44,8 @@ from dapo_core.data.datasets import make_synthetic_splits, tokenize_prompt
 
 # ------------------------------------------------------------------------------------------ scoring
 def _local_score(solution: str, ground_truth: str) -> dict:
-    """Integer subset of math_dapo.compute_score (last ``Answer:`` line of the last 300 chars, spaces removed)."""
+    """Integer subset of math_dapo.compute_score (last ``Answer:`` line of the last 300 chars, spaces
+    removed)."""
     matches = re.findall(r"(?i)Answer\s*:\s*([^\n]+)", solution[-300:])
     pred = matches[-1] if matches else "[INVALID]"
     pred = pred.split("=")[-1].replace(" ", "").strip()
@@ -172,7 +175,10 @@ def evaluate(model, val_rows, prompt_cache, tok, args, *, greedy: bool, k: int =
         temperature=args.temperature,
     )
     gts = [r["reward_model"]["ground_truth"] for r in val_rows] * (1 if greedy else k)
-    accs = [bool(_score(tok.decode(r, skip_special_tokens=True), gt)["acc"]) for r, gt in zip(resp, gts)]
+    accs = [
+        bool(_score(tok.decode(r, skip_special_tokens=True), gt)["acc"])
+        for r, gt in zip(resp, gts, strict=True)
+    ]
     return float(np.mean(accs))
 
 
@@ -346,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
             sc = np.array(
                 [
                     _score(tok.decode(r, skip_special_tokens=True), train_gts[i])["score"]
-                    for r, i in zip(resp, np.repeat(pids, args.n))
+                    for r, i in zip(resp, np.repeat(pids, args.n), strict=True)
                 ],
                 dtype=np.float64,
             )

@@ -7,9 +7,9 @@ is installed).
 
 Everything imported here and in `test_gpu_engines.py` exists on the GPU machine's stock image (torch,
 transformers, tokenizers, safetensors, numpy, pyarrow, tqdm, pytest): only `dapo_core.compute.engines`,
-`dapo_core.compute.models`, `dapo_core.algo.losses.core`, `dapo_core.algo.kl`, `dapo_core.data.batch` and `dapo_core.compute.workers.actor`
-are imported, never the CLI / flows / config modules (omegaconf, pandera, prefect, ray are absent there).
-DeepSpeed is imported lazily inside its test and skipped when missing.
+`dapo_core.compute.models`, `dapo_core.algo.losses.core`, `dapo_core.algo.kl`, `dapo_core.data.batch` and
+`dapo_core.compute.workers.actor` are imported, never the CLI / flows / config modules (omegaconf, pandera,
+prefect, ray are absent there). DeepSpeed is imported lazily inside its test and skipped when missing.
 
 Results (worst log-prob gaps, loss trajectories, throughput) are collected by the `record` fixture and
 written as JSON to `$DAPO_GPU_RESULTS` (when set) after each result and at the end of the session.

@@ -60,7 +60,9 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         DEV is None,
-        reason="needs a CUDA GPU (torch.cuda.is_available() is False); DAPO_GPU_TESTS_ON_CPU=1 dry-runs on cpu",
+        reason=(
+            "needs a CUDA GPU (torch.cuda.is_available() is False); DAPO_GPU_TESTS_ON_CPU=1 dry-runs on cpu"
+        ),
     ),
 ]
 
@@ -110,7 +112,8 @@ def _sync() -> None:
 
 # --------------------------------------------------------------------------- (a) rollout vs recompute
 def _pack(prompts, completions):
-    """The teacher-forcing inputs of prompts + completions, built as the workers build them (`to_padded`, cpu)."""
+    """The teacher-forcing inputs of prompts + completions, built as the workers build them (`to_padded`,
+    cpu)."""
     table = pa.table(
         {
             "prompt_ids": pa.array(prompts, pa.list_(pa.int64())),

@@ -1,4 +1,5 @@
-"""Tests for dapo_core.algo.advantages: registry, worked examples, vectorised == loop, GAE / REINFORCE++ masking."""
+"""Tests for dapo_core.algo.advantages: registry, worked examples, vectorised == loop, GAE / REINFORCE++
+masking."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _outcome(scores, L=3, lengths=None, dtype=torch.float32):
     lengths = lengths or [L] * B
     rewards = torch.zeros(B, L, dtype=dtype)
     mask = torch.zeros(B, L, dtype=torch.int8)
-    for i, (s, n) in enumerate(zip(scores, lengths)):
+    for i, (s, n) in enumerate(zip(scores, lengths, strict=True)):
         mask[i, :n] = 1
         if n:
             rewards[i, n - 1] = s
@@ -132,7 +133,7 @@ def test_config_object_is_read():
     assert a[:, 0].tolist() == pytest.approx([0.5, -0.5])
 
 
-# ------------------------------------------------------------------------------------------------ vectorised == loop
+# ----------------------------------------------------------------------------------------- vectorised == loop
 
 
 @st.composite
@@ -198,7 +199,7 @@ def test_factorize_index_kinds():
     assert n == 2 and ids.tolist() == [0, 0, 1]
 
 
-# ------------------------------------------------------------------------------------------------ other outcome estimators
+# ----------------------------------------------------------------------------------- other outcome estimators
 
 
 def test_opo_length_weighted_baseline():

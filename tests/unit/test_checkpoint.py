@@ -1,6 +1,7 @@
 """Unit tests for dapo_core.store.checkpoint.CheckpointDir: atomic save, verify, latest pointer, retention."""
 
 import json
+import re
 
 import pytest
 
@@ -36,17 +37,17 @@ def test_verify_names_the_bad_file(tmp_path):
     ck.save(1, _writer(b"abcdef"))
     f = ck.path(1) / "model.safetensors"
     f.write_bytes(b"abcdeX")
-    with pytest.raises(CheckpointError, match="'model.safetensors' is corrupted"):
+    with pytest.raises(CheckpointError, match=re.escape("'model.safetensors' is corrupted")):
         ck.verify(1)
     ck.verify(1, checksum=False)  # same size: passes without checksum
     f.write_bytes(b"abc")
-    with pytest.raises(CheckpointError, match="'model.safetensors' has the wrong size"):
+    with pytest.raises(CheckpointError, match=re.escape("'model.safetensors' has the wrong size")):
         ck.load(1)
     (ck.path(1) / "optim" / "state.pt").unlink()
     f.write_bytes(b"abcdef")
-    with pytest.raises(CheckpointError, match="'optim/state.pt' is missing"):
+    with pytest.raises(CheckpointError, match=re.escape("'optim/state.pt' is missing")):
         ck.load()
-    with pytest.raises(CheckpointError, match="MANIFEST.json is missing"):
+    with pytest.raises(CheckpointError, match=re.escape("MANIFEST.json is missing")):
         ck.verify(2)
 
 

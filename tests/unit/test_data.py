@@ -154,7 +154,7 @@ def test_sampler_batch_columns(tokenizer):
     assert b.schema.field("prompt_ids").type == pa.list_(pa.int32())
     rows = make_synthetic_math(23, seed=2)
     for pid, gt, ids in zip(
-        b["prompt_id"].to_pylist(), b["ground_truth"].to_pylist(), b["prompt_ids"].to_pylist()
+        b["prompt_id"].to_pylist(), b["ground_truth"].to_pylist(), b["prompt_ids"].to_pylist(), strict=True
     ):
         assert gt == rows[pid]["reward_model"]["ground_truth"]
         assert ids == tokenize_prompt(tokenizer, rows[pid]["prompt"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -180,5 +182,5 @@ def test_argument_errors(engine, prompts):
         engine.generate([[]], SamplingParams(max_new_tokens=2), [1])
     with pytest.raises(ValueError, match="max_position_embeddings"):
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=1000), [1])
-    with pytest.raises(ValueError, match="rollout.name"):
+    with pytest.raises(ValueError, match=re.escape("rollout.name")):
         make_rollout_engine("sglang", "/nonexistent")

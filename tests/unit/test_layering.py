@@ -1,8 +1,9 @@
-"""The layering rules hold: flows -> tasks -> dapo_core, dapo_core free of Prefect, algo free of the rest, no cycles.
+"""The layering rules hold: flows -> tasks -> dapo_core, dapo_core free of Prefect, algo free of the rest, no
+cycles.
 
-The static contracts live in pyproject.toml ([tool.importlinter]); `make lint` runs them too. The dynamic check
-below also catches imports that static analysis cannot see (importlib with a string, imports inside functions
-that run at import time).
+The static contracts live in pyproject.toml ([tool.importlinter]); `make lint` runs them too. The dynamic
+check below also catches imports that static analysis cannot see (importlib with a string, imports inside
+functions that run at import time).
 """
 
 from __future__ import annotations

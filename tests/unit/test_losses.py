@@ -1,4 +1,5 @@
-"""Tests for dapo_core.algo.losses.core and dapo_core.masked: worked examples, gradients, global normalisation."""
+"""Tests for dapo_core.algo.losses.core and dapo_core.masked: worked examples, gradients, global
+normalisation."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def test_worked_example_clip_high_positive_advantage():
 
 
 @pytest.mark.parametrize(
-    "ratio, adv, zero_grad",
+    ("ratio", "adv", "zero_grad"),
     [
         (0.5, -1.0, True),  # A < 0 and ratio < 1 − ε_low: clipped
         (1.1, 1.0, False),  # inside the trust region
@@ -228,7 +229,7 @@ def test_registry_names_and_errors():
         "reinforce",
     }
     assert expected <= set(POLICY_LOSS_REGISTRY)
-    with pytest.raises(ValueError, match="Unsupported loss mode.*Supported modes are"):
+    with pytest.raises(ValueError, match=r"Unsupported loss mode.*Supported modes are"):
         get_policy_loss("nope")
 
     @register_policy_loss("_test_tmp")
@@ -558,7 +559,7 @@ def test_value_loss_scale_factor():
     assert a.item() == pytest.approx(2 * b.item()) and fa.item() == fb.item()
 
 
-# ------------------------------------------------------------------------------------------------ actor objective
+# -------------------------------------------------------------------------------------------- actor objective
 
 
 def test_actor_objective_combines_terms():

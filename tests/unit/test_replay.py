@@ -1,4 +1,5 @@
-"""Unit tests for dapo_core.store.replay.ReplayBuffer (oldest-first, DAPO filter, staleness drop/wait, metrics)."""
+"""Unit tests for dapo_core.store.replay.ReplayBuffer (oldest-first, DAPO filter, staleness drop/wait,
+metrics)."""
 
 import uuid
 

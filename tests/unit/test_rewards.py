@@ -1,6 +1,7 @@
 """math_dapo scoring, routing, overlong shaping and the parallel reward manager (docs/REFERENCE.md §6.2-6.3,
 §10)."""
 
+import re
 import threading
 import time
 
@@ -17,7 +18,7 @@ from dapo_core.rewards.math_dapo import (
     remove_boxed,
 )
 
-# ------------------------------------------------------------------ scorers used by the pool (module level: picklable)
+# --------------------------------------------------------- scorers used by the pool (module level: picklable)
 
 
 def half_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -44,11 +45,11 @@ def _row(uid, text, gt="34", n=3, source="math_dapo"):
     }
 
 
-# ------------------------------------------------------------------------------------------------------ math_dapo
+# -------------------------------------------------------------------------------------------------- math_dapo
 
 
 @pytest.mark.parametrize(
-    "text, gt, score, pred",
+    ("text", "gt", "score", "pred"),
     [
         ("Let me think...\nAnswer: 34", "34", 1.0, "34"),
         ("Answer: 34.", "34", -1.0, "34."),
@@ -85,7 +86,7 @@ def test_strict_box_verify_compares_raw_ground_truth():
 
 
 @pytest.mark.parametrize(
-    "raw, norm",
+    ("raw", "norm"),
     [
         ("x = 5", "5"),
         ("1,000", "1000"),
@@ -126,18 +127,18 @@ def test_routing_unknown_source():
         default_compute_score("gsm8k", "Answer: 3", "3")
 
 
-# ------------------------------------------------------------------------------------------------------ overlong
+# --------------------------------------------------------------------------------------------------- overlong
 
 
 @pytest.mark.parametrize(
-    "length, expected", [(16384, 0.0), (18432, -0.5), (20480, -1.0), (0, 0.0), (16385, -1 / 4096)]
+    ("length", "expected"), [(16384, 0.0), (18432, -0.5), (20480, -1.0), (0, 0.0), (16385, -1 / 4096)]
 )
 def test_overlong_penalty_examples(length, expected):
     assert overlong_penalty(length, 20480, 4096, 1.0) == pytest.approx(expected)
 
 
 def test_overlong_penalty_errors():
-    with pytest.raises(ValueError, match="overlong_buffer.len"):
+    with pytest.raises(ValueError, match=re.escape("overlong_buffer.len")):
         overlong_penalty(10, 20, 0, 1.0)
     with pytest.raises(ValueError, match="max_resp_len"):
         overlong_penalty(10, 4, 8, 1.0)
@@ -160,7 +161,7 @@ def test_overlong_penalty_properties(buf, extra, length, factor):
         assert value == 0.0
 
 
-# ------------------------------------------------------------------------------------------------------ manager
+# ---------------------------------------------------------------------------------------------------- manager
 
 
 def test_manager_construction_checks():

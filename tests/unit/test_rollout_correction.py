@@ -32,7 +32,7 @@ def _batch(seed=0, b=4, length=6, dtype=torch.float32, scale=0.3):
     return old, rollout, mask
 
 
-# ---------------------------------------------------------------------------------------------- worked examples
+# -------------------------------------------------------------------------------------------- worked examples
 
 
 def test_token_k1_rejects_row_with_log_ratio_minus_one_keeps_weights():
@@ -104,7 +104,7 @@ def test_threshold_bool_is_type_error():
 
 
 @pytest.mark.parametrize(
-    "spec, expected",
+    ("spec", "expected"),
     [(2.0, (None, 2.0, False)), ("3", (None, 3.0, False)), ("0.5_5.0", (0.5, 5.0, True))],
 )
 def test_parse_is_threshold(spec, expected):
@@ -266,7 +266,7 @@ def test_property_tis_weights_capped_and_masked(lrs, mbits, level, cap):
     assert bool((new_mask <= mask).all())
 
 
-# ---------------------------------------------------------------------------------------------- config and presets
+# ----------------------------------------------------------------------------------------- config and presets
 
 PRESETS = {
     "decoupled_token_is": ("token", 2.0, None, None, False, "ppo_clip"),
@@ -342,9 +342,7 @@ def test_apply_rollout_correction_decoupled_and_bypass():
         rollout_rs_threshold="0.999_1.001",
     )
     assert torch.equal(w, w2) and torch.equal(new_mask, mask2) and m == m2
-    wb, mb, mtb = apply_rollout_correction(
-        old, rollout, mask, RolloutCorrection.bypass_pg_is().to_dict()
-    )
+    wb, mb, mtb = apply_rollout_correction(old, rollout, mask, RolloutCorrection.bypass_pg_is().to_dict())
     assert wb is None and mb is mask and "rollout_corr/kl" in mtb
     wd, md, _ = apply_rollout_correction(old, rollout, mask, None)
     assert wd is None and md is mask

@@ -17,7 +17,7 @@ from dapo_core.algo.dynamic_sampling import (
 def _reference_loop(uids, values):
     """The reference rule written as a plain loop with np.std (population)."""
     groups: dict = {}
-    for u, v in zip(uids, values):
+    for u, v in zip(uids, values, strict=True):
         groups.setdefault(u, []).append(v)
     kept = {u for u, vs in groups.items() if np.std(vs) > 0 or len(vs) == 1}
     return np.array([u in kept for u in uids], dtype=bool)
@@ -69,7 +69,7 @@ def test_next_gen_batch_size_rules():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    ("kwargs", "match"),
     [
         ({"deficit_groups": 1.5, "keep_rate": 0.5, "base": 8}, "deficit_groups"),
         ({"deficit_groups": 4, "keep_rate": 1.5, "base": 8}, "keep_rate"),

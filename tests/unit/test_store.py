@@ -1,7 +1,9 @@
-"""Unit tests for dapo_core.store.run_store.RunStore: ledger, stage commits, corruption detection, re-issue."""
+"""Unit tests for dapo_core.store.run_store.RunStore: ledger, stage commits, corruption detection,
+re-issue."""
 
 import json
 import pickle
+import re
 import sqlite3
 
 import pyarrow as pa
@@ -82,7 +84,7 @@ def test_key_validation(store):
 
 
 def test_put_many_is_atomic(store):
-    with pytest.raises(ValueError):
+    with pytest.raises(StoreError, match="trajectory key 'bad_'"):
         store.put_many([("ok_0", {}), ("bad_", {})])
     assert store.count() == 0
     store.put("p1", {"is_prompt": True, "status": "pending"})
@@ -187,7 +189,7 @@ def test_stage_and_step_validation(store):
             store.write_stage(0, bad, _table())
     with pytest.raises(ValueError, match="step"):
         store.write_stage(-1, "gen", _table())
-    with pytest.raises(ValueError, match="pyarrow.Table"):
+    with pytest.raises(ValueError, match=re.escape("pyarrow.Table")):
         store.write_stage(0, "gen", {"a": [1]})
 
 
@@ -195,7 +197,7 @@ def test_run_json_files_and_pickle(store, tmp_path):
     store.write_json("config.json", {"a": {"b": 1}})
     assert store.read_json("config.json") == {"a": {"b": 1}}
     assert store.read_json("state.json", default=None) is None
-    with pytest.raises(FileNotFoundError, match="state.json"):
+    with pytest.raises(FileNotFoundError, match=re.escape("state.json")):
         store.read_json("state.json")
     with pytest.raises(StoreError):
         store.write_json("../escape.json", {})

@@ -226,7 +226,7 @@ def test_grad_clip_and_nonfinite_step_is_skipped(tiny_dir):
     assert eng.skipped_steps == 1 and max_param_diff(before, params_of(eng)) == 0.0
     lp, _ = eng.forward(batch["input_ids"], batch["attention_mask"], batch["position_ids"], 6)
     eng.backward(-lp.mean())
-    params = [p for p in eng.model.parameters()]
+    params = list(eng.model.parameters())
     norm = eng.step()
     assert math.isfinite(norm) and norm > 1e-3 and eng.skipped_steps == 1 and eng.optimizer_steps == 1
     assert all(p.grad is None for p in params)

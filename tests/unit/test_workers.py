@@ -76,7 +76,9 @@ def test_actor_recomputes_rollout_log_probs_and_an_update_moves_the_policy(model
     t = roll.generate(_prompts(), gen_step=0)
     actor = ActorWorker(model_dir, ACTOR, pad_token_id=0, temperature=1.0, rollout_n=4, total_steps=5)
     t = actor.compute_log_prob(t)
-    for old, ro in zip(t.column("old_log_probs").to_pylist(), t.column("rollout_log_probs").to_pylist()):
+    for old, ro in zip(
+        t.column("old_log_probs").to_pylist(), t.column("rollout_log_probs").to_pylist(), strict=True
+    ):
         assert np.allclose(old, ro, atol=1e-5)
     rewards = pa.array([1.0, -1.0, -1.0, 1.0] * 2, pa.float32())
     t = t.append_column("reward", rewards)
@@ -89,14 +91,18 @@ def test_actor_recomputes_rollout_log_probs_and_an_update_moves_the_policy(model
     # weight sync: the rollout now samples from the updated policy
     roll.sync_weights(after)
     t2 = actor.compute_log_prob(roll.generate(_prompts(), gen_step=5))
-    for old, ro in zip(t2.column("old_log_probs").to_pylist(), t2.column("rollout_log_probs").to_pylist()):
+    for old, ro in zip(
+        t2.column("old_log_probs").to_pylist(), t2.column("rollout_log_probs").to_pylist(), strict=True
+    ):
         assert np.allclose(old, ro, atol=1e-5)
 
 
 def test_ref_worker_matches_the_untrained_actor(model_dir):
     t = _rollout(model_dir).generate(_prompts(), gen_step=0)
     ref = RefWorker(model_dir, pad_token_id=0, temperature=1.0).compute_ref_log_prob(t)
-    for a, b in zip(ref.column("ref_log_probs").to_pylist(), t.column("rollout_log_probs").to_pylist()):
+    for a, b in zip(
+        ref.column("ref_log_probs").to_pylist(), t.column("rollout_log_probs").to_pylist(), strict=True
+    ):
         assert np.allclose(a, b, atol=1e-5)
 
 

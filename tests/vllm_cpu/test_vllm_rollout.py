@@ -10,6 +10,7 @@ training engine recomputes. Tolerance achieved on CPU in float32: < 1e-4 (observ
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -64,10 +65,10 @@ def teacher_forced(
 def max_logprob_gap(model: torch.nn.Module, prompts, completions, temperature: float) -> float:
     """Largest |engine log-prob - teacher-forced log-prob| over all rows and tokens."""
     gap = 0.0
-    for p, c in zip(prompts, completions):
+    for p, c in zip(prompts, completions, strict=True):
         ref = teacher_forced(model, p, c.token_ids, temperature)
         assert len(c.log_probs) == len(c.token_ids) == len(ref)
-        gap = max(gap, max(abs(a - b) for a, b in zip(c.log_probs, ref)))
+        gap = max(gap, max(abs(a - b) for a, b in zip(c.log_probs, ref, strict=True)))
     return gap
 
 
@@ -91,7 +92,7 @@ def test_greedy_equals_hf_and_logprobs_match(vllm_engine, hf_model, eos):
     """Greedy tokens equal HF's; log-probs (T taken as 1 when greedy) match the teacher-forced recompute."""
     out = vllm_engine.generate(PROMPTS, GREEDY, seeds=[0, 1, 2, 3])
     assert len(out) == len(PROMPTS)
-    for p, c in zip(PROMPTS, out):
+    for p, c in zip(PROMPTS, out, strict=True):
         assert c.token_ids == reference_greedy(hf_model, p, GREEDY.max_new_tokens, eos)
         assert c.finish_reason == ("stop" if c.token_ids[-1] == eos else "length")
     assert len({tuple(c.token_ids) for c in out}) > 1, "degenerate model: every prompt gives the same output"
@@ -117,8 +118,8 @@ def test_hf_engine_greedy_agrees(vllm_engine, tiny_model_path, eos):
     v_out = vllm_engine.generate(PROMPTS, GREEDY, seeds=[0, 1, 2, 3])
     assert [c.token_ids for c in v_out] == [c.token_ids for c in hf_out]
     assert [c.finish_reason for c in v_out] == [c.finish_reason for c in hf_out]
-    for a, b in zip(v_out, hf_out):
-        assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < LOGPROB_TOL
+    for a, b in zip(v_out, hf_out, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) < LOGPROB_TOL
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -143,8 +144,8 @@ def test_top_p_logprobs_are_flagged_renormalised(vllm_engine, hf_model):
     assert all(c.extra.get("logprobs_renormalised") is True for c in out)
     diffs = [
         a - b
-        for p, c in zip(prompts, out)
-        for a, b in zip(c.log_probs, teacher_forced(hf_model, p, c.token_ids, 1.0))
+        for p, c in zip(prompts, out, strict=True)
+        for a, b in zip(c.log_probs, teacher_forced(hf_model, p, c.token_ids, 1.0), strict=True)
     ]
     assert min(diffs) > -LOGPROB_TOL  # log(p / kept mass) >= log p
     assert max(diffs) > 1e-2  # and strictly larger where the nucleus dropped mass
@@ -160,7 +161,7 @@ def test_same_seeds_same_output_and_eos_convention(vllm_engine, hf_model, eos):
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     assert [c.log_probs for c in a] == [c.log_probs for c in b]
     other = vllm_engine.generate(prompts, params, [s + 1 for s in seeds])
-    assert sum(x.token_ids != y.token_ids for x, y in zip(a, other)) >= len(prompts) // 2
+    assert sum(x.token_ids != y.token_ids for x, y in zip(a, other, strict=True)) >= len(prompts) // 2
     # rows repeating the same prompt with different seeds differ (one sample per row)
     assert a[0].token_ids != a[len(PROMPTS)].token_ids
     # a row's tokens depend on its own seed, not on the rest of the batch
@@ -208,7 +209,7 @@ def test_sync_weights_then_reload(vllm_engine, hf_model, tiny_model_path, eos, p
     vllm_engine.sync_weights((f"module.{k}", v) for k, v in new_state.items())
     assert vllm_engine.weight_version == version + 1
     after = vllm_engine.generate(PROMPTS, GREEDY, seeds=[0, 1, 2, 3])
-    for p, c in zip(PROMPTS, after):
+    for p, c in zip(PROMPTS, after, strict=True):
         assert c.token_ids == reference_greedy(new_model, p, GREEDY.max_new_tokens, eos)
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
     assert max_logprob_gap(new_model, PROMPTS, after, 1.0) < LOGPROB_TOL
@@ -222,9 +223,9 @@ def test_sync_weights_then_reload(vllm_engine, hf_model, tiny_model_path, eos, p
 def test_sync_weights_rejects_bad_names_and_shapes(vllm_engine):
     """Unknown names and wrong shapes fail before anything is loaded, naming the parameter."""
     version = vllm_engine.weight_version
-    with pytest.raises(KeyError, match="not.a.param"):
+    with pytest.raises(KeyError, match=re.escape("not.a.param")):
         vllm_engine.sync_weights([("not.a.param", torch.zeros(2))])
-    with pytest.raises(ValueError, match="model.norm.weight"):
+    with pytest.raises(ValueError, match=re.escape("model.norm.weight")):
         vllm_engine.sync_weights([("model.norm.weight", torch.zeros(3))])
     assert vllm_engine.weight_version == version
 
