@@ -35,6 +35,11 @@ def exhausted_message(num_gen_batches: int, max_num_gen_batches: int, kept: int,
     )
 
 
+def filter_column(metric: str) -> str:
+    """The reward-stage column that holds `algorithm.filter_groups.metric` (see `filter_metric_values`)."""
+    return "reward" if metric in ("seq_reward", "seq_final_reward") else metric
+
+
 def filter_metric_values(table: pa.Table, metric: str) -> np.ndarray:
     """Per-trajectory values of the dynamic-sampling metric (§6.1 step 7).
 
@@ -43,7 +48,7 @@ def filter_metric_values(table: pa.Table, metric: str) -> np.ndarray:
     `seq_final_reward` equals `seq_reward` (identical unless `use_kl_in_reward` is on; `validate_config` warns
     about that case). Any other name reads the reward column of that name (`acc`, `score`, ...).
     """
-    col = "reward" if metric in ("seq_reward", "seq_final_reward") else metric
+    col = filter_column(metric)
     if col not in table.column_names:
         raise KeyError(
             f"algorithm.filter_groups.metric={metric!r}: the reward stage produced no column {col!r}; "

@@ -33,7 +33,7 @@ from prefect.cache_policies import NO_CACHE
 
 from dapo_core.compute.cluster import submit
 from dapo_core.data import batch as B
-from dapo_core.stages import apply_group_filter
+from dapo_core.stages import apply_group_filter, filter_column
 from dapo_core.store.replay import ReplayBuffer
 from tasks import runtime
 from tasks.common import (
@@ -53,11 +53,6 @@ _DAPO_COUNTS = "_dapo_filtered_reward_counts"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def filter_column(metric: str) -> str:
-    """The reward column the buffer's DAPO filter reads for `algorithm.filter_groups.metric`."""
-    return "reward" if metric in ("seq_reward", "seq_final_reward") else metric
-
-
 def buffer(rt: runtime.Runtime) -> ReplayBuffer:
     """The run's replay buffer (created on first use from the config)."""
     if rt.replay_buffer is None:

@@ -63,8 +63,8 @@ def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: b
     known = rt.store.get_many(uids_of(table))
     new = [u for u in uids_of(table) if u not in known]
     if new:
-        tags = {"is_prompt": True, "status": "pending", "global_steps": step}
-        rt.store.put_many([(u, tags, to_ipc(rows_of(table, [u])) if replay else None) for u in new])
+        payloads = [to_ipc(rows_of(table, [u])) for u in new] if replay else None
+        rt.store.register_prompts(new, step, payloads)
     return uri, metrics
 
 

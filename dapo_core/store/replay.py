@@ -1,7 +1,7 @@
 """Replay buffer over the run store, for the replay-buffer step order.
 
-Rollout work registers prompts in the ledger (``register_prompts``; the generation task then tags them
-``status="running"`` in the run store) and hands finished groups to :meth:`ReplayBuffer.add_groups`; the
+Rollout work registers prompts in the ledger (``RunStore.register_prompts``; the generation task then tags
+them ``status="running"``) and hands finished groups to :meth:`ReplayBuffer.add_groups`; the
 trainer calls :meth:`ReplayBuffer.sample` once per global step. ``sample`` never blocks: when there are not
 enough sampleable groups it returns ``None`` and says in ``metrics["refill_needed"]`` how many prompts the
 caller should generate next. ``sample`` also computes the staleness and eviction metrics
@@ -100,25 +100,6 @@ class ReplayBuffer:
         self.prefix = "training" if partition == "train" else "validation"
 
     # ------------------------------------------------------------------ producer side
-    def register_prompts(
-        self,
-        uids: Iterable[str],
-        global_steps: int,
-        payloads: Sequence[bytes | None] | None = None,
-        status: str = "pending",
-    ) -> int:
-        """Register prompt keys ``{uid}`` (``is_prompt=True``, ``status``, ``global_steps``) in one
-        transaction.
-
-        ``payloads`` (optional, one per uid) keep what is needed to re-issue the prompt after a crash.
-        """
-        uids = list(uids)
-        if payloads is not None and len(payloads) != len(uids):
-            raise ReplayError(f"register_prompts: {len(payloads)} payloads for {len(uids)} uids")
-        tags = {"is_prompt": True, "status": status, "global_steps": int(global_steps)}
-        items = [(u, tags, None if payloads is None else payloads[i]) for i, u in enumerate(uids)]
-        return self.store.put_many(items, partition=self.partition)
-
     def _next_add_stage(self, global_steps: int) -> str:
         d = self.store.step_dir(global_steps)
         k = 0

@@ -360,6 +360,26 @@ class RunStore:
             db.executemany(self._UPSERT, rows)
         return len(rows)
 
+    def register_prompts(
+        self,
+        uids: Iterable[str],
+        global_steps: int,
+        payloads: Sequence[bytes | None] | None = None,
+        status: str = "pending",
+        partition: str = "train",
+    ) -> int:
+        """Register prompt keys ``{uid}`` (``is_prompt=True``, ``status``, ``global_steps``), one transaction.
+
+        ``payloads`` (optional, one per uid) keep what is needed to re-issue the prompt after a crash (the
+        replay-buffer order stores the prompt row). Returns the number of keys written.
+        """
+        uids = list(uids)
+        if payloads is not None and len(payloads) != len(uids):
+            raise StoreError(f"register_prompts: {len(payloads)} payloads for {len(uids)} uids")
+        tags = {"is_prompt": True, "status": status, "global_steps": int(global_steps)}
+        items = [(u, tags, None if payloads is None else payloads[i]) for i, u in enumerate(uids)]
+        return self.put_many(items, partition=partition)
+
     def apply(
         self,
         *,

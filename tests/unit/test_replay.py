@@ -73,7 +73,7 @@ def test_not_enough_returns_none_with_refill(store):
     rb = ReplayBuffer(store, train_batch_size=3, n=N)
     rb.add_groups(_groups([_uid()], [MIXED]), global_steps=1)
     inflight = [_uid()]
-    rb.register_prompts(inflight, global_steps=1)
+    store.register_prompts(inflight, global_steps=1)
     store.update_tags(inflight, status="running")  # what the generation task does
     table, m = rb.sample(global_steps=1)
     assert table is None
@@ -126,7 +126,7 @@ def test_wait_strategy_reports_must_wait(store):
     stale = _uid()
     rb.add_groups(_groups([stale], [MIXED]), global_steps=1)
     late = _uid()
-    rb.register_prompts([late], global_steps=2, status="running")
+    store.register_prompts([late], global_steps=2, status="running")
     table, m = rb.sample(global_steps=3)  # in-flight span 2 >= threshold
     assert table is None and m["must_wait"] is True
     assert store.count(uid=stale) == N + 1  # nothing evicted
@@ -164,7 +164,7 @@ def test_resample_same_step_returns_same_batch(store):
 def test_existing_prompt_keeps_its_global_steps_and_payload(store):
     rb = ReplayBuffer(store, train_batch_size=1, n=N)
     u = _uid()
-    rb.register_prompts([u], global_steps=2, payloads=[b"prompt-row"])
+    store.register_prompts([u], global_steps=2, payloads=[b"prompt-row"])
     store.update_tags([u], status="running")
     rb.add_groups(_groups([u], [MIXED]), global_steps=5)
     tags, payload = store.get(u)
@@ -175,7 +175,7 @@ def test_existing_prompt_keeps_its_global_steps_and_payload(store):
 def test_failed_groups_evicted(store):
     rb = ReplayBuffer(store, train_batch_size=1, n=N)
     bad = _uid()
-    rb.register_prompts([bad], global_steps=1)
+    store.register_prompts([bad], global_steps=1)
     store.update_tags([bad], status="failure")
     table, m = rb.sample(1)
     assert table is None and m["training/rollout_failure/evicted_samples"] == 1
