@@ -16,8 +16,7 @@ Loading (`load_config`): schema defaults <- YAML file (and the chain of files na
 key; then `validate_config` runs the cross-field checks and reports all problems at once.
 
 The dataclass schema lives in `dapo_core.config.schema` and the cross-field checks in
-`dapo_core.config.checks`; this module re-exports their public names, so `from dapo_core.config.loading import
-DapoConfig` keeps working.
+`dapo_core.config.checks`; the package `dapo_core.config` exports the schema classes and this module's names.
 """
 
 from __future__ import annotations
@@ -41,70 +40,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dapo_core.config.checks import (
-    FILTER_METRICS,
-    GROUP_ESTIMATORS,
     _collect_problems,
 )
 from dapo_core.config.schema import (
-    ActorConfig,
-    ActorRolloutRefConfig,
-    AlgorithmConfig,
-    CheckpointConfig,
-    CriticConfig,
     DapoConfig,
-    DataConfig,
-    DeepSpeedConfig,
-    EvalConfig,
-    FilterGroupsConfig,
-    KLCtrlConfig,
-    ModelConfig,
-    OptimConfig,
-    OverlongBufferConfig,
-    PolicyLossConfig,
-    RefConfig,
-    RewardModelConfig,
-    RolloutConfig,
-    RolloutCorrectionConfig,
-    SftConfig,
-    SourceFilesConfig,
-    SyntheticDataConfig,
-    TinyModelConfig,
-    TrainerConfig,
-    ValKwargsConfig,
 )
 
-# Public API; the schema classes and check constants are re-exported from dapo_core.config.schema and
-# dapo_core.config.checks so that existing `from dapo_core.config.loading import ...` lines keep working.
 __all__ = [
-    "FILTER_METRICS",
-    "GROUP_ESTIMATORS",
-    "ActorConfig",
-    "ActorRolloutRefConfig",
-    "AlgorithmConfig",
-    "CheckpointConfig",
     "ConfigError",
     "ConfigWarning",
-    "CriticConfig",
-    "DapoConfig",
-    "DataConfig",
-    "DeepSpeedConfig",
-    "EvalConfig",
-    "FilterGroupsConfig",
-    "KLCtrlConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "OverlongBufferConfig",
-    "PolicyLossConfig",
-    "RefConfig",
-    "RewardModelConfig",
-    "RolloutConfig",
-    "RolloutCorrectionConfig",
-    "SftConfig",
-    "SourceFilesConfig",
-    "SyntheticDataConfig",
-    "TinyModelConfig",
-    "TrainerConfig",
-    "ValKwargsConfig",
     "all_keys",
     "config_hash",
     "field_docs",

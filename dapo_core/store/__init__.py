@@ -1,27 +1,6 @@
 """The run store: atomic files (`files`), the prompt/trajectory ledger and stage files (`run_store`),
-checkpoints (`checkpoint`) and the replay buffer over the store (`replay`).
+checkpoints (`checkpoint`) and the replay buffer over the store (`replay`). The public names are
+`run_store.__all__`.
 """
 
-from dapo_core.store.run_store import (
-    INFLIGHT_STATUSES,
-    PROMPT_STATUSES,
-    RunStore,
-    StageNotCommitted,
-    StoreCorruption,
-    StoreError,
-    atomic_write_bytes,
-    fsync_dir,
-    schema_hash,
-)
-
-__all__ = [
-    "INFLIGHT_STATUSES",
-    "PROMPT_STATUSES",
-    "RunStore",
-    "StageNotCommitted",
-    "StoreCorruption",
-    "StoreError",
-    "atomic_write_bytes",
-    "fsync_dir",
-    "schema_hash",
-]
+from dapo_core.store.run_store import *
