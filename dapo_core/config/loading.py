@@ -39,6 +39,7 @@ import yaml  # type: ignore[import-untyped]
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dapo_core.algo.rollout_correction import RolloutCorrection
 from dapo_core.config.checks import (
     _collect_problems,
 )
@@ -308,9 +309,24 @@ def _build(sources: list[tuple[str, dict]], overrides: Sequence[str]) -> DictCon
         for where, data in named:
             cfg = _merge(cfg, data, where if where.startswith("override") else f"in {where}", problems)
         raise ConfigError("Invalid configuration:\n  " + "\n  ".join(problems)) from None
+    _expand_rollout_correction_preset(cfg)
     OmegaConf.set_struct(cfg, True)
     validate_config(cfg)
     return cfg
+
+
+def _expand_rollout_correction_preset(cfg: DictConfig) -> None:
+    """Replace `algorithm.rollout_correction`'s keys by its named `preset` (the preset wins over keys given
+    beside it; loading the resolved YAML again gives the same section)."""
+    rc = cfg.algorithm.rollout_correction
+    if rc.preset is None:
+        return
+    try:
+        values = RolloutCorrection.preset(rc.preset).to_dict()
+    except ValueError as e:
+        raise ConfigError(f"Invalid configuration:\n  algorithm.rollout_correction.preset: {e}") from None
+    for key, value in values.items():
+        rc[key] = value
 
 
 def validate_config(cfg: DictConfig) -> None:

@@ -454,6 +454,8 @@ class FilterGroupsConfig:
 class RolloutCorrectionConfig:
     """Importance sampling / rejection sampling against the rollout policy (verl YAML defaults)."""
 
+    preset: str | None = None
+    """Named preset (rollout_correction.PRESETS) setting this section's keys at load; null = as given."""
     rollout_is: str | None = None
     """IS level: null | token | sequence."""
     rollout_is_threshold: Any = 2.0

@@ -539,3 +539,19 @@ def test_option_lists_are_the_algo_layers():
     # rollout correction is validated by the algo layer's rules: a boolean threshold fails even with IS off
     msg = _error("algorithm.rollout_correction.rollout_is_threshold=true")
     assert "algorithm.rollout_correction.rollout_is_threshold" in msg and "boolean" in msg
+
+
+def test_rollout_correction_preset_expands_at_load_and_reloads_the_same():
+    c = load_config(TINY, ["algorithm.rollout_correction.preset=bypass_pg_geo_rs_seq_tis"])
+    rc = c.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_rs, rc.rollout_rs_threshold) == (
+        "sequence",
+        "seq_mean_k1",
+        "0.999_1.001",
+    )
+    assert rc.bypass_mode is True and rc.loss_type == "reinforce"
+    assert load_config_text(to_yaml(c)).algorithm.rollout_correction == rc
+    with pytest.raises(
+        ConfigError, match=r"rollout_correction\.preset: unknown .* did you mean 'bypass_pg_is'"
+    ):
+        load_config(TINY, ["algorithm.rollout_correction.preset=bypas_pg_is"])

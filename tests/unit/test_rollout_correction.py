@@ -293,7 +293,7 @@ PRESETS = {
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_exact_values_and_round_trip(name):
-    cfg = getattr(RolloutCorrection, name)()
+    cfg = RolloutCorrection.preset(name)
     got = (
         cfg.rollout_is,
         cfg.rollout_is_threshold,
@@ -304,15 +304,20 @@ def test_presets_exact_values_and_round_trip(name):
     )
     assert got == PRESETS[name]
     assert RolloutCorrection.from_dict(cfg.to_dict()) == cfg
+    assert RolloutCorrection.from_dict({"preset": name, "rollout_is": "token"}) == cfg  # the preset wins
 
 
 def test_config_defaults_and_preset_arguments():
     assert RolloutCorrection().rollout_is == "sequence"  # dataclass default, unlike the YAML (null)
-    assert RolloutCorrection.decoupled_geo_rs_seq_tis(rs_threshold=1.001).rollout_rs_threshold == 1.001
-    assert RolloutCorrection.decoupled_token_icepop(
-        threshold=4.0, threshold_lower=0.25
-    ).rollout_is_threshold == ("0.25_4.0")
+    assert (
+        RolloutCorrection.preset("decoupled_geo_rs_seq_tis", rollout_rs_threshold=1.001).rollout_rs_threshold
+        == 1.001
+    )
+    icepop = RolloutCorrection.preset("decoupled_token_icepop", rollout_is_threshold="0.25_4.0")
+    assert icepop.rollout_is_threshold == "0.25_4.0" and icepop.rollout_is == "token"
     assert RolloutCorrection.from_dict(None) == RolloutCorrection.disabled()
+    with pytest.raises(ValueError, match="did you mean 'bypass_pg_is'"):
+        RolloutCorrection.preset("bypas_pg_is")
 
 
 def test_config_errors_name_the_field():
@@ -330,7 +335,7 @@ def test_config_errors_name_the_field():
 
 def test_apply_rollout_correction_decoupled_and_bypass():
     old, rollout, mask = _batch(seed=5, scale=0.5)
-    cfg = RolloutCorrection.decoupled_geo_rs_token_tis()
+    cfg = RolloutCorrection.preset("decoupled_geo_rs_token_tis")
     w, new_mask, m = apply_rollout_correction(old, rollout, mask, cfg)
     w2, mask2, m2 = compute_rollout_correction_and_rejection_mask(
         old,
@@ -342,7 +347,9 @@ def test_apply_rollout_correction_decoupled_and_bypass():
         rollout_rs_threshold="0.999_1.001",
     )
     assert torch.equal(w, w2) and torch.equal(new_mask, mask2) and m == m2
-    wb, mb, mtb = apply_rollout_correction(old, rollout, mask, RolloutCorrection.bypass_pg_is().to_dict())
+    wb, mb, mtb = apply_rollout_correction(
+        old, rollout, mask, RolloutCorrection.preset("bypass_pg_is").to_dict()
+    )
     assert wb is None and mb is mask and "rollout_corr/kl" in mtb
     wd, md, _ = apply_rollout_correction(old, rollout, mask, None)
     assert wd is None and md is mask

@@ -249,12 +249,17 @@ class RolloutCorrection:
     def from_dict(cls, data: Mapping[str, Any] | None) -> RolloutCorrection:
         """Build from a mapping (e.g. the YAML section); unknown keys raise naming the closest field.
 
-        Missing keys take the dataclass defaults; ``None`` yields :meth:`disabled`.
+        Missing keys take the dataclass defaults; ``None`` yields :meth:`disabled`. A ``preset`` key (the
+        config's ``algorithm.rollout_correction.preset``) names a preset whose values win over the keys
+        beside it.
         """
         if data is None:
             return cls.disabled()
         names = [f.name for f in fields(cls)]
         items = dict(data.items())
+        preset = items.pop("preset", None)
+        if preset is not None:
+            return cls.preset(preset)
         for key in items:
             if key not in names:
                 close = difflib.get_close_matches(str(key), names, n=1)
@@ -269,183 +274,57 @@ class RolloutCorrection:
     # -- presets (§5.6; exact values) ------------------------------------------------------------------
 
     @classmethod
-    def decoupled_token_is(cls, threshold: float = 2.0) -> RolloutCorrection:
-        """Decoupled, token-level truncated IS."""
-        return cls(rollout_is="token", rollout_is_threshold=threshold)
-
-    @classmethod
-    def decoupled_seq_is(cls, threshold: float = 2.0) -> RolloutCorrection:
-        """Decoupled, sequence-level truncated IS."""
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold)
-
-    @classmethod
-    def decoupled_token_icepop(
-        cls, threshold: float = 5.0, threshold_lower: float = 0.5
-    ) -> RolloutCorrection:
-        """Decoupled, token-level IcePop (weights outside [lower, upper] set to 0)."""
-        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
-
-    @classmethod
-    def decoupled_seq_is_rs(
-        cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.5_2.0"
-    ) -> RolloutCorrection:
-        """Decoupled, sequence TIS plus sequence-sum k1 rejection."""
-        return cls(
-            rollout_is="sequence",
-            rollout_is_threshold=is_threshold,
-            rollout_rs="seq_sum_k1",
-            rollout_rs_threshold=rs_threshold,
-        )
-
-    @classmethod
-    def decoupled_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrection:
-        """Decoupled, geometric-mean (seq_mean_k1) rejection only."""
-        return cls(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_geo_rs_seq_tis(
-        cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> RolloutCorrection:
-        """Decoupled, geometric rejection plus sequence TIS."""
-        return cls(
-            rollout_is="sequence",
-            rollout_is_threshold=is_threshold,
-            rollout_rs="seq_mean_k1",
-            rollout_rs_threshold=rs_threshold,
-        )
-
-    @classmethod
-    def decoupled_geo_rs_token_tis(
-        cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> RolloutCorrection:
-        """Decoupled, geometric rejection plus token TIS."""
-        return cls(
-            rollout_is="token",
-            rollout_is_threshold=is_threshold,
-            rollout_rs="seq_mean_k1",
-            rollout_rs_threshold=rs_threshold,
-        )
-
-    @classmethod
-    def decoupled_k3_rs(cls, rs_threshold: float = 0.01) -> RolloutCorrection:
-        """Decoupled, sequence-mean k3 rejection only."""
-        return cls(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_k3_rs_seq_tis(
-        cls, is_threshold: float = 2.0, rs_threshold: float = 0.01
-    ) -> RolloutCorrection:
-        """Decoupled, sequence-mean k3 rejection plus sequence TIS."""
-        return cls(
-            rollout_is="sequence",
-            rollout_is_threshold=is_threshold,
-            rollout_rs="seq_mean_k3",
-            rollout_rs_threshold=rs_threshold,
-        )
-
-    @classmethod
-    def decoupled_k3_rs_token_tis(
-        cls, is_threshold: float = 2.0, rs_threshold: float = 0.01
-    ) -> RolloutCorrection:
-        """Decoupled, sequence-mean k3 rejection plus token TIS."""
-        return cls(
-            rollout_is="token",
-            rollout_is_threshold=is_threshold,
-            rollout_rs="seq_mean_k3",
-            rollout_rs_threshold=rs_threshold,
-        )
-
-    @classmethod
-    def bypass_ppo_clip(cls) -> RolloutCorrection:
-        """Bypass, PPO clip with ratio π_θ/π_rollout, no IS, no RS."""
-        return cls(rollout_is=None, bypass_mode=True, loss_type="ppo_clip")
-
-    @classmethod
-    def bypass_ppo_clip_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrection:
-        """Bypass, PPO clip plus geometric rejection."""
-        return cls(
-            rollout_is=None,
-            rollout_rs="seq_mean_k1",
-            rollout_rs_threshold=rs_threshold,
-            bypass_mode=True,
-            loss_type="ppo_clip",
-        )
-
-    @classmethod
-    def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01) -> RolloutCorrection:
-        """Bypass, PPO clip plus sequence-mean k3 rejection."""
-        return cls(
-            rollout_is=None,
-            rollout_rs="seq_mean_k3",
-            rollout_rs_threshold=rs_threshold,
-            bypass_mode=True,
-            loss_type="ppo_clip",
-        )
-
-    @classmethod
-    def bypass_pg_is(cls, threshold: float = 2.0) -> RolloutCorrection:
-        """Bypass, REINFORCE with sequence TIS."""
-        return cls(
-            rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, loss_type="reinforce"
-        )
-
-    @classmethod
-    def bypass_pg_token_icepop(
-        cls, threshold: float = 5.0, threshold_lower: float = 0.5
-    ) -> RolloutCorrection:
-        """Bypass, REINFORCE with token IcePop."""
-        return cls(
-            rollout_is="token",
-            rollout_is_threshold=f"{threshold_lower}_{threshold}",
-            bypass_mode=True,
-            loss_type="reinforce",
-        )
-
-    @classmethod
-    def bypass_pg_geo_rs(cls, rs_threshold: float | str = "0.999_1.001") -> RolloutCorrection:
-        """Bypass, REINFORCE with geometric rejection only."""
-        return cls(
-            rollout_is=None,
-            rollout_rs="seq_mean_k1",
-            rollout_rs_threshold=rs_threshold,
-            bypass_mode=True,
-            loss_type="reinforce",
-        )
-
-    @classmethod
-    def bypass_pg_geo_rs_seq_tis(
-        cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> RolloutCorrection:
-        """Bypass, REINFORCE with geometric rejection and sequence TIS."""
-        return cls(
-            rollout_is="sequence",
-            rollout_is_threshold=is_threshold,
-            rollout_rs="seq_mean_k1",
-            rollout_rs_threshold=rs_threshold,
-            bypass_mode=True,
-            loss_type="reinforce",
-        )
-
-    @classmethod
-    def bypass_pg_geo_rs_token_tis(
-        cls, is_threshold: float = 2.0, rs_threshold: float | str = "0.999_1.001"
-    ) -> RolloutCorrection:
-        """Bypass, REINFORCE with geometric rejection and token TIS."""
-        return cls(
-            rollout_is="token",
-            rollout_is_threshold=is_threshold,
-            rollout_rs="seq_mean_k1",
-            rollout_rs_threshold=rs_threshold,
-            bypass_mode=True,
-            loss_type="reinforce",
-        )
+    def preset(cls, name: str, **overrides: Any) -> RolloutCorrection:
+        """The named preset of `PRESETS`, with any field replaced by `overrides` (e.g.
+        ``preset("decoupled_token_icepop", rollout_is_threshold="0.25_4.0")``)."""
+        if name not in PRESETS:
+            close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown rollout-correction preset {name!r}{hint} (presets: {sorted(PRESETS)})")
+        return cls.from_dict({**PRESETS[name], **overrides})
 
     @classmethod
     def disabled(cls) -> RolloutCorrection:
         """No IS, no RS, decoupled (only the off-policy diagnostics are logged)."""
-        return cls(rollout_is=None, rollout_rs=None, bypass_mode=False)
+        return cls.preset("disabled")
 
     @property
     def is_enabled(self) -> bool:
         """True if IS or RS is configured."""
         return self.rollout_is is not None or bool(self.rollout_rs)
+
+
+_GEO_RS = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}
+_K3_RS = {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01}
+_ICEPOP = {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}
+_BYPASS_PG = {"bypass_mode": True, "loss_type": "reinforce"}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # decoupled: three policies, old log-probs recomputed; IS and/or RS against the rollout policy
+    "decoupled_token_is": {"rollout_is": "token"},
+    "decoupled_seq_is": {"rollout_is": "sequence"},
+    "decoupled_token_icepop": dict(_ICEPOP),
+    "decoupled_seq_is_rs": {
+        "rollout_is": "sequence",
+        "rollout_rs": "seq_sum_k1",
+        "rollout_rs_threshold": "0.5_2.0",
+    },
+    "decoupled_geo_rs": {"rollout_is": None, **_GEO_RS},
+    "decoupled_geo_rs_seq_tis": {"rollout_is": "sequence", **_GEO_RS},
+    "decoupled_geo_rs_token_tis": {"rollout_is": "token", **_GEO_RS},
+    "decoupled_k3_rs": {"rollout_is": None, **_K3_RS},
+    "decoupled_k3_rs_seq_tis": {"rollout_is": "sequence", **_K3_RS},
+    "decoupled_k3_rs_token_tis": {"rollout_is": "token", **_K3_RS},
+    # bypass: old log-probs := rollout log-probs (two policies); PPO clip or REINFORCE with IS weights
+    "bypass_ppo_clip": {"rollout_is": None, "bypass_mode": True},
+    "bypass_ppo_clip_geo_rs": {"rollout_is": None, **_GEO_RS, "bypass_mode": True},
+    "bypass_ppo_clip_k3_rs": {"rollout_is": None, **_K3_RS, "bypass_mode": True},
+    "bypass_pg_is": {"rollout_is": "sequence", **_BYPASS_PG},
+    "bypass_pg_token_icepop": {**_ICEPOP, **_BYPASS_PG},
+    "bypass_pg_geo_rs": {"rollout_is": None, **_GEO_RS, **_BYPASS_PG},
+    "bypass_pg_geo_rs_seq_tis": {"rollout_is": "sequence", **_GEO_RS, **_BYPASS_PG},
+    "bypass_pg_geo_rs_token_tis": {"rollout_is": "token", **_GEO_RS, **_BYPASS_PG},
+    "disabled": {"rollout_is": None},
+}
+"""The rollout-correction presets (§5.6): name -> the fields that differ from `RolloutCorrection`'s defaults
+(IS threshold 2.0, no RS, decoupled, ppo_clip). `algorithm.rollout_correction.preset` selects one."""

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from dapo_core.algo.rollout_correction.config import (
+    PRESETS,
     SUPPORTED_LOSS_TYPES,
     SUPPORTED_ROLLOUT_IS_LEVELS,
     SUPPORTED_ROLLOUT_RS_OPTIONS,
@@ -55,6 +56,7 @@ from dapo_core.masked import masked_mean as _masked_mean
 from dapo_core.masked import masked_sum as _masked_sum
 
 __all__ = [
+    "PRESETS",
     "SAFETY_BOUND",
     "SUPPORTED_LOSS_TYPES",
     "SUPPORTED_ROLLOUT_IS_LEVELS",
