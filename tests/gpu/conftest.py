@@ -25,20 +25,12 @@ import pytest
 import torch
 
 from dapo_core.compute.models import build_tiny_model
+from tests.helpers import tiny_model_cfg
 
 ON_CPU_DRY_RUN = os.environ.get("DAPO_GPU_TESTS_ON_CPU") == "1"
 DEVICE: str | None = "cuda" if torch.cuda.is_available() else ("cpu" if ON_CPU_DRY_RUN else None)
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": True,
-}
+TINY = tiny_model_cfg()
 """The small model for the numerics tests (fast on CPU, so the CPU reference side stays cheap)."""
 
 BIGGER = {

@@ -18,19 +18,11 @@ from dapo_core.compute.models import (
     load_tokenizer,
     tokenizer_dir,
 )
+from tests.helpers import tiny_model_cfg
 
 torch.set_num_threads(1)
 
-TINY = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": True,
-}
+TINY = tiny_model_cfg(hidden_size=32, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=128)
 TEXT = "Solve:  2 + 3 = ?\n\nAnswer: 5\t~{}|\\  end "
 
 

@@ -16,17 +16,9 @@ from dapo_core.compute.sft import (
     warmup_sft,
 )
 from dapo_core.data.datasets import make_synthetic_math, tokenize_prompt
+from tests.helpers import tiny_model_cfg
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": True,
-}
+TINY = tiny_model_cfg(max_position_embeddings=128)
 
 
 @pytest.fixture

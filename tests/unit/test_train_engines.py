@@ -18,19 +18,11 @@ from dapo_core.compute.engines.train import (
     response_log_probs,
 )
 from dapo_core.compute.models import build_tiny_model, load_model, load_tokenizer
+from tests.helpers import tiny_model_cfg
 
 torch.set_num_threads(1)
 
-TINY = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": True,
-}
+TINY = tiny_model_cfg(hidden_size=32, intermediate_size=64, max_position_embeddings=128)
 OPTIM = {
     "lr": 1e-2,
     "betas": (0.9, 0.99),

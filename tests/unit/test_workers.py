@@ -12,17 +12,9 @@ from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, Roll
 from dapo_core.data import batch as B
 from dapo_core.seeding import uid_factory
 from dapo_core.stages import compute_advantage_table
+from tests.helpers import tiny_model_cfg
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
+TINY = tiny_model_cfg(num_hidden_layers=1, max_position_embeddings=64)
 ACTOR = {
     "strategy": "torch",
     "optim": {"lr": 1e-2, "lr_warmup_steps": 0},

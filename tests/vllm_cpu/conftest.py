@@ -13,16 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,  # vLLM's CPU attention needs head_dim >= 32
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
+from tests.helpers import tiny_model_cfg
+
+TINY = tiny_model_cfg(max_position_embeddings=256)
 """The tiny Qwen2 used by these tests (~30k parameters, char tokenizer)."""
 
 INIT_NOISE = 0.3
