@@ -248,16 +248,16 @@ def test_failed_open_run_leaves_no_workers_and_retried_draw_skips_no_prompt(tiny
             )
         )
         expected = fresh.next_batch(3).column("prompt_id").to_pylist()
-        original = rt.store.put_many
+        original = rt.store.register_prompts
         calls = []
 
-        def flaky(items):
+        def flaky(*args, **kwargs):
             calls.append(1)
             if len(calls) == 1:
                 raise OSError("disk hiccup")
-            return original(items)
+            return original(*args, **kwargs)
 
-        monkeypatch.setattr(rt.store, "put_many", flaky)
+        monkeypatch.setattr(rt.store, "register_prompts", flaky)
         with pytest.raises(OSError, match="disk hiccup"):
             sample_prompts.fn("openfail", 1, "g0", 3)
         uri, _ = sample_prompts.fn("openfail", 1, "g0", 3)
