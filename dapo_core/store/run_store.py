@@ -24,22 +24,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, BinaryIO, Literal, Self
 
 import fsspec
 import pyarrow as pa
 from pyarrow import ipc
 
 from dapo_core.store.checkpoint import CheckpointDir
-from dapo_core.store.files import atomic_write_bytes, fsync_dir, unlink_missing_ok
+from dapo_core.store.files import atomic_write, atomic_write_bytes, fsync_dir, unlink_missing_ok
 
 __all__ = [
     "INFLIGHT_STATUSES",
@@ -595,18 +593,15 @@ class RunStore:
         if man_path.exists():  # un-commit first so a crash mid-rewrite never pairs old manifest + new data
             unlink_missing_ok(man_path)
             fsync_dir(data_path.parent)
-        tmp = data_path.with_name(f".{data_path.name}.tmp-{uuid.uuid4().hex[:12]}")
-        try:
-            with open(tmp, "wb") as f:
-                sink = _HashingSink(f)
-                with ipc.new_file(sink, table.schema) as writer:
-                    writer.write_table(table)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, data_path)
-        except BaseException:
-            unlink_missing_ok(tmp)
-            raise
+        sinks: list[_HashingSink] = []
+
+        def write_ipc(f: BinaryIO) -> None:
+            sinks.append(_HashingSink(f))
+            with ipc.new_file(sinks[-1], table.schema) as writer:
+                writer.write_table(table)
+
+        atomic_write(data_path, write_ipc, fsync_parent=False)  # the manifest's write syncs the directory
+        sink = sinks[-1]
         manifest = {
             "format": 1,
             "step": step,
