@@ -46,6 +46,7 @@ def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: b
     if done is not None:
         sampler.load_state_dict((rt.store.meta(step, stage) or {})["sampler_state"])
         uri, metrics = done
+        table = rt.store.read_uri(uri)
     else:
         # uids are seeded by (seed, step, generation batch) — the batch's index in the sync order ("g3" → 3),
         # its tag in the replay order — so a re-run samples the same tokens (sampling seeds derive from uids)
@@ -59,9 +60,9 @@ def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: b
         except BaseException:
             sampler.load_state_dict(before)  # a retry draws the same prompts (none skipped)
             raise
-    table = rt.store.read_uri(uri)
-    known = rt.store.get_many(uids_of(table))
-    new = [u for u in uids_of(table) if u not in known]
+    uids = uids_of(table)
+    known = rt.store.get_many(uids)
+    new = [u for u in uids if u not in known]
     if new:
         payloads = [to_ipc(rows_of(table, [u])) for u in new] if replay else None
         rt.store.register_prompts(new, step, payloads)
