@@ -80,6 +80,31 @@ def test_row_tokens_do_not_depend_on_batch(engine, prompts, tiny_dir):
         assert max(abs(u - v) for u, v in zip(x.log_probs, y.log_probs, strict=True)) <= 1e-5
 
 
+def test_group_rows_share_the_prefill_but_not_their_samples(engine, prompts):
+    # The n samples of a group (equal prompts) get one prefill; each row still samples from its own seed,
+    # exactly as when it is generated alone, and the group's rows differ from one another.
+    sp = SamplingParams(max_new_tokens=14, temperature=0.9)
+    group = [prompts[1]] * 6 + [prompts[3]] * 6
+    seeds = list(range(40, 52))
+    together = engine.generate(group, sp, seeds)
+    alone = [engine.generate([p], sp, [s])[0] for p, s in zip(group, seeds, strict=True)]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    for x, y in zip(together, alone, strict=True):
+        assert max(abs(u - v) for u, v in zip(x.log_probs, y.log_probs, strict=True)) <= 1e-5
+    assert len({tuple(c.token_ids) for c in together[:6]}) > 1
+
+
+def test_a_rows_stream_does_not_depend_on_max_new_tokens(tiny_dir, prompts):
+    # Variates are drawn in blocks of steps; the block size follows max_new_tokens, the stream must not.
+    engine = HFRolloutEngine(tiny_dir, max_batch_size=16, progress=False, eos_token_id=-1)
+    seeds = [3, 4, 5, 6, 7]
+    short = engine.generate(prompts, SamplingParams(max_new_tokens=5), seeds)
+    long = engine.generate(prompts, SamplingParams(max_new_tokens=23), seeds)
+    for s, g in zip(short, long, strict=True):
+        assert len(g.token_ids) == 23
+        assert g.token_ids[:5] == s.token_ids
+
+
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
 def test_log_probs_match_teacher_forced_train_forward(engine, prompts, tiny_dir, temperature, top_p):
     sp = SamplingParams(max_new_tokens=20, temperature=temperature, top_p=top_p)

