@@ -87,7 +87,7 @@ def export_final(run_dir: Path, out: Path) -> Path:
     src = Path(ckpts.load(step)) / "actor"
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("optim.pt", "extra_state.pt", "deepspeed"))
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("optim.*", "extra_state.*", "deepspeed"))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

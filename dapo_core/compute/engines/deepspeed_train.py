@@ -12,8 +12,9 @@ The first initialize on a machine JIT-compiles `deepspeed_shm_comm` (~1 min, cac
 
 Checkpoint layout written by `save(dir)`: the full weights as an HF folder (gathered under ZeRO-3),
 `deepspeed/` (DeepSpeed's own model + optimizer state, restored bitwise by `load`) and
-`extra_state.pt` (scheduler, counters, RNG states) — the same files as the torch engine except that
-the optimizer state lives in `deepspeed/` instead of `optim.pt`.
+`extra_state.{json,tensors}` (scheduler, counters, RNG states; safetensors + JSON, no pickle) — the same
+files as the torch engine except that the optimizer state lives in `deepspeed/` (DeepSpeed's own format)
+instead of `optim.*`.
 """
 
 from __future__ import annotations
@@ -219,10 +220,14 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     def save(self, out_dir: str | Path) -> Path:
         """Write HF weights, DeepSpeed model + optimizer state, scheduler and RNG states to `out_dir`."""
+        from dapo_core.store.state_files import save_state
+
         out = self.export_hf(out_dir)
         rng = get_rng_state()  # DeepSpeed must not perturb what we save
         self.engine.save_checkpoint(str(out / DS_SUBDIR), tag=DS_TAG, save_latest=False)
-        torch.save(
+        save_state(
+            out,
+            "extra_state",
             {
                 "scheduler": self.scheduler.state_dict(),
                 "optimizer_steps": self.optimizer_steps,
@@ -231,19 +236,23 @@ class DeepSpeedTrainEngine(TrainEngine):
                 "engine": "deepspeed",
                 "zero_stage": self.zero_stage,
             },
-            out / EXTRA_FILE,
         )
         return out
 
     def load(self, ckpt_dir: str | Path) -> None:
-        """Restore a checkpoint written by `save` with the same ZeRO stage (bitwise)."""
+        """Restore a checkpoint written by `save` with the same ZeRO stage (bitwise). Our extra state is read
+        without pickle; the `deepspeed/` folder is read by DeepSpeed itself (see docs: only load checkpoints
+        this run wrote, whose manifest the run store verifies)."""
+        from dapo_core.store.state_files import load_state, refuse_pickled_state, state_files
+
         d = Path(ckpt_dir)
-        if not (d / EXTRA_FILE).is_file() or not (d / DS_SUBDIR / DS_TAG).is_dir():
+        refuse_pickled_state(d, (EXTRA_FILE,))
+        if not state_files(d, "extra_state")[0].is_file() or not (d / DS_SUBDIR / DS_TAG).is_dir():
             raise FileNotFoundError(
-                f"{d} lacks {EXTRA_FILE} or {DS_SUBDIR}/{DS_TAG}; it is not a complete DeepSpeed-engine "
+                f"{d} lacks extra_state.json or {DS_SUBDIR}/{DS_TAG}; it is not a complete DeepSpeed-engine "
                 "checkpoint."
             )
-        extra = torch.load(d / EXTRA_FILE, weights_only=False)
+        extra = load_state(d, "extra_state")
         if extra.get("engine") != "deepspeed" or int(extra.get("zero_stage", -1)) != self.zero_stage:
             raise ValueError(
                 f"{d} was written by engine={extra.get('engine')!r} zero_stage={extra.get('zero_stage')}; "

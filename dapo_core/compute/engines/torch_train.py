@@ -2,7 +2,9 @@
 
 Checkpoint layout written by `save(dir)`:
 - `model.safetensors` + `config.json` (+ tokenizer): the weights as an HF folder (loadable on its own);
-- `optim.pt`: `optimizer.state_dict()`; `extra_state.pt`: scheduler state, step counters, RNG states.
+- `optim.{json,tensors}`: `optimizer.state_dict()`; `extra_state.{json,tensors}`: scheduler state, step
+  counters, RNG states (safetensors format + JSON, `dapo_core.store.state_files`: nothing read back is
+  executed).
 """
 
 from __future__ import annotations
@@ -108,10 +110,17 @@ class TorchTrainEngine(TrainEngine):
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def save(self, out_dir: str | Path) -> Path:
-        """Write weights (HF safetensors + tokenizer), optimizer, scheduler and RNG states to `out_dir`."""
+        """Write weights (HF safetensors + tokenizer), optimizer, scheduler and RNG states to `out_dir`.
+
+        Optimizer and extra state go to `optim.{json,tensors}` and `extra_state.{json,tensors}`
+        (`dapo_core.store.state_files`: tensors + JSON, never pickle)."""
+        from dapo_core.store.state_files import save_state
+
         out = self.export_hf(out_dir)
-        torch.save(self.optimizer.state_dict(), out / OPTIM_FILE)
-        torch.save(
+        save_state(out, "optim", self.optimizer.state_dict())
+        save_state(
+            out,
+            "extra_state",
             {
                 "scheduler": self.scheduler.state_dict(),
                 "optimizer_steps": self.optimizer_steps,
@@ -119,24 +128,24 @@ class TorchTrainEngine(TrainEngine):
                 "rng": get_rng_state(),
                 "engine": "torch",
             },
-            out / EXTRA_FILE,
         )
         return out
 
     def load(self, ckpt_dir: str | Path) -> None:
-        """Restore weights, optimizer, scheduler, counters and RNG states written by `save`."""
+        """Restore weights, optimizer, scheduler, counters and RNG states written by `save` (nothing read is
+        executed; a checkpoint of the older pickled layout is refused)."""
+        from dapo_core.store.state_files import load_state, refuse_pickled_state
+
         d = Path(ckpt_dir)
-        for f in (OPTIM_FILE, EXTRA_FILE):
-            if not (d / f).is_file():
-                raise FileNotFoundError(f"{d / f} is missing; {d} is not a complete torch-engine checkpoint.")
-        extra = torch.load(d / EXTRA_FILE, weights_only=False)
+        refuse_pickled_state(d, (OPTIM_FILE, EXTRA_FILE))
+        extra = load_state(d, "extra_state")
         if extra.get("engine") != "torch":
             raise ValueError(
                 f"{d} was written by the {extra.get('engine')!r} engine; set "
                 "actor_rollout_ref.actor.strategy to match, or start from its exported HF weights."
             )
         load_hf_weights_into(self.model, d)
-        self.optimizer.load_state_dict(torch.load(d / OPTIM_FILE, weights_only=False))
+        self.optimizer.load_state_dict(load_state(d, "optim"))
         self.scheduler.load_state_dict(extra["scheduler"])
         self.optimizer_steps = int(extra["optimizer_steps"])
         self.skipped_steps = int(extra["skipped_steps"])
