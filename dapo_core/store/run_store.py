@@ -36,6 +36,7 @@ import fsspec
 import pyarrow as pa
 from pyarrow import ipc
 
+from dapo_core.errors import DapoUserError
 from dapo_core.store.checkpoint import CheckpointDir
 from dapo_core.store.files import atomic_write, atomic_write_bytes, fsync_dir, unlink_missing_ok
 
@@ -64,7 +65,7 @@ _MANIFEST_SUFFIX = ".manifest.json"
 _CHUNK = 8 << 20
 
 
-class StoreError(ValueError):
+class StoreError(DapoUserError, ValueError):
     """A run-store operation was given a bad argument or found the store in an unusable state."""
 
 
@@ -198,7 +199,9 @@ def _sql_value(v: Any) -> Any:
 class RunStore:
     """The durable store of one run (ledger + committed stage outputs + run files + checkpoints).
 
-    ``RunStore(root)`` creates ``root`` if needed and opens (or creates) ``root/ledger.sqlite``.
+    ``RunStore(root)`` creates ``root`` if needed and opens (or creates) ``root/ledger.sqlite``. A missing
+    ledger in a folder that already holds steps or checkpoints is refused (:class:`StoreError`): creating
+    an empty one would continue the run with its history gone.
     It is safe to share one instance between threads (a lock serialises ledger access). Pickling a
     store re-opens it from its root on the other side.
     """
@@ -213,11 +216,37 @@ class RunStore:
             )
         self.root = local.absolute()
         self.root.mkdir(parents=True, exist_ok=True)
+        self._refuse_lost_ledger()
         self._lock = threading.RLock()
         self._db: sqlite3.Connection | None = self._open_db()
         self._ckpt = None
 
     # ------------------------------------------------------------------ lifecycle
+    def _refuse_lost_ledger(self) -> None:
+        if (self.root / "ledger.sqlite").exists():
+            return
+        steps = [p.name for p in self.root.iterdir() if _STEP_DIR_RE.match(p.name) and p.is_dir()]
+        ckpt = self.root / "ckpt"
+        ckpts = [p.name for p in ckpt.iterdir() if p.name.startswith("step_")] if ckpt.is_dir() else []
+        if steps or ckpts:
+            held = ", ".join(
+                part
+                for part in (
+                    f"{len(steps)} step folders" if steps else "",
+                    f"checkpoints {sorted(ckpts)[-3:]}" if ckpts else "",
+                )
+                if part
+            )
+            raise StoreError(
+                f"the run's ledger {self.root / 'ledger.sqlite'} is missing although the run already has "
+                f"{held}: continuing would re-create an empty ledger and lose which prompts were drawn, "
+                f"finished or in flight",
+                fix=(
+                    "restore ledger.sqlite (with ledger.sqlite-wal if there was one) from a backup, or "
+                    "start a new run: set a new trainer.experiment_name, or delete the run folder"
+                ),
+            )
+
     def _open_db(self) -> sqlite3.Connection:
         db = sqlite3.connect(
             str(self.root / "ledger.sqlite"), timeout=60.0, isolation_level=None, check_same_thread=False
