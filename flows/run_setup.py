@@ -140,6 +140,11 @@ def _actor_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, 
         seed=cfg.trainer.seed,
         log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
         rollout_correction=rc,
+        log_prob_max_token_len=(
+            arr.rollout.log_prob_max_token_len_per_gpu if arr.rollout.log_prob_use_dynamic_bsz else None
+        ),
+        gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+        use_remove_padding=arr.model.use_remove_padding,
     )
     return proxy(cluster.create("actor", factory, num_gpus=_gpus(device)), ActorWorker)
 
@@ -167,6 +172,8 @@ def _ref_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, de
         device=device,
         micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
     )
+        max_token_len=arr.ref.log_prob_max_token_len_per_gpu if arr.ref.log_prob_use_dynamic_bsz else None,
+        use_remove_padding=arr.model.use_remove_padding,
     return proxy(cluster.create("ref", factory, num_gpus=_gpus(device)), RefWorker)
 
 
@@ -185,6 +192,7 @@ def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int,
         device=device,
         seed=cfg.trainer.seed,
     )
+        gradient_checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
     return proxy(cluster.create("critic", factory, num_gpus=_gpus(device)), CriticWorker)
 
 

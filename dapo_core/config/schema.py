@@ -187,7 +187,9 @@ class ModelConfig:
     tokenizer_path: str | None = None
     """Tokenizer folder; null = `path`."""
     enable_gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory. Not implemented yet (default only)."""
+    """Recompute activations in the backward pass to save memory (actor and critic; same gradients)."""
+    use_remove_padding: bool = False
+    """Packed, padding-free forwards for log-probs and updates (same values as padded within float error)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the embedded tiny model."""
     sft: SftConfig = field(default_factory=SftConfig)
@@ -274,9 +276,9 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int | None = None
     """Trajectories per forward/backward; null = the whole mini-batch."""
     use_dynamic_bsz: bool = False
-    """Form micro-batches by a token budget, not a trajectory count. Not implemented yet (default only)."""
+    """Form micro-batches by a token budget, not a trajectory count (loss normalisation unchanged)."""
     ppo_max_token_len_per_gpu: int = 16384
-    """Token budget of a micro-batch when `use_dynamic_bsz`. Not implemented yet (default only)."""
+    """Token budget of a micro-batch when `use_dynamic_bsz` (a longer row goes alone)."""
     ppo_epochs: int = 1
     """Passes over each training batch."""
     shuffle: bool = False
@@ -351,9 +353,9 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Trajectories per forward when recomputing old log-probs; null = whole batch."""
     log_prob_use_dynamic_bsz: bool = False
-    """Form log-prob micro-batches by a token budget. Not implemented yet (default only)."""
+    """Form log-prob micro-batches by a token budget instead of a trajectory count."""
     log_prob_max_token_len_per_gpu: int = 16384
-    """Token budget of a log-prob micro-batch when dynamic. Not implemented yet (default only)."""
+    """Token budget of a log-prob micro-batch when `log_prob_use_dynamic_bsz`."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory for weights and KV cache."""
     tensor_model_parallel_size: int = 1
@@ -379,9 +381,9 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Trajectories per reference forward; null = whole batch."""
     log_prob_use_dynamic_bsz: bool = False
-    """Form reference micro-batches by a token budget. Not implemented yet (default only)."""
+    """Form reference micro-batches by a token budget instead of a trajectory count."""
     log_prob_max_token_len_per_gpu: int = 16384
-    """Token budget of a reference micro-batch when dynamic. Not implemented yet (default only)."""
+    """Token budget of a reference micro-batch when `log_prob_use_dynamic_bsz`."""
 
 
 @dataclass

@@ -2,10 +2,10 @@
 
 Every key of the schema is either read by the code (dapo_core/, tasks/, flows/) or listed here:
 
-- `NOT_IMPLEMENTED`: verl keys whose feature does not exist here yet (the memory features — gradient
-  checkpointing, token-budget micro-batches — belong to the scale issue). Such a key is accepted only at its
+- `NOT_IMPLEMENTED`: verl keys whose feature does not exist here yet. Such a key is accepted only at its
   default, which is what the code does; any other value is a load-time `ConfigError` naming the key
-  (`not_implemented_problems`).
+  (`not_implemented_problems`). (The memory features — gradient checkpointing, token-budget micro-batches,
+  packed forwards — are honoured: dapo_core/compute/microbatch.py.)
 - `NO_OPS`: keys accepted with any valid value and deliberately ignored, kept so that verl configs load.
 
 `tests/unit/test_config_keys.py` walks every leaf of the schema and fails when one is neither read nor listed
@@ -21,37 +21,19 @@ from dapo_core.config.schema import DapoConfig
 
 __all__ = ["NOT_IMPLEMENTED", "NO_OPS", "default_value", "not_implemented_problems"]
 
-_MEMORY = "memory feature, comes with the scale issue"
 _VLLM = "not passed to vLLM yet: vLLM's own default applies"
 _CRITIC_LR = "the critic's learning rate is constant (no warm-up or decay schedule)"
 
 NOT_IMPLEMENTED: dict[str, str] = {
     "data.prompt_key": "prompts are read from the `prompt` column",
     "data.reward_fn_key": "rows are routed to their scoring function by the `data_source` column",
-    "actor_rollout_ref.model.enable_gradient_checkpointing": f"{_MEMORY}; activations are kept for backward",
-    "actor_rollout_ref.actor.use_dynamic_bsz": (
-        f"{_MEMORY}; micro-batches count trajectories (ppo_micro_batch_size_per_gpu)"
-    ),
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": f"{_MEMORY}; the token budget of use_dynamic_bsz",
     "actor_rollout_ref.actor.checkpoint.save_contents": (
         "a checkpoint always holds model, optimizer, extra and hf_model"
     ),
     "actor_rollout_ref.actor.checkpoint.load_contents": "resume always restores model, optimizer and extra",
-    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": (
-        f"{_MEMORY}; log-prob micro-batches count trajectories (log_prob_micro_batch_size_per_gpu)"
-    ),
-    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": (
-        f"{_MEMORY}; the token budget of log_prob_use_dynamic_bsz"
-    ),
     "actor_rollout_ref.rollout.enable_chunked_prefill": _VLLM,
     "actor_rollout_ref.rollout.max_num_batched_tokens": _VLLM,
     "actor_rollout_ref.rollout.max_num_seqs": _VLLM,
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (
-        f"{_MEMORY}; reference micro-batches count trajectories (log_prob_micro_batch_size_per_gpu)"
-    ),
-    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": (
-        f"{_MEMORY}; the token budget of log_prob_use_dynamic_bsz"
-    ),
     "critic.optim.lr_warmup_steps": _CRITIC_LR,
     "critic.optim.lr_warmup_steps_ratio": _CRITIC_LR,
     "critic.optim.warmup_style": _CRITIC_LR,

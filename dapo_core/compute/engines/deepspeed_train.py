@@ -32,6 +32,7 @@ import torch
 from dapo_core.compute.engines.train import (
     TrainEngine,
     adamw_kwargs,
+    enable_gradient_checkpointing,
     get_rng_state,
     lr_lambda_for,
     set_rng_state,
@@ -127,6 +128,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         device: str = "cpu",
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
+        gradient_checkpointing: bool = False,
         deepspeed_cfg: Mapping[str, Any] | None = None,
     ) -> None:
         import deepspeed
@@ -144,6 +146,8 @@ class DeepSpeedTrainEngine(TrainEngine):
             deepspeed.init_distributed(dist_backend=backend)
         torch.manual_seed(self.seed)
         model = load_model(self.model_path, dtype=dtype, device=self.device)
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         model.train()
         base_opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(optim_cfg))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -19,6 +19,7 @@ import torch
 from dapo_core.compute.engines.train import (
     TrainEngine,
     adamw_kwargs,
+    enable_gradient_checkpointing,
     get_rng_state,
     lr_lambda_for,
     set_rng_state,
@@ -67,6 +68,7 @@ class TorchTrainEngine(TrainEngine):
         device: str = "cpu",
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
+        gradient_checkpointing: bool = False,
     ) -> None:
         self.model_path = Path(model_path)
         self.device = torch.device(device)
@@ -75,6 +77,8 @@ class TorchTrainEngine(TrainEngine):
         self.grad_clip = None if grad_clip is None or grad_clip <= 0 else float(grad_clip)
         torch.manual_seed(self.seed)
         self.model = load_model(self.model_path, dtype=dtype, device=self.device)
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(optim_cfg))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -12,6 +12,10 @@ batch_num_tokens: Σ response_mask of the mini-batch, global_batch_size: rows in
 micro-batch loss is back-propagated as it is (no division by the number of micro-batches), so the update
 does not depend on how a mini-batch is split. The loop knows nothing about DAPO: the caller's `loss_fn`
 composes policy loss, entropy bonus and KL.
+
+Memory features (all off by default, which is the path `configs/tiny_cpu.yaml` runs): gradient checkpointing
+(`make_train_engine(gradient_checkpointing=True)`), token-budget micro-batches (`ppo_update(max_token_len=)`)
+and packed, padding-free forwards (`forward(remove_padding=True)`); see `dapo_core.compute.microbatch`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dapo_core.compute.microbatch import PackedRows, pack_rows, row_token_costs, token_budget_split
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -35,11 +41,13 @@ __all__ = [
     "TRAIN_ENGINES",
     "OptimConfigError",
     "TrainEngine",
+    "enable_gradient_checkpointing",
     "entropy_from_logits",
     "get_rng_state",
     "lr_lambda_for",
     "make_train_engine",
     "minibatch_update",
+    "packed_response_log_probs",
     "ppo_update",
     "response_log_probs",
     "set_rng_state",
@@ -89,6 +97,41 @@ def response_log_probs(
     log_probs = torch.log_softmax(z, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     entropy = entropy_from_logits(z) if calculate_entropy else None
     return log_probs, entropy
+
+
+def packed_response_log_probs(
+    logits: torch.Tensor, packed: PackedRows, temperature: float = 1.0, calculate_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_log_probs` for a packed forward: `logits` (N, V) of the packed sequence -> (B, L) grids.
+
+    The same float32 (float64) arithmetic as the padded version, on the response tokens only.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 for log-probs; greedy rollouts use 1.0.")
+    z = logits[packed.logit_index.to(logits.device)]
+    z = z.double() if z.dtype == torch.float64 else z.float()
+    if temperature != 1.0:
+        z = z / temperature
+    labels = packed.input_ids[0].to(logits.device)[packed.label_index.to(logits.device)]
+    log_probs = torch.log_softmax(z, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    entropy = packed.scatter(entropy_from_logits(z)) if calculate_entropy else None
+    return packed.scatter(log_probs), entropy
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer's activations in backward (HF `gradient_checkpointing_enable`, the
+    non-reentrant torch.utils.checkpoint). Gradients are unchanged; activation memory drops to the layer
+    inputs plus one layer's internals."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(model).__name__} does not support gradient checkpointing; set "
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false."
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 (the old name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 # --------------------------------------------------------------------------- LR schedule
@@ -187,14 +230,26 @@ class TrainEngine(abc.ABC):
         response_length: int,
         temperature: float = 1.0,
         calculate_entropy: bool = False,
+        remove_padding: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Teacher-forced log-probs (B, L) of the response tokens (last L of input_ids), entropy (B, L) or
         None.
 
         Gradients flow when the engine is in train mode; in eval mode this runs under `torch.no_grad`.
+        `remove_padding` runs one packed forward over the valid tokens only (`microbatch.pack_rows`); its
+        outputs are 0 at padded response positions (the padded forward's values there are never used).
         """
         dev = self.device
         with torch.set_grad_enabled(self.model.training):
+            if remove_padding:
+                packed = pack_rows(input_ids, attention_mask, response_length)
+                out = self._module()(
+                    input_ids=packed.input_ids.to(dev),
+                    position_ids=packed.position_ids.to(dev),
+                    attention_mask=None,
+                    use_cache=False,
+                )
+                return packed_response_log_probs(out.logits[0], packed, temperature, calculate_entropy)
             out = self._module()(
                 input_ids=input_ids.to(dev),
                 attention_mask=attention_mask.to(dev),
@@ -291,8 +346,11 @@ def make_train_engine(
     deepspeed_cfg: Mapping[str, Any] | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    gradient_checkpointing: bool = False,
 ) -> TrainEngine:
-    """Build the training engine for `strategy` ("torch" or "deepspeed") on the HF folder `model_path`."""
+    """Build the training engine for `strategy` ("torch" or "deepspeed") on the HF folder `model_path`.
+
+    `gradient_checkpointing` recomputes activations in backward (`enable_gradient_checkpointing`)."""
     if strategy not in TRAIN_ENGINES:
         raise ValueError(
             f"actor_rollout_ref.actor.strategy={strategy!r} is unknown; choose one of "
@@ -308,6 +366,7 @@ def make_train_engine(
         "device": device,
         "seed": seed,
         "dtype": dtype,
+        "gradient_checkpointing": gradient_checkpointing,
     }
     if strategy == "deepspeed":
         kwargs["deepspeed_cfg"] = deepspeed_cfg
@@ -338,6 +397,8 @@ def minibatch_update(
     shuffle: bool = False,
     seed: int = 0,
     sum_keys: tuple[str, ...] = (),
+    token_budget: int | None = None,
+    row_tokens: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The PPO mini-batch / micro-batch loop shared by the actor (`ppo_update`) and the critic.
 
@@ -349,8 +410,15 @@ def minibatch_update(
     its rows}`), then `optimizer_step()` steps and returns its own metrics (grad norm, lr). Returns the
     metrics averaged over mini-batches, where a mini-batch's value of a `micro_loss` metric is its sum over
     micro-batches for `sum_keys` and its mean otherwise.
+
+    With `token_budget` (verl's `use_dynamic_bsz`), micro-batches are formed by `token_budget_split` over
+    `row_tokens` (B,) — the tokens each row costs the forward (`microbatch.row_token_costs`) — instead of
+    by `micro_batch_size`; the loss normalisation is the same mini-batch-wide `global_batch_info`, so the
+    update does not depend on the split.
     """
     n = int(batch_tensors["response_mask"].shape[0])
+    if token_budget is not None and (row_tokens is None or int(row_tokens.shape[0]) != n):
+        raise ValueError(f"ppo_update: a token budget needs row_tokens with one entry per row ({n} rows).")
     if mini_batch_size < 1 or n % mini_batch_size != 0:
         raise ValueError(
             f"ppo_update: batch of {n} rows is not a multiple of mini_batch_size={mini_batch_size} "
@@ -376,8 +444,15 @@ def minibatch_update(
             }
             sums: dict[str, float] = {}
             means: dict[str, list[float]] = {}
-            for m0 in range(0, idx.numel(), micro_batch_size):
-                micro = {k: v[m0 : m0 + micro_batch_size].to(device) for k, v in mini.items()}
+            splits: list[slice | torch.Tensor]
+            if token_budget is None:
+                splits = [slice(m0, m0 + micro_batch_size) for m0 in range(0, idx.numel(), micro_batch_size)]
+            else:
+                assert row_tokens is not None
+                groups = token_budget_split(row_tokens[idx], token_budget)
+                splits = [torch.tensor(g, dtype=torch.long) for g in groups]
+            for part in splits:
+                micro = {k: v[part].to(device) for k, v in mini.items()}
                 loss, metrics = micro_loss(micro, info)
                 backward(loss)
                 for k, v in metrics.items():
@@ -405,6 +480,8 @@ def ppo_update(
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     sum_keys: tuple[str, ...] = ("actor/pg_loss",),
+    max_token_len: int | None = None,
+    remove_padding: bool = False,
 ) -> dict[str, float]:
     """Run `epochs` passes of mini-batch updates of `engine` over `batch_tensors` (`minibatch_update`).
 
@@ -413,6 +490,8 @@ def ppo_update(
     `calculate_entropy`) and `loss_fn(log_probs, entropy, micro_batch, global_batch_info) -> (loss, metrics)`
     gives the loss to back-propagate. Metrics: `loss_fn`'s (mean over micro- and mini-batches, except
     `sum_keys`, e.g. `actor/pg_loss`, summed over micro-batches), `actor/grad_norm` and `actor/lr`.
+    `max_token_len` (`ppo_max_token_len_per_gpu` with `use_dynamic_bsz`) forms micro-batches by a token
+    budget instead of `micro_batch_size`; `remove_padding` runs packed forwards (`use_remove_padding`).
     """
     for key in (*_MODEL_INPUTS, "response_mask"):
         if key not in batch_tensors:
@@ -431,6 +510,7 @@ def ppo_update(
             resp_len,
             temperature=temperature,
             calculate_entropy=calculate_entropy,
+            remove_padding=remove_padding,
         )
         return loss_fn(log_probs, entropy, micro, info)
 
@@ -451,4 +531,10 @@ def ppo_update(
         shuffle=shuffle,
         seed=seed,
         sum_keys=sum_keys,
+        token_budget=max_token_len,
+        row_tokens=(
+            row_token_costs(batch_tensors["attention_mask"], remove_padding)
+            if max_token_len is not None
+            else None
+        ),
     )

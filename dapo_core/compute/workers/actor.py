@@ -2,7 +2,9 @@
 
 The actor recomputes `old_log_probs` (decoupled mode), runs the PPO mini-batch/epoch loop with the configured
 policy loss (DAPO: `vanilla` with clip-higher and dual clip, token-mean over the global mini-batch), and
-exports weights for the rollout engine. The objective is docs/REFERENCE.md §1.4:
+exports weights for the rollout engine. Memory features (gradient checkpointing, token-budget micro-batches
+for log-probs and updates, packed forwards) are off unless the config turns them on. The objective is
+docs/REFERENCE.md §1.4:
 `pg_loss − entropy_coeff·agg(entropy) + kl_loss_coef·agg(kl_penalty(logp, ref_logp))`.
 """
 
@@ -17,6 +19,7 @@ import torch
 
 from dapo_core.algo.losses import PolicyLossParams, actor_objective
 from dapo_core.compute.engines.train import make_train_engine, ppo_update
+from dapo_core.compute.microbatch import token_budget_split
 from dapo_core.data import batch as B
 
 
@@ -28,17 +31,37 @@ def _log_prob_table(
     temperature: float,
     micro_batch_size: int | None,
     calculate_entropy: bool,
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
-    """Teacher-forced log-probs (and entropy) of every row's response, micro-batched; returns padded
-    chunks."""
+    max_token_len: int | None = None,
+    remove_padding: bool = False,
+) -> tuple[pa.Array, pa.Array | None]:
+    """Teacher-forced log-probs (and entropy) of every row's response as list<float32> columns.
+
+    Micro-batches hold `micro_batch_size` rows (null = all), or, with `max_token_len` (a `*_use_dynamic_bsz`
+    budget), rows grouped by `token_budget_split` over what each costs the forward (`row_token_costs`);
+    each micro-batch is padded to its own longest row, or packed with `remove_padding`. The output rows are
+    in the table's order whatever the grouping.
+    """
     engine.eval()
     lengths = torch.tensor(B.response_lengths(table), dtype=torch.long)
     rows = table.num_rows
-    mbs = micro_batch_size or rows
+    if max_token_len is None:
+        mbs = micro_batch_size or rows
+        groups = [list(range(start, min(start + mbs, rows))) for start in range(0, rows, mbs)]
+    else:
+        seq_lens = B.prompt_lengths(table).astype("int64") + B.response_lengths(table).astype("int64")
+        if remove_padding:
+            costs = [int(x) for x in seq_lens]
+        else:
+            width = int(B.prompt_lengths(table).max(initial=0)) + int(
+                B.response_lengths(table).max(initial=0)
+            )
+            costs = [width] * rows
+        groups = token_budget_split(costs, max_token_len)
     logps, ents = [], []
+    order: list[int] = []
     with torch.no_grad():
-        for start in range(0, rows, mbs):
-            part = table.slice(start, min(mbs, rows - start))
+        for group in groups:
+            part = table.take(pa.array(group, type=pa.int64()))
             t = B.to_padded(part, pad_token_id)
             lp, ent = engine.forward(
                 t["input_ids"],
@@ -47,11 +70,20 @@ def _log_prob_table(
                 t["responses"].shape[1],
                 temperature=temperature,
                 calculate_entropy=calculate_entropy,
+                remove_padding=remove_padding,
             )
             logps.append(lp)
             if calculate_entropy:
                 ents.append(ent)
-    return logps, (ents if calculate_entropy else None), lengths
+            order.extend(group)
+    order_t = torch.tensor(order, dtype=torch.long)
+    lp_col = _to_list_column(logps, lengths[order_t])
+    ent_col = _to_list_column(ents, lengths[order_t]) if calculate_entropy else None
+    if order != sorted(order):  # token-budget groups: back to the table's row order
+        restore = pa.array(torch.argsort(order_t).numpy())
+        lp_col = lp_col.take(restore)
+        ent_col = ent_col.take(restore) if ent_col is not None else None
+    return lp_col, ent_col
 
 
 def _to_list_column(chunks: list[torch.Tensor], lengths: torch.Tensor) -> pa.Array:
@@ -79,8 +111,17 @@ class ActorWorker:
         seed: int = 0,
         log_prob_micro_batch_size: int | None = None,
         rollout_correction: Mapping[str, Any] | None = None,
+        log_prob_max_token_len: int | None = None,
+        gradient_checkpointing: bool = False,
+        use_remove_padding: bool = False,
     ):
+        """`log_prob_max_token_len`: the token budget of old-log-prob micro-batches (rollout's
+        `log_prob_max_token_len_per_gpu` when `log_prob_use_dynamic_bsz`, else None); the update's budget is
+        `actor_cfg`'s `ppo_max_token_len_per_gpu` when its `use_dynamic_bsz`. `gradient_checkpointing` and
+        `use_remove_padding` are `actor_rollout_ref.model`'s switches."""
         self.cfg = dict(actor_cfg)
+        self.log_prob_max_token_len = log_prob_max_token_len
+        self.remove_padding = bool(use_remove_padding)
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.n = int(rollout_n)
@@ -95,6 +136,7 @@ class ActorWorker:
             device=device,
             deepspeed_cfg=dict(self.cfg.get("deepspeed") or {}),
             seed=seed,
+            gradient_checkpointing=gradient_checkpointing,
         )
         pl = dict(self.cfg.get("policy_loss") or {})
         self.loss_mode = pl.pop("loss_mode", "vanilla")
@@ -121,17 +163,19 @@ class ActorWorker:
     # -- log-probs -------------------------------------------------------------------------------------------
     def compute_log_prob(self, table: pa.Table, calculate_entropy: bool = True) -> pa.Table:
         """Add `old_log_probs` (and `entropy`) computed by the current weights."""
-        logps, ents, lengths = _log_prob_table(
+        logps, ents = _log_prob_table(
             self.engine,
             table,
             pad_token_id=self.pad_token_id,
             temperature=self.temperature,
             micro_batch_size=self.log_prob_mbs,
             calculate_entropy=calculate_entropy,
+            max_token_len=self.log_prob_max_token_len,
+            remove_padding=self.remove_padding,
         )
-        table = B.set_column(table, "old_log_probs", _to_list_column(logps, lengths))
+        table = B.set_column(table, "old_log_probs", logps)
         if ents is not None:
-            table = B.set_column(table, "entropy", _to_list_column(ents, lengths))
+            table = B.set_column(table, "entropy", ents)
         return table
 
     # -- update ----------------------------------------------------------------------------------------------
@@ -186,6 +230,10 @@ class ActorWorker:
             seed=self.seed + int(global_steps),
             temperature=self.temperature,
             calculate_entropy=calc_entropy,
+            max_token_len=(
+                int(self.cfg["ppo_max_token_len_per_gpu"]) if self.cfg.get("use_dynamic_bsz") else None
+            ),
+            remove_padding=self.remove_padding,
         )
         self.engine.lr_step()
         return metrics
@@ -223,22 +271,30 @@ class RefWorker:
         temperature: float,
         device: str = "cpu",
         micro_batch_size: int | None = None,
+        max_token_len: int | None = None,
+        use_remove_padding: bool = False,
     ):
+        """`max_token_len`: `ref.log_prob_max_token_len_per_gpu` when `ref.log_prob_use_dynamic_bsz`, else
+        None. The reference never runs backward, so gradient checkpointing does not apply to it."""
         self.engine = make_train_engine(
             "torch", model_path, {"lr": 0.0}, total_steps=1, grad_clip=1.0, device=device
         )
+        self.max_token_len = max_token_len
+        self.remove_padding = bool(use_remove_padding)
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.mbs = micro_batch_size
 
     def compute_ref_log_prob(self, table: pa.Table) -> pa.Table:
         """Add `ref_log_probs`."""
-        logps, _, lengths = _log_prob_table(
+        logps, _ = _log_prob_table(
             self.engine,
             table,
             pad_token_id=self.pad_token_id,
             temperature=self.temperature,
             micro_batch_size=self.mbs,
             calculate_entropy=False,
+            max_token_len=self.max_token_len,
+            remove_padding=self.remove_padding,
         )
-        return B.set_column(table, "ref_log_probs", _to_list_column(logps, lengths))
+        return B.set_column(table, "ref_log_probs", logps)

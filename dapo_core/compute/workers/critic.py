@@ -3,7 +3,9 @@
 Values follow verl's convention: the value of response token t is read from the hidden state of the position
 before it (`values[:, P-1 : P+L-1]`), so V_t estimates the return from the state in which token t is chosen.
 `update_critic` minimises the clipped value loss of docs/REFERENCE.md §2.3 with the same global token
-normalisation as the actor (micro-batch split invariant).
+normalisation as the actor (micro-batch split invariant). Gradient checkpointing follows the policy model's
+switch; token-budget micro-batches and packed forwards are actor/reference features only (the critic's schema
+section has no such keys).
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ import torch
 from torch import nn
 
 from dapo_core.algo.losses import compute_value_loss
-from dapo_core.compute.engines.train import minibatch_update
+from dapo_core.compute.engines.train import enable_gradient_checkpointing, minibatch_update
 from dapo_core.compute.models import load_model
 from dapo_core.data import batch as B
 
 
 class _ValueModel(nn.Module):
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, gradient_checkpointing: bool = False):
         super().__init__()
         lm = load_model(model_path)
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(lm)
         self.backbone = lm.model  # the Qwen2 decoder without the LM head
         self.v_head = nn.Linear(lm.config.hidden_size, 1)
         nn.init.zeros_(self.v_head.weight)
@@ -50,14 +54,17 @@ class CriticWorker:
         rollout_n: int,
         device: str = "cpu",
         seed: int = 0,
+        gradient_checkpointing: bool = False,
     ):
+        """`gradient_checkpointing`: `actor_rollout_ref.model.enable_gradient_checkpointing` (the critic is
+        the policy's backbone with a value head; our schema has no separate critic model section)."""
         torch.manual_seed(seed)
         self.cfg = dict(critic_cfg)
         self.pad_token_id = int(pad_token_id)
         self.n = int(rollout_n)
         self.seed = seed
         self.device = device
-        self.model = _ValueModel(model_path).to(device)
+        self.model = _ValueModel(model_path, gradient_checkpointing).to(device)
         optim = dict(self.cfg.get("optim") or {})
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),

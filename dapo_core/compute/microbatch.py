@@ -1,0 +1,133 @@
+"""Token-budget micro-batches and padding-free (packed) forward passes.
+
+Two memory features of the training engines live here, both off by default:
+
+- `token_budget_split(costs, budget)`: group rows into micro-batches whose summed cost stays within a token
+  budget (verl's `use_dynamic_bsz` with `ppo_max_token_len_per_gpu` / `log_prob_max_token_len_per_gpu`).
+  First-fit over the rows sorted longest first: no group exceeds the budget unless a single row does, and
+  that row then goes alone; every row is in exactly one group, and each group lists its rows in their
+  original order. The cost of a row is what the forward will actually process: its valid tokens when the
+  forward is packed, the padded width of the batch when it is padded (`row_token_costs`). (verl counts valid
+  tokens in both cases; with a padded forward that lets a micro-batch exceed its budget, ours does not.)
+- `pack_rows(input_ids, attention_mask, response_length)`: the valid tokens of a left/right-padded batch as
+  one sequence (1, N) with position ids restarting at 0 in every row, plus the indices that map logits back
+  to the padded (B, L) response grid. With `attention_mask=None` and restarting position ids, transformers
+  (>= 4.5x, `masking_utils.find_packed_sequence_indices`) builds a block-diagonal causal mask, so no row
+  attends to another: the same attention as the padded forward, without the padding. On CPU with SDPA that
+  mask is a dense (N, N) boolean; on GPU flash-attention's varlen kernel reads the same position ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PackedRows", "pack_rows", "row_token_costs", "token_budget_split"]
+
+
+def token_budget_split(costs: Sequence[int] | torch.Tensor, budget: int) -> list[list[int]]:
+    """Partition row indices into groups with `Σ cost ≤ budget` (first-fit, longest first).
+
+    A row whose own cost exceeds `budget` forms a group of its own. Groups are returned in the order they
+    were opened; each lists its indices ascending. Deterministic: ties keep the original order.
+    """
+    if int(budget) < 1:
+        raise ValueError(
+            f"token budget {budget} must be >= 1 "
+            "(ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu)."
+        )
+    values = [int(c) for c in (costs.tolist() if isinstance(costs, torch.Tensor) else costs)]
+    if any(c < 0 for c in values):
+        raise ValueError(f"token costs must be >= 0, got {min(values)}")
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+    groups: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        c = values[i]
+        for g, load in enumerate(loads):
+            if load + c <= budget:
+                groups[g].append(i)
+                loads[g] = load + c
+                break
+        else:
+            groups.append([i])
+            loads.append(c)
+    return [sorted(g) for g in groups]
+
+
+def row_token_costs(attention_mask: torch.Tensor, packed: bool) -> torch.Tensor:
+    """Tokens each row costs a forward: its valid tokens when `packed`, else the padded width of the batch."""
+    if packed:
+        return attention_mask.sum(dim=1).to(torch.long)
+    return torch.full((attention_mask.shape[0],), attention_mask.shape[1], dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A padded batch's valid tokens as one sequence, and the map back to the (B, L) response grid."""
+
+    input_ids: torch.Tensor
+    """(1, N) the valid tokens of every row, rows one after another."""
+    position_ids: torch.Tensor
+    """(1, N) 0..len-1 within each row (the padded batch's position ids at its valid tokens)."""
+    logit_index: torch.Tensor
+    """(M,) packed positions whose logits predict a response token (the token before it)."""
+    label_index: torch.Tensor
+    """(M,) packed positions of those response tokens."""
+    rows: torch.Tensor
+    """(M,) row of each response token in the (B, L) grid."""
+    cols: torch.Tensor
+    """(M,) column of each response token in the (B, L) grid."""
+    batch_size: int
+    """B."""
+    response_length: int
+    """L, the padded response width."""
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """(M,) per-response-token values -> (B, L), zero where the padded grid has padding."""
+        out = values.new_zeros((self.batch_size, self.response_length))
+        out[self.rows, self.cols] = values
+        return out
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> PackedRows:
+    """Pack the valid tokens of a padded batch (prompts left-padded, responses right-padded).
+
+    `input_ids`/`attention_mask` are (B, P+L); the response is the last `response_length` columns. Every row
+    with a response token needs at least one prompt token (its first response token is predicted from it).
+    """
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(
+            f"pack_rows: input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+            "must be the same (B, P+L) shape."
+        )
+    B, T = input_ids.shape
+    L = int(response_length)
+    if L < 1 or L >= T:
+        raise ValueError(f"response_length={L} must be in [1, {T - 1}] for sequences of width {T}.")
+    valid = attention_mask.bool()
+    flat_index = torch.cumsum(valid.reshape(-1).to(torch.long), 0).reshape(B, T) - 1
+    positions = torch.cumsum(valid.to(torch.long), dim=1) - 1
+    resp_valid = valid[:, T - L :]
+    rows, cols = resp_valid.nonzero(as_tuple=True)
+    label_index = flat_index[rows, cols + (T - L)]
+    # The token before a response token must be a valid token of the same row.
+    prev_col = cols + (T - L) - 1
+    if rows.numel() and not bool(valid[rows, prev_col].all()):
+        bad = int(rows[~valid[rows, prev_col]][0])
+        raise ValueError(
+            f"pack_rows: row {bad} has a response token without a valid token before it (empty prompt?); "
+            "a packed forward needs at least one prompt token per row."
+        )
+    return PackedRows(
+        input_ids=input_ids[valid].unsqueeze(0),
+        position_ids=positions[valid].unsqueeze(0),
+        logit_index=label_index - 1,
+        label_index=label_index,
+        rows=rows,
+        cols=cols,
+        batch_size=B,
+        response_length=L,
+    )
