@@ -407,17 +407,19 @@ COMMON_32B = {
     "eval.n": 32,
     "eval.temperature": 1.0,
     "eval.top_p": 0.7,
+    # the memory features (issue 9): the reference values, honoured
+    "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+    "actor_rollout_ref.model.use_remove_padding": True,
+    "actor_rollout_ref.actor.use_dynamic_bsz": True,
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 22528,
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": True,
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 22528,
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": True,
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 22528,
 }
 
 
 NOT_YET_32B = {
-    "actor_rollout_ref.model.enable_gradient_checkpointing": (False, "true"),
-    "actor_rollout_ref.actor.use_dynamic_bsz": (False, "true"),
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": (16384, "22528"),
-    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": (False, "true"),
-    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": (16384, "22528"),
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (False, "true"),
-    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": (16384, "22528"),
     "actor_rollout_ref.rollout.max_num_batched_tokens": (8192, "22528"),
     "trainer.nnodes": (1, "16"),
 }
