@@ -4,22 +4,42 @@
     dapo prepare | base | eval [--checkpoint DIR] [--output JSON] | deploy --name NAME | config
     dapo train --flow-only   (only the dapo-train flow: resume a run; data and base model must exist)
 
-Every subcommand loads and validates the config first; a bad config prints the problems and exits 2
-(no traceback). Each flow module is imported only by the subcommand that runs it, so `dapo config` answers
-without starting Prefect or Ray (it imports torch: the config checks ask the algorithm's registries which loss
-modes, estimators and KL kinds exist). Exit codes: 0 ok, 2 configuration error.
+Every subcommand loads and validates the config first; `train` and `eval` then run the preflight
+(`flows/preflight.py`: data files row by row, model folder, checkpoint, store, disk, the Prefect API) before
+any flow, task or Ray worker starts. A problem the user can fix (`DapoUserError`, also when raised inside a
+Ray worker or a Prefect task) prints one paragraph — what, where, the fix — and exits 2, with no traceback
+unless `--debug` or `DAPO_DEBUG=1`. SIGTERM / Ctrl-C stop the run (workers and the local Ray shut down, the
+flow run is marked Crashed), print how to resume and exit 143 / 130. Each flow module is imported only by
+the subcommand that runs it, so `dapo config` answers without starting Prefect or Ray (it imports torch: the
+config checks ask the algorithm's registries which loss modes, estimators and KL kinds exist).
+Exit codes: 0 ok, 2 a problem with the input (config, data, model, checkpoint, store), 130/143 stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import sys
+import warnings
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
-from dapo_core.config import ConfigError, load_config, to_yaml
+from omegaconf import OmegaConf
+
+from dapo_core.config import ConfigError, ConfigWarning, load_config, to_yaml, typed
+from dapo_core.config.checks import no_op_warnings
+from flows.preflight import (
+    StopRequested,
+    cli_preflight,
+    debug_enabled,
+    prefect_startup_timeout,
+    quiet_user_error_tracebacks,
+    report_error,
+    resolve_eval_checkpoint,
+    stop_on_signals,
+)
 
 __all__ = ["build_parser", "main", "make_run_id"]
 
@@ -56,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--config", default=DEFAULT_CONFIG, help=f"YAML config file (default {DEFAULT_CONFIG})"
         )
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.seed=3")
+        p.add_argument("--debug", action="store_true", help="show full tracebacks (also DAPO_DEBUG=1)")
         if name == "eval":
             p.add_argument("--checkpoint", default=None, help="checkpoint to evaluate (sets eval.checkpoint)")
             p.add_argument("--output", default=None, help="metrics JSON to write (sets eval.output)")
@@ -82,21 +103,57 @@ def _quiet_task_run_logs() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `dapo` command line; returns the exit status (0 ok, 2 configuration error)."""
+    """Run the `dapo` command line; returns the exit status (0 ok, 2 a problem with the input, 130/143
+    stopped by SIGINT/SIGTERM)."""
     args = build_parser().parse_args(argv)
+    debug = debug_enabled(args.debug)
+    state: dict = {}
+    try:
+        with stop_on_signals():
+            return _main(args, state)
+    except StopRequested as stop:
+        return _stopped(stop, args, state)
+    except Exception as exc:
+        code = report_error(exc, args.command, debug=debug, run_dir=state.get("run_dir"))
+        if code is None:
+            raise
+        return code
+
+
+def _stopped(stop: StopRequested, args: argparse.Namespace, state: dict) -> int:
+    """Say what a SIGTERM/SIGINT left behind and how to resume; the exit status is 128 + the signal."""
+    run_id = state.get("run_id")
+    lines = [f"dapo {args.command}: stopped by {stop}; committed stages and checkpoints are kept."]
+    if run_id:
+        extra = " ".join(a for a in args.overrides if not a.startswith("trainer.experiment_name="))
+        cmd = f"dapo train --config {args.config} {extra} trainer.experiment_name={run_id}"
+        lines.append("Resume with: " + " ".join(cmd.split()))
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return 128 + stop.signum
+
+
+def _main(args: argparse.Namespace, state: dict) -> int:
+    """The subcommand itself (`main` adds error reporting and signal handling)."""
     overrides = list(args.overrides)
     if args.command == "eval" and args.checkpoint is not None:
         overrides.append(f"eval.checkpoint={args.checkpoint}")
     if args.command == "eval" and args.output is not None:
         overrides.append(f"eval.output={args.output}")
     try:
-        cfg = load_config(args.config, overrides)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConfigWarning)
+            cfg = load_config(args.config, overrides)
+        for w in caught:
+            if issubclass(w.category, ConfigWarning):
+                print(f"dapo {args.command}: warning: {w.message}", file=sys.stderr)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         run_id = ""
         if args.command == "train":
             run_id = cfg.trainer.experiment_name or make_run_id()
             if not cfg.trainer.experiment_name:
                 cfg.trainer.experiment_name = run_id
-                print(f"run id: {run_id}  (resume with trainer.experiment_name={run_id})", flush=True)
+                state["new_run"] = True
         cfg_yaml = to_yaml(cfg)
     except ConfigError as e:
         print(f"dapo {args.command}: {e}", file=sys.stderr)
@@ -106,7 +163,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(cfg_yaml)
         return 0
 
+    tcfg = typed(cfg)
+    if args.command == "train":
+        state["run_id"] = run_id
+        state["run_dir"] = Path(tcfg.trainer.runs_dir) / run_id
+        for line in no_op_warnings(OmegaConf.to_container(cfg, resolve=True)):  # type: ignore[arg-type]
+            print(f"dapo train: note: {line}", file=sys.stderr)
+    if args.command == "eval":
+        tcfg.eval.checkpoint = resolve_eval_checkpoint(tcfg)
+    cli_preflight(
+        tcfg, args.command, flow_only=bool(getattr(args, "flow_only", False)), checkpoint=tcfg.eval.checkpoint
+    )
+    if state.get("new_run"):
+        print(f"run id: {run_id}  (resume with trainer.experiment_name={run_id})", flush=True)
+    if not os.environ.get("PREFECT_API_URL"):
+        print(
+            f"dapo {args.command}: starting a temporary local Prefect server (waits up to "
+            f"{prefect_startup_timeout()} s; set PREFECT_API_URL to use a running one)",
+            file=sys.stderr,
+            flush=True,
+        )
     _quiet_task_run_logs()
+    quiet_user_error_tracebacks()
     if args.command == "prepare":
         from flows.prepare_data import prepare_data_flow
 
@@ -126,11 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "eval":
         from flows.evaluate import evaluate_flow
 
-        evaluate_flow(cfg_yaml, cfg.eval.checkpoint, cfg.eval.output)
+        evaluate_flow(cfg_yaml, tcfg.eval.checkpoint, cfg.eval.output)
     else:
         from flows.deploy import deploy
 
-        deploy(cfg_yaml, args.name or Path(args.config).stem.replace("_", "-").replace(".", "-"))
+        name = args.name or Path(args.config).stem.replace("_", "-").replace(".", "-")
+        deploy(cfg_yaml, name, args.config, list(args.overrides))
     return 0
 
 

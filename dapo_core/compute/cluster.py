@@ -187,6 +187,58 @@ def chain(source: Callable[[], R], sink: Callable[[R], S]) -> S:
     return cast(S, sink(source.handle.wait(ref)))
 
 
+RAY_BIND_ENV = "DAPO_RAY_BIND"
+"""Environment variable: the address a *local* Ray listens on. Unset = loopback only (127.0.0.1); `all` =
+Ray's own default (the machine's address, every interface for the gRPC servers); an IP = that address."""
+
+WORKER_NICENESS_ENV = "DAPO_RAY_WORKER_NICENESS"
+"""Environment variable: the nice value of Ray worker processes of a local Ray (default 0: the same priority
+as the driver; Ray's own default, 15, starves the workers on a loaded machine)."""
+
+
+def local_ray_options() -> dict[str, Any]:
+    """Extra `ray.init` arguments for a local Ray: bind to loopback unless `DAPO_RAY_BIND` says otherwise, and
+    run workers at normal priority (`DAPO_RAY_WORKER_NICENESS`, default 0).
+
+    Loopback: Ray resolves its node address with `services.get_node_ip_address`, which returns 127.0.0.1 when
+    `ray_constants.ENABLE_RAY_CLUSTER` is false (its macOS/Windows default). We set that flag (and its
+    environment variable, read by the worker processes) so the GCS, raylet, object manager, runtime-env agent
+    and every worker listen on 127.0.0.1 only; `_node_ip_address="127.0.0.1"` alone is not enough (Ray turns
+    a loopback address back into the machine's address). Joining a cluster (`RAY_ADDRESS`) is unaffected.
+    """
+    import ray._private.ray_constants as ray_constants
+
+    opts: dict[str, Any] = {}
+    bind = os.environ.get(RAY_BIND_ENV, "").strip()
+    if not bind or bind in ("127.0.0.1", "localhost", "loopback"):
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    elif bind != "all":
+        opts["_node_ip_address"] = bind
+    nice = int(os.environ.get(WORKER_NICENESS_ENV, "0"))
+    opts["_system_config"] = {"worker_niceness": nice}
+    return opts
+
+
+def _main_thread_sigterm_handler() -> Any:
+    """The SIGTERM handler installed now (None off the main thread, where it cannot be changed)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.getsignal(signal.SIGTERM)
+
+
+def _restore_sigterm_handler(handler: Any) -> None:
+    """Put back a Python SIGTERM handler that `ray.init` replaced. Ray's own handler kills its processes and
+    calls `sys.exit(1)` in the middle of whatever runs; a caller that installed its own (the `dapo` CLI: stop
+    at a safe point, shut Ray down, say how to resume) keeps it. The default handler is left to Ray."""
+    import signal
+
+    if callable(handler) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
 class Cluster:
     """Start or join Ray and own the named worker actors of one run.
 
@@ -225,13 +277,17 @@ class Cluster:
                     # lifetime, even on a 2-core machine, where the sync step order runs them one after
                     # another.
                     ncpu = num_cpus or max(8, os.cpu_count() or 2)
+                    kwargs = local_ray_options()
+                    sigterm = _main_thread_sigterm_handler()
                     ray.init(
                         num_cpus=ncpu,
                         include_dashboard=False,
                         namespace=NAMESPACE,
                         log_to_driver=True,
                         configure_logging=False,
+                        **kwargs,
                     )
+                    _restore_sigterm_handler(sigterm)
                     self._started_ray = True
 
     def create(

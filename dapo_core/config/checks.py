@@ -7,6 +7,7 @@ correction, overlong shaping, sampling, step order, optimizers and the tiny mode
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dapo_core.algo.advantages import ADV_ESTIMATOR_REGISTRY
@@ -20,7 +21,7 @@ from dapo_core.algo.rollout_correction.config import (
     parse_rs_option_names,
     parse_rs_options,
 )
-from dapo_core.config.unused import not_implemented_problems
+from dapo_core.config.unused import NO_OPS, default_value, not_implemented_problems
 
 # The option lists are defined once, in dapo_core.algo (the code that implements the options); the checks
 # below only look them up: loss_agg_mode -> LOSS_AGG_MODES, adv_estimator -> ADV_ESTIMATOR_REGISTRY, KL
@@ -73,6 +74,18 @@ _OPTIONAL_POSITIVE_INTS = (
     "trainer.max_actor_ckpt_to_keep",
 )  # fmt: skip
 """Integer keys that are null or >= 1."""
+
+
+_POSITIVE_FLOATS: dict[str, str] = {
+    "reward_model.timeout_s": "the seconds one scoring call may take (0 would fail every reward); e.g. 10",
+}
+"""Duration/size keys that must be a finite number > 0 (key -> what it is, with a typical value)."""
+
+_UNIT_INTERVAL: dict[str, tuple[bool, str]] = {
+    "reward_model.max_failure_rate": (True, "0.5 stops a step when over half of its rewards fail"),
+    "actor_rollout_ref.rollout.gpu_memory_utilization": (False, "the share of GPU memory vLLM may take"),
+}
+"""Keys in [0, 1] (key -> (0 allowed, what it means))."""
 
 
 def _get(c: dict, key: str) -> Any:
@@ -317,6 +330,31 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
     if sft["steps"] < 0 or sft["lr"] <= 0:
         errs.append("actor_rollout_ref.model.sft: steps must be >= 0 and lr > 0.")
 
+    for key, what in _POSITIVE_FLOATS.items():
+        v = _get(c, key)
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            errs.append(f"{key}: {v!r} must be a finite number > 0 — {what}.")
+    for key, (zero_ok, what) in _UNIT_INTERVAL.items():
+        v = _get(c, key)
+        ok = isinstance(v, (int, float)) and (0 <= v <= 1 if zero_ok else 0 < v <= 1)
+        if not ok:
+            errs.append(f"{key}: {v!r} must be in {'[0' if zero_ok else '(0'}, 1] — {what}.")
+
     # --- keys accepted only at their default until implemented (dapo_core.config.unused)
     errs.extend(not_implemented_problems(c))
     return errs, warns
+
+
+def no_op_warnings(c: dict) -> list[str]:
+    """A 'key: ... — fix' warning for every `NO_OPS` key (accepted, deliberately ignored) of the resolved
+    config dict `c` set to something other than its default (the user may expect an effect). The CLI prints
+    them once at the start of `dapo train` (not at every load, which happens in every task)."""
+    out = []
+    for key, reason in NO_OPS.items():
+        value = _get(c, key)
+        default = default_value(key)
+        if value != default:
+            out.append(
+                f"{key}: {value!r} is accepted but has no effect here ({reason}) — remove it to silence this."
+            )
+    return out

@@ -46,6 +46,7 @@ from dapo_core.config.checks import (
 from dapo_core.config.schema import (
     DapoConfig,
 )
+from dapo_core.errors import DapoUserError
 
 __all__ = [
     "ConfigError",
@@ -65,7 +66,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(DapoUserError, ValueError):
     """A configuration problem: unknown key, wrong type, or inconsistent values (the message lists each)."""
 
 
@@ -174,12 +175,40 @@ def _merge(cfg: DictConfig, data: dict, where: str, problems: list[str]) -> Dict
 def _read_yaml_dict(path: Path, mtime_ns: int) -> dict:
     """Parse a YAML config file into a plain dict (cached per file version; interpolations kept)."""
     del mtime_ns  # part of the cache key only
-    raw = OmegaConf.load(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file {path} is not text: byte {e.start} (line {line}) is not UTF-8 — pass a YAML config "
+            "file (e.g. --config configs/tiny_cpu.yaml)."
+        ) from None
+    if not text.strip() or all(not ln.strip() or ln.lstrip().startswith("#") for ln in text.splitlines()):
+        raise ConfigError(
+            f"config file {path} is empty — it would silently mean every schema default; write at least one "
+            "section, or start from configs/tiny_cpu.yaml (a file with `base: dapo.yaml` means the defaults)."
+        )
+    try:
+        raw = OmegaConf.create(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(_yaml_problem(str(path), e)) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config file {path}: {str(e).splitlines()[0]} — fix the YAML there.") from None
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{path}: the top level must be a mapping of sections.")
     data = OmegaConf.to_container(raw, resolve=False)
     assert isinstance(data, dict)
     return data
+
+
+def _yaml_problem(where: str, e: yaml.YAMLError) -> str:
+    """One line for a YAML parse error: the file, the line and column, and what the parser expected."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    what = f"{context}: {problem}" if context else str(problem)
+    return f"{where}:{at}: not valid YAML ({what}) — fix the YAML there (indentation, brackets, quotes)."
 
 
 def _read_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
@@ -248,7 +277,9 @@ def load_config_text(text: str, overrides: Sequence[str] = ()) -> DictConfig:
     """
     try:
         raw = OmegaConf.create(text)
-    except (yaml.YAMLError, OmegaConfBaseException) as e:
+    except yaml.YAMLError as e:
+        raise ConfigError(_yaml_problem("config text", e)) from None
+    except OmegaConfBaseException as e:
         raise ConfigError(f"config text is not valid YAML: {e}") from None
     if not isinstance(raw, DictConfig):
         raise ConfigError("config text: the top level must be a mapping of sections.")

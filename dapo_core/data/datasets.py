@@ -26,6 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dapo_core.errors import DapoUserError
+
 __all__ = [
     "SYNTHETIC_DATA_SOURCE",
     "SYNTHETIC_TEMPLATE",
@@ -53,7 +55,7 @@ PROMPT_TYPE = pa.list_(pa.struct([("content", pa.string()), ("role", pa.string()
 REWARD_MODEL_TYPE = pa.struct([("ground_truth", pa.string()), ("style", pa.string())])
 
 
-class DataError(ValueError):
+class DataError(DapoUserError, ValueError):
     """A dataset, row or sampler argument is malformed; the message names the field and the fix."""
 
 
@@ -216,6 +218,14 @@ def read_parquet(path_or_url: str | Path) -> pa.Table:
     except FileNotFoundError as e:
         raise DataError(
             f"parquet file {path!r} does not exist; check data.train_files / data.val_files"
+        ) from e
+    except IsADirectoryError as e:
+        raise DataError(f"{path!r} is a folder, not a parquet file; name the file in data.train_files") from e
+    except (pa.ArrowException, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(
+            f"{path!r} is not a readable parquet file ({first}); regenerate it with `dapo prepare` or point "
+            "data.train_files / data.val_files at a verl parquet file"
         ) from e
     missing = [c for c in _REQUIRED_COLUMNS if c not in table.column_names]
     if missing:

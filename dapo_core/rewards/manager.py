@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection, wait
 from typing import Any, Self
 
+from dapo_core.errors import DapoUserError
 from dapo_core.rewards.scoring import default_compute_score, overlong_penalty
 
 __all__ = ["OverlongBufferConfig", "RewardConfigError", "RewardManager", "RewardResult"]
@@ -48,7 +49,7 @@ ComputeScore = Callable[..., Any]
 _REQUIRED_KEYS = ("uid", "data_source", "solution_str", "ground_truth", "valid_response_length")
 
 
-class RewardConfigError(ValueError):
+class RewardConfigError(DapoUserError, ValueError):
     """Invalid reward-manager settings (overlong buffer, workers, timeout)."""
 
 
@@ -500,6 +501,9 @@ class RewardManager:
                             "error",
                             f"compute_score returned {type(value).__name__}, not a dict or number",
                         )
+            if kind == "ok" and not math.isfinite(score):
+                # a NaN/inf score is a broken scorer or ground truth, never a success (acc is dropped too)
+                kind, value = "error", f"compute_score returned a non-finite score ({score})"
             if kind != "ok":
                 num_timeouts += kind == "timeout"
                 res.failures.append((str(row["uid"]), str(value)))

@@ -28,7 +28,7 @@ def default_compute_score(
     numeric ones as ``float``. Unknown sources raise ``NotImplementedError`` naming the source.
     ``extra_info`` is accepted for interface compatibility and unused by the math scorer.
     """
-    if data_source in MATH_DAPO_SOURCES or str(data_source).startswith("aime"):
+    if has_scorer(data_source):
         result: Any = math_dapo.compute_score(solution_str, ground_truth)
     else:
         raise NotImplementedError(
@@ -39,6 +39,33 @@ def default_compute_score(
     if isinstance(result, dict):
         return result
     return float(result)
+
+
+def has_scorer(data_source: str) -> bool:
+    """True when :func:`default_compute_score` has a scoring function for ``data_source``."""
+    return data_source in MATH_DAPO_SOURCES or str(data_source).startswith("aime")
+
+
+def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
+    """Why ``ground_truth`` cannot be scored for ``data_source`` (None when it can): a missing, empty,
+    NaN or non-string value, or one whose normalised answer is empty. Used by the preflight data scan so that
+    such rows are caught before training instead of failing every reward call."""
+    if ground_truth is None:
+        return "the ground truth is missing (null)"
+    if isinstance(ground_truth, float) and math.isnan(ground_truth):
+        return "the ground truth is NaN"
+    if not isinstance(ground_truth, str):
+        return f"the ground truth is a {type(ground_truth).__name__}, not a string"
+    if ground_truth.strip().lower() in ("", "nan", "none", "null"):
+        return f"the ground truth is {ground_truth!r} (a missing value written as text)"
+    if has_scorer(data_source):
+        try:
+            normalised = math_dapo.normalize_final_answer(ground_truth)
+        except Exception as e:  # the scorer's own parser: any failure here fails every reward call too
+            return f"the ground truth {ground_truth[:40]!r} cannot be parsed ({type(e).__name__}: {e})"
+        if not normalised:
+            return f"the ground truth {ground_truth[:40]!r} normalises to an empty answer"
+    return None
 
 
 def overlong_penalty(

@@ -74,6 +74,7 @@ def test_train_uses_experiment_name(monkeypatch):
 
 
 def test_prepare_eval_deploy_dispatch(monkeypatch):
+    monkeypatch.setenv("DAPO_SKIP_PREFLIGHT", "1")  # dispatch only: the checkpoint does not exist
     prep = _fake_flow(monkeypatch, "flows.prepare_data", "prepare_data_flow")
     ev = _fake_flow(monkeypatch, "flows.evaluate", "evaluate_flow")
     dep = _fake_flow(monkeypatch, "flows.deploy", "deploy")
@@ -88,6 +89,7 @@ def test_prepare_eval_deploy_dispatch(monkeypatch):
 
 
 def test_train_flow_only_runs_dapo_train(monkeypatch):
+    monkeypatch.setenv("DAPO_SKIP_PREFLIGHT", "1")  # dispatch only: data/ and models/ may not exist here
     calls = _fake_flow(monkeypatch, "flows.dapo_train", "dapo_train")
     assert main(["train", "--flow-only", "--config", TINY, "trainer.experiment_name=again"]) == 0
     assert calls[0][1] == "again"

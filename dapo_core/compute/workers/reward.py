@@ -3,7 +3,10 @@ shaping).
 
 Adds `score` (raw ±1), `acc`, `pred`, `overlong_reward` and `reward` (score + overlong penalty; the scalar
 that the advantage stage places at the last valid token). Failed or timed-out samples are counted and logged
-with their uid by the reward manager (never a silent zero).
+with their uid by the reward manager (never a silent zero); a NaN score is a failure. When more than
+`max_failure_rate` of a batch's rows fail, `score` raises `RewardFailureRate` naming the data source and one
+example row (an unknown data_source or an unparsable ground truth fails every row: training on that would
+learn nothing, and the run would otherwise end "Completed").
 """
 
 from __future__ import annotations
@@ -15,8 +18,14 @@ import pyarrow as pa
 
 from dapo_core.compute.models import load_tokenizer
 from dapo_core.data import batch as B
+from dapo_core.errors import DapoUserError
 from dapo_core.rewards import default_compute_score
 from dapo_core.rewards.manager import RewardManager
+
+
+class RewardFailureRate(DapoUserError, RuntimeError):
+    """More than `reward_model.max_failure_rate` of a batch's rewards failed (the message names the data
+    source, one example row and the scorer's reason)."""
 
 
 class RewardWorker:
@@ -30,7 +39,9 @@ class RewardWorker:
         overlong_buffer: Mapping[str, Any] | None,
         num_workers: int = 2,
         timeout_s: float = 10.0,
+        max_failure_rate: float = 0.5,
     ):
+        self.max_failure_rate = max_failure_rate
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.manager = RewardManager(
             default_compute_score,
@@ -67,6 +78,7 @@ class RewardWorker:
             )
         ]
         res = self.manager.score(rows)
+        self._check_failure_rate(rows, res.failures)
         cols = {
             "score": pa.array(res.score, type=pa.float32()),
             "acc": pa.array([bool(a) for a in res.acc], type=pa.bool_()),
@@ -77,6 +89,23 @@ class RewardWorker:
         for name, col in cols.items():
             table = B.set_column(table, name, col)
         return table, dict(res.metrics)
+
+    def _check_failure_rate(self, rows: list[dict], failures: list[tuple[str, str]]) -> None:
+        """Raise `RewardFailureRate` when the share of failed rows exceeds `max_failure_rate`."""
+        if not rows or len(failures) / len(rows) <= self.max_failure_rate:
+            return
+        by_uid = {r["uid"]: r for r in rows}
+        uid, reason = failures[0]
+        row = by_uid.get(uid, rows[0])
+        sources = sorted({str(by_uid[u]["data_source"]) for u, _ in failures if u in by_uid})
+        raise RewardFailureRate(
+            f"{len(failures)} of {len(rows)} rewards failed ({len(failures) / len(rows):.0%} > "
+            f"reward_model.max_failure_rate={self.max_failure_rate}); data source(s) {sources}; example row "
+            f"uid={uid} data_source={row['data_source']!r} ground_truth={str(row['ground_truth'])[:60]!r}: "
+            f"{reason[:200]}",
+            fix="correct the data_source / reward_model.ground_truth columns of the dataset (see the "
+            "scorer's reason), or raise reward_model.max_failure_rate (1.0 never stops)",
+        )
 
     def close(self) -> None:
         """Stop the scoring pool."""

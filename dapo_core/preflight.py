@@ -1,0 +1,342 @@
+"""Preflight: the cheap checks that run before anything heavy (Prefect tasks, Ray workers, model loading).
+
+`preflight(cfg, run_id, phase=...)` checks, in order, and raises the first problem as a `PreflightError`
+(a `DapoUserError`: one paragraph naming the file / row / key and the fix):
+
+- **data files**: every parquet file training (or evaluation) will read exists, is a parquet file, has the
+  verl column types and clean rows (`validate_dataset`: empty prompts, missing/NaN ground truths, non-UTF-8
+  text, with row numbers); every `data_source` has a registered scorer and every ground truth can be parsed
+  by it (`dapo_core.rewards.scoring.ground_truth_problem`);
+- **model folder**: it exists, holds a readable `config.json`, weights whose safetensors header and size agree
+  (a truncated `model.safetensors` is named), and a tokenizer (`tokenizer.json` there or in `tokenizer/`);
+- **checkpoint to resume**: the folder exists and, through `CheckpointDir.verify`, matches its manifest;
+- **store**: `trainer.runs_dir` (and `models_dir`, the data folder) can be created and written;
+- **free disk**: at least `MIN_FREE_BYTES` on the file system of the run store.
+
+Files that an earlier stage of the same job will still write (the prepared data and the tiny base model of
+`dapo train`) are skipped in phase "pipeline" and checked in phase "train", which the training flow runs at
+its start (so a deployment gets the same checks). Nothing here imports prefect, ray or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dapo_core.config.schema import DapoConfig
+from dapo_core.data.datasets import DataError, read_parquet
+from dapo_core.data.schemas import DatasetError, validate_dataset
+from dapo_core.errors import DapoUserError
+from dapo_core.rewards.scoring import MATH_DAPO_SOURCES, ground_truth_problem, has_scorer
+
+__all__ = [
+    "MIN_FREE_BYTES",
+    "PreflightError",
+    "check_checkpoint",
+    "check_data_file",
+    "check_free_disk",
+    "check_model_folder",
+    "check_writable",
+    "model_folder_of",
+    "preflight",
+]
+
+MIN_FREE_BYTES = 256 * 2**20
+"""Free space the run store's file system must have at the start (a tiny run writes ~50 MB)."""
+
+Phase = Literal["pipeline", "train", "eval"]
+
+SKIP_ENV = "DAPO_SKIP_PREFLIGHT"
+"""Environment variable: `1` skips the file checks (data, model, checkpoint; the store and disk checks stay),
+e.g. for data on a remote file system that is slow to read twice."""
+
+
+class PreflightError(DapoUserError, ValueError):
+    """A problem found before the run starts (data file, model folder, checkpoint, store, disk)."""
+
+
+# ------------------------------------------------------------------------------------------------ data
+def check_data_file(path: str, *, key: str = "data.train_files") -> pa.Table:
+    """Read and validate one dataset file: readable parquet, verl types, clean rows, scorable data sources
+    and ground truths. Returns the table; raises a `DapoUserError` naming the file, row and `key`."""
+    if "://" not in path and not Path(path).exists():
+        raise PreflightError(
+            f"the dataset file {path} does not exist",
+            where=key,
+            fix=f"run `dapo prepare` to write it, or point {key} at an existing parquet file",
+        )
+    try:
+        table = read_parquet(path)
+        validate_dataset(table, name=path)
+    except (DataError, DatasetError) as e:
+        raise PreflightError(f"{e} (read through {key})") from e
+    _check_scorable(table, path)
+    return table
+
+
+def _check_scorable(table: pa.Table, path: str) -> None:
+    """Every data_source has a scorer and every ground truth parses (checked once per distinct value)."""
+    sources = table.column("data_source")
+    for ds in pc.unique(sources).to_pylist():
+        if not has_scorer(ds):
+            row = int(pc.index(sources, ds).as_py())
+            raise PreflightError(
+                f"{path} row {row}: data_source {ds!r} has no reward function, so every reward of its rows "
+                f"would fail",
+                fix=f"use one of {sorted(MATH_DAPO_SOURCES)} or a name starting with 'aime' in the "
+                "data_source column (or register a scorer in dapo_core/rewards/scoring.py)",
+            )
+    gt = pc.struct_field(table.column("reward_model").combine_chunks(), "ground_truth")
+    pairs = pa.table({"ds": sources.combine_chunks(), "gt": gt}).group_by(["ds", "gt"]).aggregate([])
+    for ds, value in zip(pairs.column("ds").to_pylist(), pairs.column("gt").to_pylist(), strict=True):
+        why = ground_truth_problem(ds, value)
+        if why is not None:
+            mask = pc.and_(pc.equal(sources, ds), pc.equal(gt, value))
+            row = int(pc.index(mask, True).as_py())
+            raise PreflightError(
+                f"{path} row {row}: {why} (data_source {ds!r})",
+                fix="repair reward_model.ground_truth in that row (the final answer as text, e.g. '42') or "
+                "drop the row",
+            )
+
+
+# ----------------------------------------------------------------------------------------------- model
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file is unreadable (bad header, or shorter than its header says), else None."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"it has {size} bytes, too short for a safetensors header"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 * 2**20:
+                return f"its header claims {n} bytes but the file has {size}: truncated, or not safetensors"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        return f"its header cannot be read ({type(e).__name__}: {e})"
+    ends = [
+        int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and "data_offsets" in v
+    ]
+    need = 8 + n + (max(ends) if ends else 0)
+    if size < need:
+        return (
+            f"it has {size} bytes but its tensors need {need}: the file is truncated (an interrupted copy?)"
+        )
+    return None
+
+
+def check_model_folder(
+    path: str, *, key: str = "actor_rollout_ref.model.path", tokenizer: str | None = None
+) -> None:
+    """The model folder exists, has a readable config.json, complete safetensors weights and a tokenizer."""
+    p = Path(path)
+    fix_path = f"point {key} at a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
+    if not p.exists():
+        raise PreflightError(f"the model folder {p} does not exist", where=key, fix=fix_path)
+    if not p.is_dir():
+        raise PreflightError(f"{p} is a file, not a model folder", where=key, fix=fix_path)
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise PreflightError(f"the model folder {p} has no config.json", where=key, fix=fix_path)
+    try:
+        json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise PreflightError(
+            f"{cfg_file} is not readable JSON ({type(e).__name__}: {e})",
+            where=key,
+            fix="restore config.json from the model's source (or rebuild the model)",
+        ) from None
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise PreflightError(
+                f"{index} is not a valid weight index ({type(e).__name__})", where=key, fix=fix_path
+            ) from None
+        files = [p / s for s in shards]
+    else:
+        files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise PreflightError(
+            f"the model folder {p} has no *.safetensors weights (pickled *.bin weights are not loaded)",
+            where=key,
+            fix="save the model with safetensors (`model.save_pretrained(dir)` does by default)",
+        )
+    for f in files:
+        if not f.is_file():
+            raise PreflightError(f"the weight shard {f} is missing", where=key, fix=fix_path)
+        why = _safetensors_problem(f)
+        if why is not None:
+            raise PreflightError(
+                f"the weights file {f} is unreadable: {why}",
+                where=key,
+                fix="copy or download the model again (compare its size with the source), or rebuild it",
+            )
+    tok = Path(tokenizer) if tokenizer else p
+    if not any((c / "tokenizer.json").is_file() for c in (tok, tok / "tokenizer")):
+        raise PreflightError(
+            f"no tokenizer.json in {tok} or {tok / 'tokenizer'}",
+            where="actor_rollout_ref.model.tokenizer_path" if tokenizer else key,
+            fix="set actor_rollout_ref.model.tokenizer_path to a folder with tokenizer.json ",
+        )
+
+
+# ------------------------------------------------------------------------------------------ checkpoint
+def model_folder_of(path: str, *, key: str = "eval.checkpoint") -> str:
+    """The HF model folder `dapo eval` loads for `path`: the folder itself, a checkpoint step folder's
+    `actor/`, or a run folder's latest checkpoint (as `flows.evaluate.resolve_checkpoint`). Raises
+    `PreflightError` naming `path` when it is none of these."""
+    from dapo_core.store.checkpoint import CheckpointDir
+
+    p = Path(path)
+    fix = (
+        "pass a model folder, a checkpoint folder runs/<run_id>/ckpt/step_<N>, or a run folder runs/<run_id>"
+    )
+    if not p.exists():
+        raise PreflightError(f"{p} does not exist", where=key, fix=fix)
+    if (p / "config.json").exists():
+        return str(p)
+    if (p / "actor" / "config.json").exists():
+        return str(p / "actor")
+    if (p / "ckpt").is_dir():
+        step = CheckpointDir(p).latest_step()
+        if step is None:
+            raise PreflightError(f"the run folder {p} has no checkpoint yet", where=key, fix=fix)
+        return model_folder_of(str(CheckpointDir(p).path(step)), key=key)
+    raise PreflightError(
+        f"{p} is neither a model folder (config.json), a checkpoint step folder nor a run folder",
+        where=key,
+        fix=fix,
+    )
+
+
+def check_checkpoint(path: str | Path, *, key: str = "trainer.resume_from_path") -> None:
+    """A checkpoint folder to load: it exists, and `CheckpointDir.verify` accepts it (manifest, checksums)."""
+    from dapo_core.store.checkpoint import CheckpointDir
+
+    p = Path(path)
+    if not p.is_dir():
+        raise PreflightError(
+            f"the checkpoint {p} does not exist",
+            where=key,
+            fix="give a checkpoint folder such as runs/<run_id>/ckpt/step_<N>, or a run folder runs/<run_id>",
+        )
+    if p.name.startswith("step_") and p.parent.name == "ckpt":
+        ckpts, step = CheckpointDir(p.parent.parent), p.name.removeprefix("step_")
+        if not step.isdigit():
+            raise PreflightError(
+                f"{p} is not a step_<N> checkpoint folder", where=key, fix="name a step_<N> folder"
+            )
+        try:
+            ckpts.verify(int(step))
+        except DapoUserError:
+            raise
+        except (ValueError, OSError, KeyError) as e:
+            raise PreflightError(
+                f"the checkpoint {p} does not match its manifest ({e})",
+                where=key,
+                fix="resume from another step_<N> folder, or delete this one",
+            ) from e
+
+
+# ----------------------------------------------------------------------------------------------- store
+def check_writable(folder: str | Path, *, key: str) -> None:
+    """`folder` (or, when it does not exist yet, its nearest existing parent, so that it can be created) lets
+    a file be written and removed in it. Nothing is left behind."""
+    p = Path(folder)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        if not p.is_dir():
+            raise NotADirectoryError(20, "not a folder")
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".dapo-preflight-", delete=True) as f:
+            f.write(b"ok")
+            f.flush()
+    except OSError as e:
+        raise PreflightError(
+            f"cannot write in {p} ({e.strerror or e}), so {folder} cannot be written",
+            where=key,
+            fix=f"choose a writable folder for {key} or fix its permissions",
+        ) from None
+
+
+def check_free_disk(folder: str | Path, *, need: int = MIN_FREE_BYTES, key: str = "trainer.runs_dir") -> None:
+    """The file system holding `folder` has at least `need` bytes free."""
+    p = Path(folder)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if free < need:
+        raise PreflightError(
+            f"only {free / 2**20:.0f} MiB free on the file system of {folder} (need {need / 2**20:.0f} MiB)",
+            where=key,
+            fix="free some disk space or point trainer.runs_dir at a larger disk",
+        )
+
+
+# ------------------------------------------------------------------------------------------------- all
+def _prepared_by_pipeline(cfg: DapoConfig) -> set[str]:
+    """Data files that `dapo prepare` (the pipeline's first flow) writes, as resolved paths."""
+    out = Path(cfg.data.synthetic.out_dir)
+    names = ("train", "val") if cfg.data.synthetic.enable else ("dapo-math-17k", "aime-2024")
+    return {str((out / f"{n}.parquet").resolve()) for n in names}
+
+
+def _files(cfg: DapoConfig, phase: Phase) -> Iterable[tuple[str, str]]:
+    """(path, config key) of every dataset file the phase reads."""
+    if phase == "eval":
+        yield from ((f, "eval.files") for f in (cfg.eval.files or cfg.data.val_files))
+        return
+    yield from ((f, "data.train_files") for f in cfg.data.train_files)
+    yield from ((f, "data.val_files") for f in cfg.data.val_files)
+
+
+def preflight(
+    cfg: DapoConfig, *, phase: Phase, checkpoint: str = "", model_path: str | None = None
+) -> list[str]:
+    """Run every check for `phase` ("pipeline": `dapo train` before the first flow; "train": the training
+    flow; "eval": an evaluation); raise the first problem as a `DapoUserError`. Returns what was checked."""
+    done: list[str] = []
+    tr = cfg.trainer
+    check_writable(tr.runs_dir, key="trainer.runs_dir")
+    check_free_disk(tr.runs_dir)
+    done.append(f"store {tr.runs_dir} writable")
+    if os.environ.get(SKIP_ENV, "") in ("", "0"):
+        pending = _prepared_by_pipeline(cfg) if phase == "pipeline" else set()
+        if phase == "pipeline" and not cfg.data.synthetic.enable:
+            for src, key in ((cfg.data.source_files.train, "data.source_files.train"),
+                             (cfg.data.source_files.val, "data.source_files.val")):  # fmt: skip
+                if src:
+                    check_data_file(src, key=key)
+                    done.append(src)
+        for path, key in _files(cfg, phase):
+            if "://" not in path and str(Path(path).resolve()) in pending:
+                continue
+            check_data_file(path, key=key)
+            done.append(path)
+    if os.environ.get(SKIP_ENV, "") not in ("", "0"):
+        return done
+    model = model_path if model_path is not None else cfg.actor_rollout_ref.model.path
+    if model is None and phase != "pipeline":
+        model = str(Path(tr.models_dir) / "tiny_base")
+    if model:
+        check_model_folder(model, tokenizer=cfg.actor_rollout_ref.model.tokenizer_path)
+        done.append(model)
+    if checkpoint:
+        check_checkpoint(checkpoint, key="eval.checkpoint" if phase == "eval" else "trainer.resume_from_path")
+        done.append(checkpoint)
+    elif phase != "eval" and tr.resume_mode == "resume_path" and tr.resume_from_path:
+        check_checkpoint(tr.resume_from_path)
+        done.append(tr.resume_from_path)
+    return done
