@@ -23,19 +23,23 @@ from dapo_core.seeding import uid_factory
 
 
 def resolve_checkpoint(path: str) -> str:
-    """An HF model folder for `path` (HF folder, run checkpoint step folder, or run folder)."""
+    """An HF model folder for `path` (HF folder, run checkpoint step folder, or run folder). A folder inside a
+    run checkpoint is verified against the checkpoint's manifest first, whichever of the three is named."""
+    from dapo_core.store.checkpoint import CheckpointDir, enclosing_checkpoint, verify_folder
+
     p = Path(path)
+    ckpt = enclosing_checkpoint(p)
+    if ckpt is not None:
+        verify_folder(ckpt)
     if (p / "config.json").exists():
         return str(p)
     if (p / "actor" / "config.json").exists():
         return str(p / "actor")
     if (p / "ckpt").is_dir():
-        from dapo_core.store.checkpoint import CheckpointDir
-
-        step = CheckpointDir(p).latest_step()
+        step = CheckpointDir(p).resume_step(warn=print)
         if step is None:
-            raise FileNotFoundError(f"{p} has no checkpoint yet (no ckpt/latest)")
-        return resolve_checkpoint(str(CheckpointDir(p).load(step)))
+            raise FileNotFoundError(f"{p} has no checkpoint yet (no ckpt/step_<n>)")
+        return resolve_checkpoint(str(CheckpointDir(p).path(step)))  # verified by the call
     raise FileNotFoundError(
         f"{path} is neither an HF model folder, a checkpoint step folder nor a run folder"
     )

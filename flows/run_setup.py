@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +30,6 @@ from dapo_core.config import (
     load_config_text,
     need_reference_policy,
     resolve_device,
-    to_yaml,
     typed,
     use_critic,
 )
@@ -37,8 +37,16 @@ from dapo_core.data import batch as B
 from dapo_core.data.datasets import PromptSampler, read_parquet
 from dapo_core.metrics.step import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
 from dapo_core.metrics.tracking import Tracker
-from dapo_core.store import RunStore
-from dapo_core.store.checkpoint import MANIFEST_NAME, CheckpointDir
+from dapo_core.store import RunStore, StoreCorruption
+from dapo_core.store.checkpoint import MANIFEST_NAME, CheckpointDir, CheckpointError, verify_folder
+from dapo_core.store.files import atomic_write_bytes
+from dapo_core.store.fingerprints import (
+    InputsChanged,
+    changes,
+    config_fingerprint,
+    data_fingerprint,
+    folder_fingerprint,
+)
 from flows.progress import StepProgress
 from tasks import runtime
 from tasks.runtime import ChunkSampler
@@ -171,9 +179,9 @@ def _ref_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, de
         temperature=arr.rollout.temperature,
         device=device,
         micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
-    )
         max_token_len=arr.ref.log_prob_max_token_len_per_gpu if arr.ref.log_prob_use_dynamic_bsz else None,
         use_remove_padding=arr.model.use_remove_padding,
+    )
     return proxy(cluster.create("ref", factory, num_gpus=_gpus(device)), RefWorker)
 
 
@@ -191,8 +199,8 @@ def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int,
         rollout_n=cfg.actor_rollout_ref.rollout.n,
         device=device,
         seed=cfg.trainer.seed,
-    )
         gradient_checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
+    )
     return proxy(cluster.create("critic", factory, num_gpus=_gpus(device)), CriticWorker)
 
 
@@ -206,10 +214,115 @@ class TrainRun(runtime.Runtime):
     """The live console display."""
     keep_rate: KeepRateEstimator = field(default_factory=KeepRateEstimator)
     """Observed share of kept groups, which sizes adaptive refills (checkpointed)."""
+    inputs: dict = field(default_factory=dict)
+    """Fingerprints of this attempt's data, base model and training config (recorded as inputs.json)."""
+    changed_inputs: list[str] = field(default_factory=list)
+    """What differs from the run's recorded inputs (non-empty only with trainer.allow_changed_inputs)."""
+
+
+INPUTS_FILE = "inputs.json"
+"""The run's record of its inputs' fingerprints (`dapo_core.store.fingerprints`)."""
+
+_SECRET_NAME = re.compile(r"(?i)(KEY|TOKEN|SECRET|PASS|CREDENTIAL|AUTH|PRIVATE|COOKIE|SESSION)")
+
+
+def input_fingerprints(
+    cfg: DapoConfig, model_path: str, tokenizer_path: str, train: pa.Table, val: pa.Table, known: dict | None
+) -> dict:
+    """The fingerprints of this attempt's inputs: data files and rows, base model and tokenizer folders,
+    training-relevant config keys (files whose size and mtime match `known` are not re-hashed)."""
+    known = known or {}
+    out = {
+        "format": 1,
+        "data": {
+            "train": data_fingerprint(cfg.data.train_files, train, known.get("data", {}).get("train")),
+            "val": data_fingerprint(cfg.data.val_files, val, known.get("data", {}).get("val")),
+        },
+        "model": folder_fingerprint(model_path, known.get("model")),
+        "config": config_fingerprint(OmegaConf.to_container(OmegaConf.structured(cfg))),  # type: ignore[arg-type]
+    }
+    if Path(tokenizer_path).resolve() != Path(model_path).resolve():
+        out["tokenizer"] = folder_fingerprint(tokenizer_path, known.get("tokenizer"))
+    return out
+
+
+def check_inputs(store: RunStore, cfg: DapoConfig, inputs: dict) -> list[str]:
+    """Compare this attempt's inputs with the run's record: [] when equal or when the run is new; the
+    changes when `trainer.allow_changed_inputs` (after a warning); else :class:`InputsChanged` naming them."""
+    old = store.read_json(INPUTS_FILE, default=None)
+    if old is None:
+        if store.steps() or store.checkpoints.steps():
+            print(
+                f"warning: {store.root} has no {INPUTS_FILE} (a run started by an older version): this "
+                f"attempt's inputs are recorded now; changes made before it cannot be detected"
+            )
+        return []
+    diff = changes(old, inputs)
+    if not diff:
+        return []
+    listed = "; ".join(diff)
+    if not cfg.trainer.allow_changed_inputs:
+        raise InputsChanged(
+            f"run {store.root.name} was started with other inputs than this attempt uses: {listed}",
+            where=str(store.root / INPUTS_FILE),
+            fix=(
+                "resume with the run's original data, base model and config; or start a new run (a new "
+                "trainer.experiment_name); or, to continue this run with the new inputs on purpose, set "
+                "trainer.allow_changed_inputs=true (stored rollouts of later steps are then discarded)"
+            ),
+        )
+    print(
+        f"warning: continuing run {store.root.name} with changed inputs (trainer.allow_changed_inputs=true): "
+        f"{listed}. Rollouts stored for steps after the checkpoint are discarded and regenerated"
+    )
+    return diff
+
+
+def _mask_secrets(obj, secrets: dict[str, str]):
+    if isinstance(obj, dict):
+        return {k: _mask_secrets(v, secrets) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_mask_secrets(v, secrets) for v in obj]
+    if isinstance(obj, str):
+        for name, value in secrets.items():
+            obj = obj.replace(value, "${oc.env:" + name + "}")
+    return obj
+
+
+def config_record(cfg: DapoConfig) -> str:
+    """The config as written to the run folder: resolved, except that the value of any environment
+    variable with a secret-looking name (…KEY, …TOKEN, …SECRET, …PASSWORD, …) is written back as the
+    `${oc.env:NAME}` reference it came from, so a secret never lands on disk."""
+    secrets = {k: v for k, v in os.environ.items() if _SECRET_NAME.search(k) and len(v) >= 6}
+    data = _mask_secrets(OmegaConf.to_container(OmegaConf.structured(cfg)), secrets)
+    return OmegaConf.to_yaml(OmegaConf.create(data), sort_keys=True)
+
+
+def record_attempt(rt: TrainRun) -> Path:
+    """Write this attempt's records once its setup and restore succeeded: `config.<n>.yaml` (n = attempt
+    number; earlier attempts' files are never overwritten), `config.yaml` (the config in force) and
+    `inputs.json` (a replaced record is kept as `inputs.<n>.replaced.json`). Returns config.<n>.yaml."""
+    root = rt.store.root
+    attempts = [
+        int(m.group(1)) for p in root.iterdir() if (m := re.fullmatch(r"config\.(\d+)\.yaml", p.name))
+    ]
+    if not attempts and (root / "config.yaml").exists():  # a run of an older version: keep its record
+        atomic_write_bytes(root / "config.0.yaml", (root / "config.yaml").read_bytes())
+    n = max(attempts, default=0) + 1
+    text = config_record(rt.cfg).encode()
+    path = root / f"config.{n}.yaml"
+    atomic_write_bytes(path, text)
+    atomic_write_bytes(root / "config.yaml", text)
+    if rt.changed_inputs and (root / INPUTS_FILE).exists():
+        atomic_write_bytes(root / f"inputs.{n}.replaced.json", (root / INPUTS_FILE).read_bytes())
+    rt.store.write_json(INPUTS_FILE, rt.inputs)
+    return path
 
 
 def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
-    """Open (or create) `runs/<run_id>/`, start the workers, build the samplers, register the runtime."""
+    """Open (or create) `runs/<run_id>/`, check the inputs against the run's record, start the workers, build
+    the samplers, register the runtime. Nothing is written to the run's records here (`record_attempt`
+    does, once `restore` succeeded)."""
     root = Path(cfg.trainer.runs_dir) / run_id
     store = RunStore(root)
     if cfg.trainer.resume_mode == "disable" and (
@@ -220,7 +333,6 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             f"run {run_id} already has outputs in {root} and trainer.resume_mode=disable: "
             f"choose a new trainer.experiment_name, delete the folder, or set trainer.resume_mode=auto"
         )
-    (root / "config.yaml").write_text(to_yaml(OmegaConf.structured(cfg)))
     model_path = default_model_path(cfg)
     tokenizer_path = cfg.actor_rollout_ref.model.tokenizer_path or model_path
     device = resolve_device(cfg)
@@ -229,9 +341,10 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
         tokenizer = load_tokenizer(tokenizer_path)
         pad = int(tokenizer.pad_token_id)
         # Data first (cheap, and a wrong path should fail before workers spend minutes loading models).
+        train_table = read_table(cfg.data.train_files)
         sampler = ChunkSampler(
             PromptSampler(
-                read_table(cfg.data.train_files),
+                train_table,
                 tokenizer,
                 batch_size=1,
                 seed=cfg.data.seed,
@@ -241,6 +354,15 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             )
         )
         val_table = val_prompts(cfg.data, tokenizer)
+        inputs = input_fingerprints(
+            cfg,
+            model_path,
+            tokenizer_path,
+            train_table,
+            val_table,
+            store.read_json(INPUTS_FILE, default=None),
+        )
+        changed = check_inputs(store, cfg, inputs)
         kl = cfg.algorithm.kl_ctrl
         kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.horizon, kl.target_kl)
         tracker = Tracker(root, cfg.trainer.logger)
@@ -269,6 +391,8 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             kl_ctrl=kl_ctrl,
             tracker=tracker,
             progress=StepProgress(run_id, enabled=sys.stdout.isatty() or "console" in cfg.trainer.logger),
+            inputs=inputs,
+            changed_inputs=changed,
         )
     except (
         BaseException
@@ -312,16 +436,18 @@ def total_training_steps(run: TrainRun) -> int:
 
 
 def _resume_path_dir(given: Path, ckpts: CheckpointDir, step: int) -> Path:
-    """The checkpoint folder `trainer.resume_from_path` names: this run's `ckpt/step_<n>` (verified) or
-    another run's, which must be a complete checkpoint (manifest and driver state present)."""
+    """The checkpoint folder `trainer.resume_from_path` names: this run's `ckpt/step_<n>` or another run's,
+    which must be a complete checkpoint (manifest and driver state present); verified against its manifest
+    either way."""
     if given.absolute().resolve() == ckpts.path(step).resolve():
         return ckpts.load(step)
     for name in (MANIFEST_NAME, "driver_state.json", "actor"):
         if not (given / name).exists():
-            raise ValueError(
-                f"trainer.resume_from_path={str(given)!r} is not a complete checkpoint ({name} is "
-                f"missing): point it at a ckpt/step_<n> folder written by dapo-train"
+            raise CheckpointError(
+                f"trainer.resume_from_path={str(given)!r} is not a complete checkpoint ({name} is missing)",
+                fix="point it at a ckpt/step_<n> folder written by dapo-train",
             )
+    verify_folder(given)
     return given
 
 
@@ -333,7 +459,7 @@ def restore(rt: TrainRun) -> DriverState:
     mode, given = cfg.trainer.resume_mode, cfg.trainer.resume_from_path or ""
     step = None
     if mode == "auto":
-        step = ckpts.latest_step()
+        step = ckpts.resume_step(warn=print)  # a lost `latest` pointer: the newest verifying checkpoint
     elif mode == "resume_path":
         if "step_" not in given:
             raise ValueError(f"trainer.resume_from_path={given!r} must point at a ckpt/step_<n> folder")
@@ -357,16 +483,39 @@ def restore(rt: TrainRun) -> DriverState:
             rt.keep_rate.load_state_dict(saved["keep_rate_state"])
         rt.kl_ctrl.value = float(saved["kl_coef"])
         push_weights(rt, state.weight_version)
-    # Later steps: keep committed rollouts (replayed), drop everything computed from the lost weights.
+    dropped = rt.tracker.rewind(state.train_step)
+    if dropped:
+        print(
+            f"metrics: dropped {dropped} rows of steps after {state.train_step} (this attempt logs them anew)"
+        )
+    # Later steps: keep committed rollouts (replayed), drop everything computed from the lost weights — and
+    # the rollouts too when the inputs changed (they came from the old data or model).
     for s in rt.store.steps():
         if s > state.train_step:
             for stage in rt.store.committed_stages(s):
-                if not stage.startswith(ROLLOUT_STAGES):
+                if rt.changed_inputs or not stage.startswith(ROLLOUT_STAGES):
                     rt.store.delete_stage(s, stage)
+                else:
+                    _verify_replayed(rt.store, s, stage)
+    if rt.changed_inputs:
+        n = rt.store.drop_prompts_after("train", state.train_step)
+        if n:
+            print(f"dropped {n} prompts drawn from the old inputs after step {state.train_step}")
     reissued = rt.store.reissue_inflight("train", state.train_step + 1)
     if reissued:
         print(f"re-issued {reissued} prompts that were in flight when the run stopped")
+    record_attempt(rt)
     return state
+
+
+def _verify_replayed(store: RunStore, step: int, stage: str) -> None:
+    """Checksum a stage that a resumed run will replay; a corrupted one (possibly shadowed by a later stage,
+    so never read again) is reported and un-committed, so it is recomputed if anything needs it."""
+    try:
+        store.verify_stage(step, stage)
+    except StoreCorruption as e:
+        print(f"warning: {e} — un-committing stage {stage!r} of step {step}; it is recomputed if needed")
+        store.delete_stage(step, stage)
 
 
 def add_metrics(metrics: dict[str, float], new: dict[str, float]) -> None:

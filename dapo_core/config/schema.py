@@ -540,6 +540,8 @@ class TrainerConfig:
     """auto (latest checkpoint if any) | disable | resume_path."""
     resume_from_path: str | None = None
     """Checkpoint folder for resume_mode=resume_path."""
+    allow_changed_inputs: bool = False
+    """Resume even if data, base model or training config changed (inputs.json); drops stored rollouts."""
     max_actor_ckpt_to_keep: int | None = None
     """Keep at most this many actor checkpoints; null = all."""
     max_critic_ckpt_to_keep: int | None = None

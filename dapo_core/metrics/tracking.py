@@ -26,7 +26,8 @@ def _clean(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 class JsonlBackend:
-    """Appends one JSON object per step to `<run>/metrics.jsonl` (flushed each step, so a crash loses nothing)."""
+    """Appends one JSON object per step to `<run>/metrics.jsonl` (flushed each step, so a crash loses
+    nothing)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -38,6 +39,27 @@ class JsonlBackend:
             f.flush()
             os.fsync(f.fileno())
 
+    def rewind(self, step: int) -> int:
+        """Drop the rows of steps after `step` (all rows when `step` is 0), which a resumed run logs again;
+        returns how many were dropped. The file is rewritten atomically."""
+        from dapo_core.store.files import atomic_write_bytes
+
+        if not self.path.exists():
+            return 0
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                row_step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                row_step = None  # a torn last line of a killed run
+            if row_step is None or step == 0 or row_step > step:
+                dropped += bool(line.strip())
+            else:
+                kept.append(line + "\n")
+        if dropped:
+            atomic_write_bytes(self.path, "".join(kept).encode())
+        return dropped
+
     def close(self) -> None:
         pass
 
@@ -48,7 +70,16 @@ class TensorBoardBackend:
     def __init__(self, logdir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
+        self.logdir = logdir
         self.writer = SummaryWriter(log_dir=str(logdir))
+
+    def rewind(self, step: int) -> int:
+        """Hide the points of steps after `step` that an earlier attempt wrote (TensorBoard's purge_step)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=str(self.logdir), purge_step=step + 1 if step else 0)
+        return 0
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for k, v in metrics.items():
@@ -108,6 +139,12 @@ class Tracker:
         for b in self.backends:
             b.log(step, clean)
 
+    def rewind(self, step: int) -> int:
+        """A run resumed at `step` logs the later steps again: drop what an earlier attempt logged for them
+        (metrics.jsonl rows; TensorBoard points are purged), so no step has two rows. Returns the rows
+        dropped."""
+        return sum(b.rewind(step) for b in self.backends if hasattr(b, "rewind"))
+
     def close(self) -> None:
         """Flush and close every backend."""
         for b in self.backends:
@@ -115,7 +152,8 @@ class Tracker:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, float]]:
-    """All rows of a metrics.jsonl; a later row for the same step (after a resume) replaces the earlier one."""
+    """All rows of a metrics.jsonl; a later row for the same step (after a resume) replaces the earlier
+    one."""
     rows: dict[int, dict[str, float]] = {}
     if not Path(path).exists():
         return []
@@ -143,7 +181,7 @@ def plot_run(jsonl_path: str | Path, out_png: str | Path) -> Path:
         ("response_length/mean", "response length"),
     ]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (key, title) in zip(axes.flat, panels):
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
         if key == "val_acc":
             pts = [
                 (r["step"], v)
@@ -154,7 +192,7 @@ def plot_run(jsonl_path: str | Path, out_png: str | Path) -> Path:
         else:
             pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:
-            xs, ys = zip(*pts)
+            xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o", ms=3)
         ax.set_title(title)
         ax.set_xlabel("train step")

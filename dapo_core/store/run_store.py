@@ -581,6 +581,23 @@ class RunStore:
             db.executemany("UPDATE kv SET tags=?, status='pending', global_steps=? WHERE key=?", updates)
         return len(rows)
 
+    def drop_prompts_after(self, partition: str, step: int) -> int:
+        """Delete (one transaction) every prompt of ``partition`` registered after ``step`` or still in
+        flight, with its trajectories: when a run resumes with changed inputs, nothing generated from the
+        old ones for later steps may be replayed. Returns the number of prompts dropped."""
+        _check_step(step)
+        with self._tx() as db:
+            uids = [
+                r[0]
+                for r in db.execute(
+                    "SELECT uid FROM kv WHERE partition=? AND is_prompt=1 AND "
+                    "(global_steps > ? OR status IN (?, ?))",
+                    (partition, step, *INFLIGHT_STATUSES),
+                ).fetchall()
+            ]
+            db.executemany("DELETE FROM kv WHERE uid=? AND partition=?", [(u, partition) for u in uids])
+        return len(uids)
+
     # ------------------------------------------------------------------ stages
     def step_dir(self, step: int) -> Path:
         """The directory of a step's stage outputs: ``root/step_{step:06d}``."""

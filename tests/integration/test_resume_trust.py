@@ -1,0 +1,123 @@
+"""Resume trust on the real dapo-train flow (real Prefect, in-process workers, real run store; issue 12):
+a lost `latest` pointer is recovered (never a restart at step 0) and the run ends bitwise equal to an
+uninterrupted one; a corrupted stage file shadowed by a later stage is found and recomputed; metrics rows are
+never duplicated; every attempt's config is kept and secrets stay `${oc.env:...}` references; changed inputs
+are refused (or, when allowed, the stored rollouts are regenerated); a lost ledger is refused; `dapo eval`
+verifies a checkpoint named by its step folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from safetensors.torch import load_file
+
+from dapo_core.config import load_config, to_yaml
+from dapo_core.store import RunStore, StoreError
+from dapo_core.store.checkpoint import CheckpointError
+from dapo_core.store.fingerprints import InputsChanged
+from tests.integration.conftest import CONFIG, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+COMMON = {
+    "trainer.total_training_steps": 3,
+    "trainer.save_freq": 1,
+    "trainer.test_freq": -1,
+    "trainer.val_before_train": "false",
+    "trainer.use_ray": "false",
+    "algorithm.filter_groups.enable": "false",
+    "trainer.experiment_name": "trust",
+    "trainer.project_name": "${oc.env:DAPO_TEST_API_KEY}",  # a secret referenced from the environment
+}
+SECRET = "s3cr3t-value-never-on-disk"
+
+
+def _train(root: Path, **extra) -> dict:
+    from flows.dapo_train import dapo_train
+
+    cfg = load_config(CONFIG, tiny_overrides(root, **{**COMMON, **extra}))
+    return dapo_train(to_yaml(cfg), "trust")
+
+
+def _metric_steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _crash_after_logging_step_3(run: Path) -> None:
+    """What a kill after step 3's metrics row, before its checkpoint is complete, leaves; and no pointer."""
+    shutil.rmtree(run / "ckpt" / "step_3")
+    (run / "ckpt" / "latest").unlink()
+
+
+@pytest.mark.timeout(900)
+def test_resume_recovers_verifies_and_keeps_records(tiny_assets, monkeypatch):
+    monkeypatch.setenv("DAPO_TEST_API_KEY", SECRET)
+    run = tiny_assets / "runs" / "trust"
+    assert _train(tiny_assets)["train_step"] == 3
+    straight = load_file(str(run / "ckpt" / "step_3" / "actor" / "model.safetensors"))
+    first_record = (run / "config.1.yaml").read_text()
+    assert _metric_steps(run) == [1, 2, 3] and "${oc.env:DAPO_TEST_API_KEY}" in first_record
+    assert json.loads((run / "inputs.json").read_text())["data"]["train"]["rows"] == 400
+
+    # 1. lost pointer + a corrupted stage file shadowed by later stages of the replayed step
+    _crash_after_logging_step_3(run)
+    gen = run / "step_000003" / "generate_g0.arrow"
+    data = bytearray(gen.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    gen.write_bytes(bytes(data))
+    out = _train(tiny_assets)
+    assert out["train_step"] == 3  # resumed at step 2 (not restarted at 0) and re-ran step 3
+    resumed = load_file(str(run / "ckpt" / "step_3" / "actor" / "model.safetensors"))
+    assert all((straight[k] == resumed[k]).all() for k in straight)  # bitwise equal to the uninterrupted run
+    with RunStore(run) as store:
+        store.verify_stage(3, "generate_g0")  # the corrupted file was found and recomputed
+    assert _metric_steps(run) == [1, 2, 3]  # step 3 logged again, not twice
+    assert (run / "config.1.yaml").read_text() == first_record  # earlier attempt's record kept
+    for name in ("config.2.yaml", "config.yaml", "inputs.json", "metrics.jsonl"):
+        assert SECRET not in (run / name).read_text(), name
+
+    # 2. changed data under the resumed run: refused before anything is written, naming what changed
+    _crash_after_logging_step_3(run)
+    (run / "ckpt" / "latest").write_text("2\n")
+    table = pq.read_table(tiny_assets / "data" / "train.parquet")
+    changed = tiny_assets / "data" / "train_changed.parquet"
+    pq.write_table(table.take(list(range(table.num_rows - 1, -1, -1))), changed)  # same rows, re-ordered
+    with pytest.raises(InputsChanged) as ei:
+        _train(tiny_assets, **{"data.train_files": f"[{changed}]"})
+    msg = str(ei.value)
+    assert "train data" in msg and "train_changed.parquet" not in msg and "allow_changed_inputs" in msg
+    assert not (run / "config.3.yaml").exists()  # no record for an attempt that did not pass setup
+
+    # 3. ... allowed explicitly: the stored rollouts of step 3 (old data) are regenerated, never replayed
+    before = json.loads((run / "step_000003" / "prompts_g0.manifest.json").read_text())["created"]
+    out = _train(tiny_assets, **{"data.train_files": f"[{changed}]", "trainer.allow_changed_inputs": "true"})
+    assert out["train_step"] == 3 and (run / "config.3.yaml").exists()
+    assert json.loads((run / "step_000003" / "prompts_g0.manifest.json").read_text())["created"] > before
+    assert (run / "inputs.3.replaced.json").exists()
+    recorded = json.loads((run / "inputs.json").read_text())["data"]["train"]["files"]
+    assert [Path(f["path"]).name for f in recorded] == ["train_changed.parquet"]
+
+    # 4. `dapo eval --checkpoint runs/X/ckpt/step_N` verifies the checkpoint like `--checkpoint runs/X`
+    from flows.evaluate import resolve_checkpoint
+
+    step2 = run / "ckpt" / "step_2"
+    assert resolve_checkpoint(str(step2)) == str(step2 / "actor")
+    weights = step2 / "actor" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    for named in (step2, step2 / "actor"):
+        with pytest.raises(CheckpointError, match=r"model\.safetensors.*corrupted"):
+            resolve_checkpoint(str(named))
+
+    # 5. a lost ledger is refused, not silently re-created empty
+    (run / "ledger.sqlite").unlink()
+    for side in run.glob("ledger.sqlite-*"):
+        side.unlink()
+    with pytest.raises(StoreError, match="ledger"):
+        _train(tiny_assets, **{"data.train_files": f"[{changed}]"})
+    assert not (run / "ledger.sqlite").exists()
