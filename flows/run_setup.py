@@ -166,6 +166,7 @@ def _reward_worker(cfg: DapoConfig, cluster: Cluster, tokenizer_path: str) -> Re
         overlong_buffer=asdict(rm.overlong_buffer),
         num_workers=rm.num_workers,
         timeout_s=rm.timeout_s,
+        max_failure_rate=rm.max_failure_rate,
     )
     return proxy(cluster.create("reward", factory), RewardWorker)
 

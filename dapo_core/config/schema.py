@@ -508,7 +508,9 @@ class RewardModelConfig:
     num_workers: int = 1
     """Worker processes scoring responses in parallel (each sample under its own timeout; >= 1)."""
     timeout_s: float = 10.0
-    """Seconds before one scoring call is abandoned (scored as a failure)."""
+    """Seconds before one scoring call is abandoned (scored as a failure); > 0."""
+    max_failure_rate: float = 0.5
+    """Largest failed share (timeout, error, NaN) of a batch's rewards before the step stops; 1.0 = never."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """Overlong reward shaping."""
 
