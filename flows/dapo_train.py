@@ -11,6 +11,13 @@ in-process with `trainer.use_ray=false`). Resume = run the flow again with the s
 (`trainer.resume_mode=auto`): the latest checkpoint is loaded, committed rollouts of later steps are replayed
 instead of regenerated, and prompts left in flight are re-issued (`RunStore.reissue_inflight`).
 
+Parameters (the fields of a deployment run in the Prefect UI): `config` — a config name in `configs/`
+(`tiny_cpu`), a path, or resolved YAML text (what `dapo train` passes); `overrides` — dotted `key=value`
+overrides applied on top; `run_id` — empty for a new run (named after the Prefect flow run, so a Retry of that
+flow run continues it), or an existing run id to resume that run. The resolved config is recorded with the run
+(`runs/<run_id>/config.yaml`). The UI shows the run's progress, a per-step metrics table and a summary
+(`flows/artifacts.py`).
+
 Step accounting: `gen_step` counts generation batches (it seeds sampling), `train_step` counts policy updates
 (the lr schedule and `total_training_steps` follow it). The reference counts `total_training_steps` in
 generation batches, so with filtering its last-step logic rarely fires; we deliberately count training steps.
@@ -19,19 +26,22 @@ generation batches, so with filtering its last-step logic rarely fires; we delib
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from dapo_core.config import gen_batch_size
+from dapo_core.config import ConfigError, DapoConfig, gen_batch_size, load_config, load_config_text, typed
+from dapo_core.preflight import preflight
 from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
+from flows.artifacts import RunArtifacts
 from flows.learn import learn
+from flows.progress import quiet_worker_noise
 from flows.replay_order import replay_train_step
 from flows.run_setup import (
     DriverState,
     TrainRun,
     add_metrics,
     close_run,
-    load_cfg,
     open_run,
     refill_size,
     restore,
@@ -97,12 +107,53 @@ def train_step(rt: TrainRun, step: int, state: DriverState) -> dict:
     return metrics
 
 
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+"""Where a bare config name (`tiny_cpu`) is looked up."""
+
+
+def resolve_config(config: str, overrides: list[str] | None = None) -> DapoConfig:
+    """The typed config from `config` (resolved YAML text, a path, or a name in `configs/`) and `overrides`.
+
+    A name that is neither an existing file nor in `configs/` is a ConfigError listing the configs there."""
+    ov = list(overrides or [])
+    if "\n" in config:
+        return typed(load_config_text(config, ov))
+    path = Path(config)
+    if not path.exists():
+        named = CONFIGS_DIR / (config if config.endswith((".yaml", ".yml")) else f"{config}.yaml")
+        if not named.exists():
+            known = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+            raise ConfigError(
+                f"config={config!r}: no such file, and no configs/{named.name}; give a path to a YAML "
+                f"config or one of the names in configs/: {known}"
+            )
+        path = named
+    return typed(load_config(path, ov))
+
+
+def default_run_id() -> str:
+    """A new run id for a run started without one: the Prefect flow run's name and id prefix (stable across
+    retries of that flow run, so Retry continues the run), or a timestamp outside a flow run."""
+    from prefect.runtime import flow_run
+
+    if flow_run.id:
+        return f"{flow_run.name}-{str(flow_run.id)[:8]}"
+    from flows.cli import make_run_id
+
+    return make_run_id()
+
+
 @flow(name="dapo-train", log_prints=True)
-def dapo_train(config_yaml: str, run_id: str) -> dict:
-    """Train with DAPO under run id `run_id` (resumes it if it exists and `trainer.resume_mode` allows)."""
-    cfg = load_cfg(config_yaml)
+def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] | None = None) -> dict:
+    """Train with DAPO under `run_id` (resumes it if it exists and `trainer.resume_mode` allows; empty: a new
+    run). `config`: a name in configs/, a path, or resolved YAML; `overrides`: dotted `key=value` items."""
+    quiet_worker_noise()
+    cfg = resolve_config(config, overrides)
+    run_id = run_id or cfg.trainer.experiment_name or default_run_id()
+    cfg.trainer.experiment_name = run_id
     tr = cfg.trainer
     logger = get_run_logger()
+    preflight(cfg, phase="train")  # data rows, model folder, store, disk: before any worker starts
     rt = open_run(cfg, run_id)
     try:
         state = restore(rt)
@@ -115,9 +166,12 @@ def dapo_train(config_yaml: str, run_id: str) -> dict:
             total,
             rt.store.root,
         )
+        ui = RunArtifacts(run_id, rt.store.root, total, state.train_step)
         if tr.val_before_train and state.train_step == 0:
             rt.progress.stage("validate (before training)")
-            rt.tracker.log(0, validate(run_id, 0, state.gen_step)[1])
+            val0 = validate(run_id, 0, state.gen_step)[1]
+            rt.tracker.log(0, val0)
+            ui.validation(0, val0)
         step_fn = replay_train_step if tr.step_order == "replay_buffer" else train_step
         while state.train_step < total:
             step = state.train_step + 1
@@ -140,12 +194,14 @@ def dapo_train(config_yaml: str, run_id: str) -> dict:
                 rt.progress.stage("checkpoint")
                 checkpoint(run_id, step, state.to_json(rt))
             rt.progress.end_step(metrics)
+            ui.step(step, metrics)
             logger.info("step %d (gen_step %d) done in %.1fs", step, state.gen_step, metrics["timing_s/step"])
-        return {
-            "run_id": run_id,
-            "train_step": state.train_step,
-            "gen_step": state.gen_step,
-            "run_dir": str(rt.store.root),
-        }
     finally:
-        close_run(rt)
+        close_run(rt)  # draws curves.png
+    ui.summary(state.train_step, final=True)
+    return {
+        "run_id": run_id,
+        "train_step": state.train_step,
+        "gen_step": state.gen_step,
+        "run_dir": str(rt.store.root),
+    }

@@ -2,23 +2,47 @@
 
     infra/prefect_server.sh start               # a local Prefect server (UI at http://127.0.0.1:4200)
     export PREFECT_API_URL=http://127.0.0.1:4200/api
-    dapo deploy --config configs/tiny_cpu.yaml --name tiny   # serves; leave it running
-    prefect deployment run dapo-train/tiny --watch           # from another shell; retry steps in the UI
+    dapo deploy --config configs/tiny_cpu.yaml --name tiny [key=value ...]   # serves; leave it running
+    prefect deployment run dapo-train/tiny --watch           # from another shell; or "Run" in the UI
 
-`serve` keeps a runner in this process that picks up flow runs of the deployment. The resolved config is the
-deployment's default `config_yaml` parameter; `run_id` defaults to `trainer.experiment_name` (or the
-deployment name), so re-running the deployment resumes the same run, and a parameter override starts another.
+The deployment's parameters are what a person edits in the UI's run form, as separate fields: `config` (a
+config name in configs/, e.g. `tiny_cpu`, or a path), `overrides` (dotted `key=value` items; the command
+line's overrides are the default) and `run_id` (empty: a new run named after the flow run; an existing id:
+resume that run). The resolved config is written with the run (`runs/<run_id>/`), not into the form.
+`serve` keeps a runner in this process that picks up flow runs of the deployment.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from pathlib import Path
 
-from dapo_core.config import load_config_text, typed
+from flows.dapo_train import CONFIGS_DIR
 
 
-def deploy(cfg_yaml: str, name: str, run_id: str | None = None, serve: bool = True):
-    """Create the deployment `dapo-train/<name>`; with `serve=True` block serving it (Ctrl-C to stop)."""
+def config_parameter(config: str) -> str:
+    """The deployment's `config` value for a `--config` path: its name when it lives in configs/ (portable
+    between machines), otherwise the absolute path."""
+    path = Path(config).absolute()
+    if path.parent.resolve() == CONFIGS_DIR.resolve() and path.suffix == ".yaml":
+        return path.stem
+    return str(path)
+
+
+def deploy(
+    cfg_yaml: str,
+    name: str,
+    config: str | None = None,
+    overrides: Sequence[str] = (),
+    run_id: str | None = None,
+    serve: bool = True,
+):
+    """Create the deployment `dapo-train/<name>`; with `serve=True` block serving it (Ctrl-C to stop).
+
+    `config` and `overrides` become the form's defaults (`cfg_yaml`, already validated by the CLI, is the
+    fallback `config` when no file is named); `run_id` fixes the default run id (empty: a new run each time).
+    """
     if not os.environ.get("PREFECT_API_URL"):
         raise SystemExit(
             "PREFECT_API_URL is not set: start a server (infra/prefect_server.sh start) and export "
@@ -26,14 +50,19 @@ def deploy(cfg_yaml: str, name: str, run_id: str | None = None, serve: bool = Tr
         )
     from flows.dapo_train import dapo_train
 
-    rid = run_id or typed(load_config_text(cfg_yaml)).trainer.experiment_name or name
-    params = {"config_yaml": cfg_yaml, "run_id": rid}
+    # Flow runs of this deployment beat every 30 s (Prefect's default: 180), so the zombie automation
+    # (infra/zombie_automation.py) marks a run Crashed within ~1.5 min of losing its host.
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
+    params = {
+        "config": config_parameter(config) if config else cfg_yaml,
+        "overrides": list(overrides),
+        "run_id": run_id or "",
+    }
+    description = (
+        "DAPO training. Fields: config (name in configs/ or a path), overrides (key=value items), run_id "
+        "(empty = a new run; an existing id resumes it). Artifacts: progress, per-step metrics, summary."
+    )
     if serve:
-        dapo_train.serve(
-            name=name,
-            parameters=params,
-            tags=["dapo"],
-            description=f"DAPO training, run id {rid} (resumes on re-run)",
-        )
+        dapo_train.serve(name=name, parameters=params, tags=["dapo"], description=description)
         return None
-    return dapo_train.to_deployment(name=name, parameters=params, tags=["dapo"])
+    return dapo_train.to_deployment(name=name, parameters=params, tags=["dapo"], description=description)

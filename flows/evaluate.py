@@ -20,6 +20,7 @@ from dapo_core.config import load_config_text, resolve_device, typed
 from dapo_core.data import batch as B
 from dapo_core.metrics.validation import validation_summary
 from dapo_core.seeding import uid_factory
+from flows.artifacts import publish_eval
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -83,7 +84,11 @@ def evaluate_model(cfg_yaml: str, model_dir: str) -> dict:
     try:
         t0 = time.perf_counter()
         table = B.repeat_interleave_prompts(prompts, ev.n, uid_fn=uid_factory(cfg.trainer.seed, "eval"))
+        print(
+            f"evaluate: generating {prompts.num_rows} prompts x {ev.n} samples with {model_dir}", flush=True
+        )
         out = rollout.generate(table, gen_step=0, validate=True)
+        print(f"evaluate: generated {out.num_rows} responses in {time.perf_counter() - t0:.0f}s; scoring")
         out, _ = reward.score(out)
         summary = validation_summary(out)
         summary["eval/time_s"] = time.perf_counter() - t0
@@ -107,4 +112,5 @@ def evaluate_flow(cfg_yaml: str, checkpoint: str = "", output: str = "") -> dict
     out.write_text(json.dumps({"checkpoint": model_dir, "metrics": metrics}, indent=1, sort_keys=True))
     headline = {k: round(v, 4) for k, v in metrics.items() if k.startswith("val-core/") and "/acc/" in k}
     logger.info("evaluated %s -> %s: %s", model_dir, out, headline)
+    publish_eval(model_dir, str(out), metrics)  # the UI's view: dapo-eval-<model> table and summary
     return metrics

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Start / stop a local Prefect server for deployments and the UI (state in $PREFECT_HOME, default ./.prefect).
 #   infra/prefect_server.sh start|stop|status
+# `start` also installs the automation that marks flow runs Crashed when their heartbeats stop (the host or the
+# flow-run process died): infra/zombie_automation.py, ZOMBIE_WITHIN_S seconds without a heartbeat (default 90;
+# `dapo deploy` makes flow runs beat every 30 s).
 # At scale, point PREFECT_API_DATABASE_CONNECTION_URL at PostgreSQL (see infra/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +20,7 @@ case "${1:-start}" in
     for _ in $(seq 1 60); do
       if curl -sf "http://127.0.0.1:$PORT/api/health" >/dev/null; then
         echo "Prefect server up: UI http://127.0.0.1:$PORT  API http://127.0.0.1:$PORT/api (pid $(cat "$PIDFILE"))"
+        PREFECT_API_URL="http://127.0.0.1:$PORT/api" .venv/bin/python infra/zombie_automation.py --within "${ZOMBIE_WITHIN_S:-90}"
         echo "export PREFECT_API_URL=http://127.0.0.1:$PORT/api"; exit 0; fi
       sleep 1
     done

@@ -3,6 +3,7 @@ the small table helpers the rollout-side tasks of both step orders share."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable
@@ -42,6 +43,9 @@ def run_stage(
     done = committed(rt, step, stage)
     if done is not None:
         return done
+    fault = injected_fault(stage, step, rt.run_id)
+    if fault is not None:
+        raise InjectedFault(fault)
     t0 = time.perf_counter()
     table, metrics = compute()
     if schema is not None:
@@ -57,6 +61,34 @@ def run_stage(
     metrics[f"timing_s/{_STAGE_SUFFIX.sub('', stage)}"] = time.perf_counter() - t0
     uri = rt.store.write_stage(step, stage, table, meta={**(meta or {}), "metrics": metrics})
     return uri, metrics
+
+
+class InjectedFault(RuntimeError):
+    """The failure `DAPO_FAULT` asked for (tests of retry and resume)."""
+
+
+def injected_fault(stage: str, step: int, run_id: str) -> str | None:
+    """The message of the fault `DAPO_FAULT=<stage>:<step>[:<run_id>]` injects into (stage, step), or None.
+
+    A test switch, off and inert unless the variable is set: the stage of that step (and run, if given) fails
+    before computing, on the first attempt of the Prefect flow run only (`flow_run.run_count <= 1`), so a
+    Retry of the flow run in the UI continues past it. Stage names are the run store's (`update_actor`,
+    `generate_g0`, ...)."""
+    spec = os.environ.get("DAPO_FAULT", "")
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not parts[1].isdigit():
+        raise ValueError(
+            f"DAPO_FAULT={spec!r}: expected <stage>:<step>[:<run_id>], e.g. update_actor:2 — or unset it"
+        )
+    if parts[0] != stage or int(parts[1]) != step or (len(parts) == 3 and parts[2] != run_id):
+        return None
+    from prefect.runtime import flow_run
+
+    if flow_run.run_count > 1:
+        return None
+    return f"DAPO_FAULT={spec}: injected failure of stage {stage} at step {step} of run {run_id}"
 
 
 def precomputed(table: pa.Table, metrics: dict[str, float] | None = None) -> Callable[[], StageOutput]:

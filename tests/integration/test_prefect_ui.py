@@ -1,0 +1,371 @@
+"""The Prefect UI as the control room: artifacts of a run and of an evaluation (ephemeral API), deployment
+parameters, the fault-injection switch, and Retry / Crashed on a real Prefect server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from safetensors.torch import load_file
+
+from dapo_core.config import ConfigError, load_config, to_yaml
+from flows.artifacts import artifact_key, step_row
+from tests.integration.conftest import CONFIG, tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _artifacts(key: str) -> list:
+    """Every version of artifact `key`, oldest first, from the Prefect API the tests use."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        newest_first = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC
+        )
+    return newest_first[::-1]
+
+
+def test_artifact_keys_follow_prefects_rule():
+    assert artifact_key("dapo", "DAPO-Qwen2.5-32B", "steps") == "dapo-dapo-qwen2-5-32b-steps"
+    assert (
+        artifact_key("dapo", "20261130-150922-3333_x", "progress") == "dapo-20261130-150922-3333-x-progress"
+    )
+    row = step_row(
+        3, {"critic/score/mean": 0.5, "val-core/a/acc/mean@4": 0.25, "actor/entropy": float("nan")}
+    )
+    assert row["step"] == 3 and row["score"] == 0.5 and row["val_acc"] == 0.25
+    assert row["entropy"] is None and row["clipfrac"] is None
+
+
+def test_config_parameter_accepts_name_path_and_yaml(prefect_home):  # Prefect reads its env at import
+    from flows.dapo_train import resolve_config
+
+    by_name = resolve_config("tiny_cpu", ["trainer.total_training_steps=3"])
+    by_path = resolve_config(str(CONFIG), ["trainer.total_training_steps=3"])
+    by_text = resolve_config(to_yaml(load_config(CONFIG, ["trainer.total_training_steps=3"])))
+    assert by_name == by_path == by_text
+    assert by_name.trainer.total_training_steps == 3
+    with pytest.raises(ConfigError, match="tiny_cpu"):
+        resolve_config("tiny-cpu")
+
+
+@pytest.mark.slow
+def test_training_and_evaluation_publish_artifacts(tiny_assets):
+    from flows.dapo_train import dapo_train
+    from flows.evaluate import evaluate_flow
+
+    run = "ui-Artifacts"
+    ov = tiny_overrides(
+        tiny_assets,
+        **{
+            "trainer.use_ray": "false",
+            "trainer.total_training_steps": 2,
+            "trainer.save_freq": 2,
+            "trainer.test_freq": 2,
+            "trainer.val_before_train": "true",
+            "algorithm.filter_groups.enable": "false",
+            "trainer.logger": "[jsonl]",
+        },
+    )
+    out = dapo_train("tiny_cpu", run, ov)  # the deployment's parameters: a config name, a run id, overrides
+    assert out["train_step"] == 2
+    assert list(Path(out["run_dir"]).glob("config*.yaml"))  # the resolved config is recorded with the run
+
+    progress = _artifacts("dapo-ui-artifacts-progress")
+    assert len(progress) == 1 and progress[0].type == "progress" and float(progress[0].data) == 100.0
+    steps = _artifacts("dapo-ui-artifacts-steps")
+    assert [s.type for s in steps] == ["table", "table"]  # one version per step: the UI's history
+    rows = [json.loads(s.data)[0] for s in steps]
+    assert [r["step"] for r in rows] == [1, 2]
+    for col in ("score", "acc", "entropy", "response_len", "clipfrac", "clipfrac_lower", "step_s"):
+        assert isinstance(rows[0][col], float), col
+    assert "val_acc" in rows[1] and "val_acc" not in rows[0]
+    summary = _artifacts("dapo-ui-artifacts-summary")
+    assert len(summary) == 2  # after the validation of step 2, and at the end
+    final = summary[-1].data
+    assert "finished" in final and "`ui-Artifacts`" in final and "step 0" in final and "→ step 2" in final
+    assert "curves.png" in final and "data:image/png;base64," in final  # drawn when the run closed
+
+    metrics = evaluate_flow(
+        to_yaml(load_config(CONFIG, tiny_overrides(tiny_assets))),
+        str(tiny_assets / "models" / "tiny_base"),
+        output=str(tiny_assets / "eval_ui.json"),
+    )
+    table = _artifacts("dapo-eval-tiny-base")
+    assert table, "evaluation table artifact"
+    published = {r["metric"]: r["value"] for r in json.loads(table[-1].data)}
+    acc_key = next(k for k in metrics if k.startswith("val-core/") and "/acc/mean@" in k)
+    assert published[acc_key] == pytest.approx(metrics[acc_key])
+    assert "eval_ui.json" in _artifacts("dapo-eval-tiny-base-summary")[-1].data
+
+
+def test_fault_switch_is_inert_when_unset(prefect_home, monkeypatch):
+    from tasks.common import injected_fault
+
+    monkeypatch.delenv("DAPO_FAULT", raising=False)
+    assert injected_fault("update_actor", 2, "r") is None
+    monkeypatch.setenv("DAPO_FAULT", "update_actor:2")
+    assert injected_fault("update_actor", 1, "r") is None
+    assert injected_fault("old_log_prob", 2, "r") is None
+    assert "DAPO_FAULT" in (injected_fault("update_actor", 2, "r") or "")
+    monkeypatch.setenv("DAPO_FAULT", "update_actor:2:other-run")
+    assert injected_fault("update_actor", 2, "r") is None
+    monkeypatch.setenv("DAPO_FAULT", "nonsense")
+    with pytest.raises(ValueError, match="DAPO_FAULT"):
+        injected_fault("update_actor", 2, "r")
+    assert os.environ["DAPO_FAULT"] == "nonsense"
+
+
+# ----------------------------------------------------------------------------- a real Prefect server
+PREFECT = Path(sys.executable).parent / "prefect"
+ZOMBIE_WITHIN_S = 60
+"""Seconds without a heartbeat before the automation crashes a run (tests: two 30 s beats)."""
+SERVED = {  # the tiny deployment: 3 steps, a checkpoint after each, no validation, in-process workers
+    "trainer.total_training_steps": 3,
+    "trainer.save_freq": 1,
+    "trainer.test_freq": -1,
+    "trainer.val_before_train": "false",
+    "trainer.use_ray": "false",
+    "algorithm.filter_groups.enable": "false",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(api: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _wait(pred, timeout: float, what: str, proc=None):
+    end = time.time() + timeout
+    while time.time() < end:
+        got = pred()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: process exited with {proc.returncode}")
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _stop(proc: subprocess.Popen, sig=signal.SIGINT) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextmanager
+def _client(api: str):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, prefect_home):
+    """`prefect server start` on a free loopback port, with the zombie automation of infra/."""
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect_server")),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.Popen(
+        [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        _wait(lambda: _healthy(api), 180, "prefect server health", proc)
+        auto = subprocess.run(
+            [sys.executable, str(ROOT / "infra" / "zombie_automation.py"), "--within", str(ZOMBIE_WITHIN_S)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert auto.returncode == 0, auto.stderr[-2000:]
+        yield SimpleNamespace(api=api, env=env)
+    finally:
+        _stop(proc)
+
+
+def _serve(server, assets: Path, name: str, **env) -> subprocess.Popen:
+    """`dapo deploy` serving dapo-train/<name> with the tiny overrides (its own session: killable as one)."""
+    ov = tiny_overrides(assets, **SERVED)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "deploy", "--config", str(CONFIG), "--name", name, *ov],
+        env={**server.env, **env},
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _deployment(client, name: str, serve: subprocess.Popen):
+    def found():
+        try:
+            return client.read_deployment_by_name(f"dapo-train/{name}")
+        except Exception:
+            return None
+
+    return _wait(found, 300, f"deployment dapo-train/{name}", serve)
+
+
+def _final_state(client, flow_run_id, timeout: float, proc=None):
+    def final():
+        state = client.read_flow_run(flow_run_id).state
+        return state if state is not None and state.is_final() else None
+
+    return _wait(final, timeout, f"flow run {flow_run_id} to finish", proc)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children first."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _manifests(run: Path) -> dict[str, str]:
+    return {str(p.relative_to(run)): p.read_text() for p in sorted(run.glob("step_*/*.manifest.json"))}
+
+
+def _weights(run: Path, step: int) -> dict:
+    return load_file(str(run / "ckpt" / f"step_{step}" / "actor" / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_retry_from_the_ui_continues_the_failed_run(server, tiny_assets):
+    """A stage fails at step 2 (DAPO_FAULT); Retry as the UI does it (set_state AwaitingRetry) finishes the
+    run without recomputing what was committed, and the weights equal an uninterrupted run's."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import AwaitingRetry
+
+    serve = _serve(server, tiny_assets, "ci", DAPO_FAULT="update_actor:2:retry-me")
+    try:
+        with _client(server.api) as client:
+            dep = _deployment(client, "ci", serve)
+            assert dep.parameters["config"] == "tiny_cpu" and dep.parameters["run_id"] == ""
+            assert "trainer.total_training_steps=3" in dep.parameters["overrides"]
+            ref = client.create_flow_run_from_deployment(dep.id, parameters={"run_id": "straight-ui"})
+            assert _final_state(client, ref.id, 600, serve).type == StateType.COMPLETED
+
+            failing = client.create_flow_run_from_deployment(dep.id, parameters={"run_id": "retry-me"})
+            state = _final_state(client, failing.id, 600, serve)
+            assert state.type == StateType.FAILED
+            run = tiny_assets / "runs" / "retry-me"
+            before = _manifests(run)
+            assert "step_000001/update_actor.manifest.json" in before
+            assert "step_000002/generate_g0.manifest.json" in before
+            assert "step_000002/update_actor.manifest.json" not in before
+            assert (run / "ckpt" / "latest").read_text().strip() == "1"
+
+            # the UI's Retry button: POST /flow_runs/<id>/set_state {Scheduled "AwaitingRetry"}, force=false
+            result = client.set_flow_run_state(
+                failing.id, AwaitingRetry(message="Retry from the UI"), force=False
+            )
+            assert result.status.value == "ACCEPT", result
+            assert _final_state(client, failing.id, 600, serve).type == StateType.COMPLETED
+            assert client.read_flow_run(failing.id).run_count == 2
+    finally:
+        _stop(serve)
+    after = _manifests(run)
+    kept = {
+        k: v
+        for k, v in before.items()
+        if k.startswith("step_000001/")
+        or k.split("/")[1].startswith(("prompts_g", "generate_g", "reward_g", "batch"))
+    }
+    assert kept and all(
+        after[k] == v for k, v in kept.items()
+    )  # committed before the failure: not recomputed
+    assert "step_000003/update_actor.manifest.json" in after
+    a, b = _weights(tiny_assets / "runs" / "straight-ui", 3), _weights(run, 3)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]).all(), k
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_host_loss_marks_the_run_crashed(server, tiny_assets):
+    """Kill the serving process and the flow-run process together (SIGKILL): the heartbeat automation of
+    infra/zombie_automation.py marks the run Crashed within a bounded time."""
+    from prefect.client.schemas.objects import StateType
+
+    serve = _serve(server, tiny_assets, "zombie", PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30")
+    try:
+        with _client(server.api) as client:
+            dep = _deployment(client, "zombie", serve)
+            fr = client.create_flow_run_from_deployment(
+                dep.id,
+                parameters={
+                    "run_id": "zombie",
+                    "overrides": [*tiny_overrides(tiny_assets, **SERVED), "trainer.total_training_steps=200"],
+                },
+            )
+            marker = tiny_assets / "runs" / "zombie" / "step_000001" / "generate_g0.manifest.json"
+            _wait(marker.exists, 300, "the run's first generation", serve)
+            assert client.read_flow_run(fr.id).state.type == StateType.RUNNING
+            time.sleep(5)  # let the first heartbeat event reach the server
+            victims = _descendants(serve.pid)  # the flow-run process (and anything it started)
+            assert victims, "the flow run should run in a child process of the runner"
+            os.killpg(serve.pid, signal.SIGKILL)  # the host is gone: runner and flow run die together
+            for pid in victims:
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            serve.wait()
+            killed = time.time()
+            state = _final_state(client, fr.id, ZOMBIE_WITHIN_S + 120)
+            took = time.time() - killed
+            assert state.type == StateType.CRASHED, state
+            assert "heartbeat" in (state.message or "")
+            print(f"marked Crashed {took:.0f} s after the kill")
+    finally:
+        _stop(serve, signal.SIGKILL)
