@@ -48,6 +48,7 @@ def sft(cfg_yaml: str, model_dir: str) -> dict:
         batch_size=s.batch_size,
         seed=s.seed,
         solution_fn=functools.partial(answer_line_solution, answer_line_prob=s.answer_line_prob, seed=s.seed),
+        log_every=max(s.steps // 10, 1),  # ten progress lines ("[sft] step k/N loss ...") over the warm-up
     )
 
 
@@ -66,8 +67,12 @@ def base_model_flow(cfg_yaml: str) -> str:
         logger.info("reusing %s (built from the same tiny/sft/data settings)", out)
         return str(out)
     stamp.unlink(missing_ok=True)
+    logger.info("building the tiny base model -> %s", out)
     path = build(cfg_yaml, str(out))
     if cfg.actor_rollout_ref.model.sft.enable:
+        logger.info(
+            "SFT warm-up: %d steps (a progress line every tenth)", cfg.actor_rollout_ref.model.sft.steps
+        )
         metrics = sft(cfg_yaml, path)
         logger.info(
             "SFT warm-up: loss %.3f -> %.3f in %.0fs",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
@@ -67,3 +69,14 @@ class StepProgress:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def quiet_worker_noise() -> None:
+    """Keep the console readable: transformers' and the HF hub's per-process progress bars and info lines
+    (one set per Ray worker) are switched off through their environment variables, which the workers
+    inherit. `DAPO_WORKER_LOGS=1` leaves them on; a variable the user set is never changed."""
+    if os.environ.get("DAPO_WORKER_LOGS") == "1":
+        return
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
