@@ -2,17 +2,29 @@
 
 On the CPU default it runs end to end with an ephemeral Prefect API and a local Ray, and prints the held-out
 accuracy before and after DAPO, the wall time, and where every artefact went.
+
+`python -m flows.pipeline dvc-train --config params.yaml --milestones 50,100` is the `train` stage of
+`dvc.yaml`: it trains under a run id derived from the training parameters (`dvc-<hash>`; the run store stays
+outside DVC, so an interrupted `dvc repro` resumes it), then exports the DVC outputs: the final policy
+(`models/dapo_final`), the milestone checkpoints (`models/checkpoints/step_<n>`, policy weights only),
+`metrics/train.json` (final-step metrics) and `metrics/train_curves.csv` (the curves `dvc plots show` draws).
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
+import hashlib
+import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from prefect import flow
 
-from dapo_core.config import load_config_text, typed
+from dapo_core.config import load_config, load_config_text, to_yaml, typed
 from flows.base_model import base_model_flow
 from flows.dapo_train import dapo_train
 from flows.evaluate import evaluate_flow
@@ -95,3 +107,100 @@ def export_final(run_dir: Path, out: Path) -> Path:
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 100:.1f}%"
+
+
+# ------------------------------------------------------------------------------------- the DVC train stage
+def dvc_run_id(cfg_yaml: str) -> str:
+    """`trainer.experiment_name`, or `dvc-<hash>` of every parameter but `eval.*` (evaluation settings do
+    not change the training run, so changing them re-runs only `evaluate`)."""
+    cfg = load_config_text(cfg_yaml)
+    if cfg.trainer.experiment_name:
+        return str(cfg.trainer.experiment_name)
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(tree, dict)
+    tree.pop("eval", None)
+    return "dvc-" + hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def export_milestones(run_dir: Path, steps: list[int], out: Path, save_freq: int) -> list[Path]:
+    """Copy the policy of checkpoints `steps` to `out/step_<n>` (the folder is replaced: exactly these)."""
+    from dapo_core.store.checkpoint import CheckpointDir
+
+    ckpts = CheckpointDir(run_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    done = []
+    for step in steps:
+        src = ckpts.path(step) / "actor"
+        if not src.is_dir():
+            raise SystemExit(
+                f"--milestones: run {run_dir.name} has no checkpoint of step {step} (trainer.save_freq="
+                f"{save_freq} saves every save_freq steps and the last): choose saved steps in dvc.yaml's "
+                f"`milestones` or change trainer.save_freq in params.yaml"
+            )
+        dst = out / f"step_{step}"
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("optim.pt", "extra_state.pt", "deepspeed"))
+        done.append(dst)
+    return done
+
+
+def write_train_metrics(run_dir: Path, summary: dict, metrics_dir: Path) -> None:
+    """`metrics/train.json` (the last step's key metrics) and `metrics/train_curves.csv` (one row per step)
+    from the run's `metrics.jsonl`."""
+    from dapo_core.metrics.tracking import read_jsonl
+    from flows.artifacts import STEP_COLUMNS, step_row
+
+    rows = [step_row(int(r["step"]), r) for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 0]
+    metrics_dir.mkdir(parents=True, exist_ok=True)
+    cols = ["step", *(c for c, _ in STEP_COLUMNS), "val_acc"]
+    with open(metrics_dir / "train_curves.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, restval="")
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    last = rows[-1] if rows else {}
+    vals = [r["val_acc"] for r in rows if r.get("val_acc") is not None]
+    out = {
+        "run_id": summary["run_id"],
+        "train_steps": summary["train_step"],
+        "gen_steps": summary["gen_step"],
+        "final": {k: v for k, v in last.items() if k != "step" and v is not None},
+        "val_acc_last": vals[-1] if vals else None,
+    }
+    (metrics_dir / "train.json").write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+
+
+def dvc_train(config: str, milestones: list[int], models_dir: Path, metrics_dir: Path) -> dict:
+    """The `train` stage of dvc.yaml: train (or resume) the run of these parameters, export its outputs."""
+    from flows.dapo_train import dapo_train
+
+    cfg_yaml = to_yaml(load_config(config))
+    run_id = dvc_run_id(cfg_yaml)
+    print(
+        f"dvc train: run id {run_id} (runs/ stays outside DVC; an interrupted repro resumes it)", flush=True
+    )
+    summary = dapo_train(cfg_yaml, run_id)
+    cfg = typed(load_config_text(cfg_yaml))
+    run_dir = Path(summary["run_dir"])
+    export_final(run_dir, models_dir / "dapo_final")
+    export_milestones(run_dir, milestones, models_dir / "checkpoints", cfg.trainer.save_freq)
+    write_train_metrics(run_dir, summary, metrics_dir)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m flows.pipeline dvc-train --config params.yaml --milestones 50,100` (dvc.yaml's train)."""
+    parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.split("\n\n")[2])
+    parser.add_argument("command", choices=["dvc-train"])
+    parser.add_argument("--config", default="params.yaml")
+    parser.add_argument("--milestones", default="", help="comma-separated train steps to export")
+    parser.add_argument("--models-dir", default="models")
+    parser.add_argument("--metrics-dir", default="metrics")
+    args = parser.parse_args(argv)
+    steps = [int(x) for x in args.milestones.split(",") if x.strip()]
+    dvc_train(args.config, steps, Path(args.models_dir), Path(args.metrics_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
