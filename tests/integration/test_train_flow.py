@@ -188,7 +188,7 @@ def test_every_optional_stage_runs_gae_critic_kl_and_rollout_correction(tiny_ass
     assert rows[1]["actor/reward_kl_penalty_coeff"] != pytest.approx(0.01)  # the adaptive controller moved
     assert "critic/vf_loss" in rows[1] and "actor/kl_loss" in rows[1] and "critic/vf_explained_var" in rows[1]
     assert "rollout_corr/rollout_is_mean" in rows[1] and "rollout_corr/rollout_rs_masked_fraction" in rows[1]
-    assert (run / "ckpt" / "step_2" / "critic" / "critic.pt").exists()
+    assert (run / "ckpt" / "step_2" / "critic" / "critic.tensors").exists()
 
 
 def test_deepspeed_strategy_trains_in_a_ray_actor(tiny_assets):

@@ -221,3 +221,26 @@ def test_full_disk_during_checkpoint_save_keeps_previous_checkpoint(tmp_path):
     assert "Fix:" in str(ei.value)
     assert ck.latest_step() == 1 and ck.steps() == [1] and not list(ck.dir.glob(".tmp-*"))
     assert verify_folder(ck.path(1))["step"] == 1
+
+
+def test_critic_checkpoint_round_trips_without_pickle(tiny_dir, tmp_path):
+    from dapo_core.compute.workers import CriticWorker
+
+    def critic():
+        return CriticWorker(str(tiny_dir), {"optim": {"lr": 3e-3}}, pad_token_id=0, rollout_n=2)
+
+    a = critic()
+    sum(p.float().pow(2).sum() for p in a.model.parameters()).backward()
+    a.optimizer.step()
+    a.save_checkpoint(str(tmp_path / "critic"))
+    assert not list((tmp_path / "critic").glob("*.pt"))
+    b = critic()
+    b.load_checkpoint(str(tmp_path / "critic"))
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    oa, ob = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert oa.keys() == ob.keys() and all(torch.equal(oa[k]["exp_avg"], ob[k]["exp_avg"]) for k in oa)
+    (tmp_path / "old").mkdir()
+    torch.save({"model": {}}, tmp_path / "old" / "critic.pt")  # the older, pickled layout
+    with pytest.raises(StateFileError, match="older layout"):
+        b.load_checkpoint(str(tmp_path / "old"))

@@ -135,19 +135,20 @@ class CriticWorker:
         return metrics
 
     def save_checkpoint(self, path: str) -> None:
-        """Value model and optimizer state."""
+        """Value model and optimizer state, as `critic.{json,tensors}` (safetensors + JSON, no pickle)."""
         import os
+
+        from dapo_core.store.state_files import save_state
 
         os.makedirs(path, exist_ok=True)
-        torch.save(
-            {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()},
-            os.path.join(path, "critic.pt"),
-        )
+        save_state(path, "critic", {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()})
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what `save_checkpoint` wrote."""
-        import os
+        """Restore what `save_checkpoint` wrote (nothing read is executed; an older pickled `critic.pt` is
+        refused)."""
+        from dapo_core.store.state_files import load_state, refuse_pickled_state
 
-        state = torch.load(os.path.join(path, "critic.pt"), map_location=self.device)
+        refuse_pickled_state(path, ("critic.pt",))
+        state = load_state(path, "critic", device=str(self.device))
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
