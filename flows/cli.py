@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "eval": "evaluate a checkpoint: avg@k, pass@k, maj@k (flows.evaluate)",
         "deploy": "register the training pipeline as a Prefect deployment (flows.deploy)",
         "config": "print the resolved, validated config as YAML",
+        "plan": "per-GPU memory estimate of every role; exit 2 if one does not fit (dapo_core.compute.plan)",
     }
     for name, text in helps.items():
         p = sub.add_parser(name, help=text, description=text)
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name == "deploy":
             p.add_argument("--name", default=None, help="deployment name (default: the config file's stem)")
+        if name in ("plan", "train"):  # the memory plan (`dapo train` runs it first)
+            p.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 80GiB (default: CUDA dev 0)")
+            p.add_argument("--model-config", default=None, help="the model's config.json if it is not here")
+            p.add_argument("--dp", type=int, default=1, help="what-if data-parallel world (plan only)")
     return parser
 
 
@@ -163,6 +168,13 @@ def _main(args: argparse.Namespace, state: dict) -> int:
         sys.stdout.write(cfg_yaml)
         return 0
 
+    if args.command in ("plan", "train"):  # a config that cannot fit is refused before anything starts
+        from dapo_core.compute.plan import run_plan
+
+        dp = args.dp if args.command == "plan" else 1
+        code = run_plan(tcfg, args.command, gpu_mem=args.gpu_mem, model_config=args.model_config, dp=dp)
+        if args.command == "plan" or code:
+            return code
     tcfg = typed(cfg)
     if args.command == "train":
         state["run_id"] = run_id

@@ -145,7 +145,10 @@ class DeepSpeedTrainEngine(TrainEngine):
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             deepspeed.init_distributed(dist_backend=backend)
         torch.manual_seed(self.seed)
-        model = load_model(self.model_path, dtype=dtype, device=self.device)
+        # ZeRO-3 partitions (and with offload_param keeps on the CPU) what it is given: load on the CPU so the
+        # full float32 model never sits on the GPU; DeepSpeed casts to bf16 and moves it before partitioning.
+        load_device = torch.device("cpu") if self.zero_stage == 3 else self.device
+        model = load_model(self.model_path, dtype=dtype, device=load_device)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         model.train()

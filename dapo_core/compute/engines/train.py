@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 from dapo_core.compute.microbatch import PackedRows, pack_rows, row_token_costs, token_budget_split
 
@@ -99,23 +100,56 @@ def response_log_probs(
     return log_probs, entropy
 
 
-def packed_response_log_probs(
-    logits: torch.Tensor, packed: PackedRows, temperature: float = 1.0, calculate_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`response_log_probs` for a packed forward: `logits` (N, V) of the packed sequence -> (B, L) grids.
+LOGIT_CHUNK_TOKENS = 1024
+"""Response positions per float32 log-softmax chunk of the packed path (bounds its temporaries to
+chunk × V × 4 B each)."""
 
-    The same float32 (float64) arithmetic as the padded version, on the response tokens only.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0 for log-probs; greedy rollouts use 1.0.")
-    z = logits[packed.logit_index.to(logits.device)]
+
+def _chunk_log_probs(
+    z: torch.Tensor, labels: torch.Tensor, temperature: float, calculate_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     z = z.double() if z.dtype == torch.float64 else z.float()
     if temperature != 1.0:
         z = z / temperature
-    labels = packed.input_ids[0].to(logits.device)[packed.label_index.to(logits.device)]
     log_probs = torch.log_softmax(z, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    entropy = packed.scatter(entropy_from_logits(z)) if calculate_entropy else None
-    return packed.scatter(log_probs), entropy
+    entropy = entropy_from_logits(z) if calculate_entropy else log_probs.new_zeros(0)
+    return log_probs, entropy
+
+
+def packed_response_log_probs(
+    logits: torch.Tensor, packed: PackedRows, temperature: float = 1.0, calculate_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_log_probs` for a packed forward: `logits` (M, V) at the positions `packed.logit_index`
+    (the LM head ran on those only) -> (B, L) grids.
+
+    The same float32 (float64) arithmetic as the padded version, in chunks of `LOGIT_CHUNK_TOKENS` positions;
+    with gradients each chunk is recomputed in backward (torch.utils.checkpoint), so the float32 copies
+    never exist for more than one chunk at a time.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 for log-probs; greedy rollouts use 1.0.")
+    if logits.shape[0] != packed.logit_index.numel():
+        raise ValueError(
+            f"packed_response_log_probs: {logits.shape[0]} logit rows for {packed.logit_index.numel()} "
+            "response positions; run the model with logits_to_keep=packed.logit_index."
+        )
+    labels = packed.input_ids[0].to(logits.device)[packed.label_index.to(logits.device)]
+    lps, ents = [], []
+    for start in range(0, logits.shape[0], LOGIT_CHUNK_TOKENS):
+        part = (logits[start : start + LOGIT_CHUNK_TOKENS], labels[start : start + LOGIT_CHUNK_TOKENS])
+        if torch.is_grad_enabled() and logits.requires_grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(
+                _chunk_log_probs, *part, temperature, calculate_entropy, use_reentrant=False
+            )
+        else:
+            lp, ent = _chunk_log_probs(*part, temperature, calculate_entropy)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:  # no response token in the micro-batch
+        empty = logits.new_zeros(0, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        lps, ents = [empty], [empty]
+    entropy = packed.scatter(torch.cat(ents)) if calculate_entropy else None
+    return packed.scatter(torch.cat(lps)), entropy
 
 
 def enable_gradient_checkpointing(model: Any) -> None:
@@ -248,6 +282,7 @@ class TrainEngine(abc.ABC):
                     position_ids=packed.position_ids.to(dev),
                     attention_mask=None,
                     use_cache=False,
+                    logits_to_keep=packed.logit_index.to(dev),  # the LM head runs on response positions only
                 )
                 return packed_response_log_probs(out.logits[0], packed, temperature, calculate_entropy)
             out = self._module()(
