@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "StateFileMissing",
     "load_state",
     "refuse_pickled_state",
+    "refuse_unsafe_pickles",
     "save_state",
     "state_files",
 ]
@@ -138,6 +140,31 @@ def refuse_pickled_state(folder: str | Path, pickled_names: tuple[str, ...]) -> 
                 f"this version"
             ),
         )
+
+
+def refuse_unsafe_pickles(folder: str | Path, allowed: Sequence[Any] = ()) -> list[Path]:
+    """Check every `*.pt` under `folder` (files a third-party library such as DeepSpeed will unpickle in full)
+    with torch's restricted unpickler (`weights_only=True`), allowing only tensors, plain data and the
+    classes in `allowed`; raise :class:`StateFileError` naming the first file that needs anything else (it
+    could run code when loaded). Returns the files checked."""
+    import torch
+
+    files = sorted(Path(folder).rglob("*.pt"))
+    for f in files:
+        try:
+            with torch.serialization.safe_globals(list(allowed)):
+                torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # the restricted unpickler's refusal, or a damaged file
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise StateFileError(
+                f"{f} holds more than tensors and plain data ({first[:200]}); unpickling it could run "
+                f"code, so dapo does not load it",
+                fix=(
+                    "resume from a checkpoint written by this version with the same DeepSpeed version, or "
+                    "start a new run from the checkpoint's HF weights (actor_rollout_ref.model.path)"
+                ),
+            ) from None
+    return files
 
 
 def load_state(folder: str | Path, name: str, device: str = "cpu") -> Any:

@@ -21,7 +21,7 @@ from dapo_core.store import RunStore, StoreError
 from dapo_core.store import files as store_files
 from dapo_core.store.checkpoint import CheckpointDir, CheckpointError, enclosing_checkpoint, verify_folder
 from dapo_core.store.files import DiskFull
-from dapo_core.store.state_files import StateFileError, load_state, save_state
+from dapo_core.store.state_files import StateFileError, load_state, refuse_unsafe_pickles, save_state
 from tests.helpers import tiny_model_cfg
 
 torch.set_num_threads(1)
@@ -85,6 +85,19 @@ def test_crafted_state_files_never_execute(tmp_path):
     with pytest.raises(StateFileError, match="not valid JSON"):
         load_state(tmp_path, "extra")
     assert not marker.exists()
+
+
+def test_third_party_pickles_are_checked_with_the_restricted_unpickler(tmp_path):
+    """DeepSpeed unpickles its own files in full: torch's weights_only unpickler checks them first."""
+    marker = tmp_path / "pwned"
+    ds = tmp_path / "deepspeed" / "state"
+    ds.mkdir(parents=True)
+    torch.save({"w": torch.ones(2), "step": 3, "betas": (0.9, 0.99)}, ds / "optim_states.pt")
+    assert refuse_unsafe_pickles(tmp_path / "deepspeed") == [ds / "optim_states.pt"]
+    torch.save({"w": torch.ones(2), "evil": _RunsCode(str(marker))}, ds / "model_states.pt")
+    with pytest.raises(StateFileError, match=r"model_states\.pt.*could run code") as ei:
+        refuse_unsafe_pickles(tmp_path / "deepspeed")
+    assert "Fix:" in str(ei.value) and not marker.exists()
 
 
 @pytest.fixture(scope="module")

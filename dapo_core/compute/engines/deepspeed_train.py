@@ -248,12 +248,22 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     def load(self, ckpt_dir: str | Path) -> None:
         """Restore a checkpoint written by `save` with the same ZeRO stage (bitwise). Our extra state is read
-        without pickle; the `deepspeed/` folder is read by DeepSpeed itself (see docs: only load checkpoints
-        this run wrote, whose manifest the run store verifies)."""
-        from dapo_core.store.state_files import load_state, refuse_pickled_state, state_files
+        without pickle; DeepSpeed unpickles its own `deepspeed/*.pt` in full, so each is first checked with
+        torch's restricted unpickler, allowing only the DeepSpeed classes its optimizer state holds."""
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        from dapo_core.store.state_files import (
+            load_state,
+            refuse_pickled_state,
+            refuse_unsafe_pickles,
+            state_files,
+        )
 
         d = Path(ckpt_dir)
         refuse_pickled_state(d, (EXTRA_FILE,))
+        refuse_unsafe_pickles(d / DS_SUBDIR, (fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler))
         if not state_files(d, "extra_state")[0].is_file() or not (d / DS_SUBDIR / DS_TAG).is_dir():
             raise FileNotFoundError(
                 f"{d} lacks extra_state.json or {DS_SUBDIR}/{DS_TAG}; it is not a complete DeepSpeed-engine "
