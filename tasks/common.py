@@ -7,6 +7,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from fnmatch import fnmatch
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -68,21 +69,23 @@ class InjectedFault(RuntimeError):
 
 
 def injected_fault(stage: str, step: int, run_id: str) -> str | None:
-    """The message of the fault `DAPO_FAULT=<stage>:<step>[:<run_id>]` injects into (stage, step), or None.
+    """The message of the fault `DAPO_FAULT=<stage>:<step>[:<run_id pattern>]` injects into (stage, step), or
+    None.
 
-    A test switch, off and inert unless the variable is set: the stage of that step (and run, if given) fails
-    before computing, on the first attempt of the Prefect flow run only (`flow_run.run_count <= 1`), so a
-    Retry of the flow run in the UI continues past it. Stage names are the run store's (`update_actor`,
-    `generate_g0`, ...)."""
+    A test switch, off and inert unless the variable is set: the stage of that step (and of the runs whose id
+    matches the shell-style pattern, if given) fails before computing, on the first attempt of the Prefect
+    flow run only (`flow_run.run_count <= 1`), so a Retry of the flow run in the UI continues past it. Stage
+    names are the run store's (`update_actor`, `generate_g0`, ...)."""
     spec = os.environ.get("DAPO_FAULT", "")
     if not spec:
         return None
     parts = spec.split(":")
     if len(parts) not in (2, 3) or not parts[1].isdigit():
         raise ValueError(
-            f"DAPO_FAULT={spec!r}: expected <stage>:<step>[:<run_id>], e.g. update_actor:2 — or unset it"
+            f"DAPO_FAULT={spec!r}: expected <stage>:<step>[:<run_id pattern>], e.g. update_actor:2 or "
+            "update_actor:2:nightly-* — or unset it"
         )
-    if parts[0] != stage or int(parts[1]) != step or (len(parts) == 3 and parts[2] != run_id):
+    if parts[0] != stage or int(parts[1]) != step or (len(parts) == 3 and not fnmatch(run_id, parts[2])):
         return None
     from prefect.runtime import flow_run
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml  # type: ignore[import-untyped]
+
+from tests.integration.test_prefect_ui import PREFECT, _free_port, _healthy, _stop, _wait
 
 ROOT = Path(__file__).resolve().parents[2]
 DVC = ROOT / ".venv" / "bin" / "dvc"
@@ -78,7 +81,24 @@ def test_fresh_clone_repro_noop_eval_only_push_pull(tmp_path):
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    env.pop("PREFECT_API_URL", None)
+    # One Prefect server for the ~10 stage commands (each would otherwise start its own temporary one).
+    port = _free_port()
+    env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    server = subprocess.Popen(
+        [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        _wait(lambda: _healthy(env["PREFECT_API_URL"]), 180, "prefect server health", server)
+        _lineage(tmp_path, env)
+    finally:
+        _stop(server, signal.SIGINT)
+
+
+def _lineage(tmp_path: Path, env: dict) -> None:
     repo = _clone(tmp_path / "clone", env)
 
     def dvc(*args: str, cwd: Path = repo) -> str:

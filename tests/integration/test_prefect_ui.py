@@ -123,6 +123,9 @@ def test_fault_switch_is_inert_when_unset(prefect_home, monkeypatch):
     assert "DAPO_FAULT" in (injected_fault("update_actor", 2, "r") or "")
     monkeypatch.setenv("DAPO_FAULT", "update_actor:2:other-run")
     assert injected_fault("update_actor", 2, "r") is None
+    monkeypatch.setenv("DAPO_FAULT", "update_actor:2:nightly-*")
+    assert injected_fault("update_actor", 2, "nightly-1a2b") is not None
+    assert injected_fault("update_actor", 2, "daily-1a2b") is None
     monkeypatch.setenv("DAPO_FAULT", "nonsense")
     with pytest.raises(ValueError, match="DAPO_FAULT"):
         injected_fault("update_actor", 2, "r")
@@ -287,7 +290,7 @@ def test_retry_from_the_ui_continues_the_failed_run(server, tiny_assets):
     from prefect.client.schemas.objects import StateType
     from prefect.states import AwaitingRetry
 
-    serve = _serve(server, tiny_assets, "ci", DAPO_FAULT="update_actor:2:retry-me")
+    serve = _serve(server, tiny_assets, "ci", DAPO_FAULT="update_actor:2:retry-me-*")
     try:
         with _client(server.api) as client:
             dep = _deployment(client, "ci", serve)
@@ -296,10 +299,11 @@ def test_retry_from_the_ui_continues_the_failed_run(server, tiny_assets):
             ref = client.create_flow_run_from_deployment(dep.id, parameters={"run_id": "straight-ui"})
             assert _final_state(client, ref.id, 600, serve).type == StateType.COMPLETED
 
-            failing = client.create_flow_run_from_deployment(dep.id, parameters={"run_id": "retry-me"})
+            # run_id left empty: a new run named after the flow run, `retry-me-<8 hex of its id>`
+            failing = client.create_flow_run_from_deployment(dep.id, name="retry-me")
             state = _final_state(client, failing.id, 600, serve)
             assert state.type == StateType.FAILED
-            run = tiny_assets / "runs" / "retry-me"
+            run = tiny_assets / "runs" / f"retry-me-{str(failing.id)[:8]}"
             before = _manifests(run)
             assert "step_000001/update_actor.manifest.json" in before
             assert "step_000002/generate_g0.manifest.json" in before
