@@ -13,7 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: train test test-all check lint format setup test-vllm-cpu
+.PHONY: train test test-all check lint format setup test-vllm-cpu repro
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -52,6 +52,10 @@ test-all: $(STAMP)
 
 ## make check: what CI runs (.ci/run) -- lint first, then everything
 check: lint test-all
+
+## make repro: the DVC lineage from params.yaml (prepare -> base model -> train -> evaluate); see README "DVC"
+repro: $(STAMP)
+	$(BIN)/dvc repro
 
 ## make test-vllm-cpu: the vLLM rollout engine on the vllm-cpu build, in its own env (.venv-vllm)
 test-vllm-cpu:
