@@ -730,16 +730,20 @@ def _rss_bytes(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key}")
 
 
-def measure_actor_update(cfg: Any, model_path: str, *, device: str = "cpu", seed: int = 0) -> dict[str, int]:
-    """Measure one actor update's peak memory above the loaded weights, next to the plan's estimate.
+def measure_actor_update(
+    cfg: Any, model_path: str, *, device: str = "cpu", seed: int = 0, steps: int = 1
+) -> dict[str, int]:
+    """Measure the peak memory of actor updates above the loaded weights, next to the plan's estimate.
 
-    Builds the `ActorWorker` as flows/run_setup.py does and runs `update_actor` on one mini-batch of rows at
-    full width (max_prompt_length + max_response_length, the plan's worst case). On CPU the peak is the
-    process's resident high-water mark (VmHWM, reset through /proc/self/clear_refs after the weights are
-    loaded) minus the resident size then; on CUDA it is `torch.cuda.max_memory_allocated` minus the
-    allocation after loading. Returns `measured` and `estimated` bytes (the plan's actor rows except the
-    weights, with the update pass) and `weights` (the plan's weight row).
+    Builds the `ActorWorker` as flows/run_setup.py does and runs `update_actor` `steps` times on one
+    mini-batch of rows at full width (max_prompt_length + max_response_length, the plan's worst case).
+    On CPU the peak is the process's resident high-water mark (VmHWM, reset through
+    /proc/self/clear_refs after the weights are loaded) minus the resident size then; on CUDA it is
+    `torch.cuda.max_memory_allocated` minus the allocation after loading. Returns `measured` and
+    `estimated` bytes (the plan's actor rows except the weights, with the update pass) and `weights`
+    (the plan's weight row).
     """
+
     import dataclasses
 
     import pyarrow as pa
@@ -776,14 +780,16 @@ def measure_actor_update(cfg: Any, model_path: str, *, device: str = "cpu", seed
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        worker.update_actor(table, 0)
+        for step in range(steps):
+            worker.update_actor(table, step)
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated() - base
     else:
         base = _rss_bytes("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        worker.update_actor(table, 0)
+        for step in range(steps):
+            worker.update_actor(table, step)
         measured = _rss_bytes("VmHWM") - base
     plan = make_plan(cfg, device=device)
     actor = next(r for r in plan.roles if r.role == "actor")
