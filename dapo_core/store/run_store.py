@@ -38,7 +38,7 @@ from pyarrow import ipc
 
 from dapo_core.errors import DapoUserError
 from dapo_core.store.checkpoint import CheckpointDir
-from dapo_core.store.files import atomic_write, atomic_write_bytes, fsync_dir, unlink_missing_ok
+from dapo_core.store.files import DiskFull, atomic_write, atomic_write_bytes, fsync_dir, unlink_missing_ok
 
 __all__ = [
     "INFLIGHT_STATUSES",
@@ -309,6 +309,19 @@ class RunStore:
             raise StoreError(f"RunStore({self.root}) is closed: create a new RunStore")
         return self._db
 
+    def _raise_if_full(self, exc: sqlite3.OperationalError) -> None:
+        """Turn SQLite's "database or disk is full" into :class:`DiskFull` naming the ledger."""
+        if "full" in str(exc).lower():
+            path = self.root / "ledger.sqlite"
+            raise DiskFull(
+                f"the disk is full: the ledger {path} could not grow ({exc}). The transaction was rolled "
+                f"back: the ledger holds the last committed state",
+                fix=(
+                    f"free space on the filesystem that holds {self.root} (or move the run to a larger disk "
+                    f"via trainer.runs_dir), then resume the run with the same command"
+                ),
+            ) from exc
+
     def _tx(self):
         """Context manager: one IMMEDIATE transaction under the instance lock."""
         store = self  # the inner class's methods take their own `self` (the _Tx instance)
@@ -324,10 +337,21 @@ class RunStore:
                 return store._conn()
 
             def __exit__(self, et: object, ev: object, tb: object) -> Literal[False]:
+                db = store._conn()
                 try:
-                    store._conn().execute("ROLLBACK" if et else "COMMIT")
+                    if et is None:
+                        db.execute("COMMIT")
+                    elif db.in_transaction:  # SQLite already rolled back after SQLITE_FULL
+                        db.execute("ROLLBACK")
+                except sqlite3.OperationalError as e:  # COMMIT on a full disk: roll back, then say so
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    store._raise_if_full(e)
+                    raise
                 finally:
                     store._lock.release()
+                if isinstance(ev, sqlite3.OperationalError):
+                    store._raise_if_full(ev)
                 return False
 
         return _Tx()

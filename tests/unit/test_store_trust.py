@@ -221,6 +221,19 @@ def test_full_disk_during_stage_commit_keeps_store_consistent(tmp_path, monkeypa
     store.close()
 
 
+def test_full_ledger_is_rolled_back_and_named(tmp_path):
+    store = RunStore(tmp_path / "run")
+    store.register_prompts(["a1"], 1)
+    pages = store._conn().execute("PRAGMA page_count").fetchone()[0]
+    store._conn().execute(f"PRAGMA max_page_count={pages}")  # SQLite's own "database or disk is full"
+    with pytest.raises(DiskFull, match=r"ledger.*ledger\.sqlite") as ei:
+        store.register_prompts([f"b{i}" for i in range(2000)], 2, payloads=[b"x" * 512] * 2000)
+    assert "Fix:" in str(ei.value) and store.count("train") == 1
+    store._conn().execute("PRAGMA max_page_count=1073741823")
+    assert store.register_prompts(["c1"], 2) == 1 and store.count("train") == 2
+    store.close()
+
+
 def test_full_disk_during_checkpoint_save_keeps_previous_checkpoint(tmp_path):
     ck = CheckpointDir(tmp_path)
     ck.save(1, _writer({"w.bin": b"one"}))
