@@ -37,7 +37,7 @@ def resolve_checkpoint(path: str) -> str:
     if (p / "actor" / "config.json").exists():
         return str(p / "actor")
     if (p / "ckpt").is_dir():
-        step = CheckpointDir(p).resume_step(warn=print)
+        step = CheckpointDir(p).resume_step(warn=print, repair=False)
         if step is None:
             raise FileNotFoundError(f"{p} has no checkpoint yet (no ckpt/step_<n>)")
         return resolve_checkpoint(str(CheckpointDir(p).path(step)))  # verified by the call

@@ -189,10 +189,11 @@ class CheckpointDir:
             )
         return int(text)
 
-    def resume_step(self, warn: Callable[[str], object] = print) -> int | None:
+    def resume_step(self, warn: Callable[[str], object] = print, *, repair: bool = True) -> int | None:
         """The step to resume from: the ``latest`` pointer's, or — when the pointer is missing, unreadable
         or names a checkpoint that is gone while ``step_<n>`` folders exist — the newest checkpoint that
-        verifies, after `warn`-ing what was recovered (the pointer is then rewritten). None only when the
+        verifies, after `warn`-ing what was recovered (the pointer is then rewritten unless
+        ``repair=False``, for read-only callers such as a preflight or ``dapo eval``). None only when the
         run has no checkpoint at all. Raises :class:`CheckpointError` when checkpoints exist but none
         verifies (a silent restart at step 0 would discard the run)."""
         steps = self.steps()
@@ -219,11 +220,12 @@ class CheckpointDir:
                 bad.append(f"step {s}: {e.what}")
                 continue
             warn(
-                f"warning: {problem}; recovered the newest checkpoint that verifies, {self.path(s)}"
+                f"warning: {problem}; using the newest checkpoint that verifies, {self.path(s)}"
                 + (f" (skipped: {'; '.join(bad)})" if bad else "")
-                + f", and rewrote {self.dir / LATEST_NAME}"
+                + (f", and rewrote {self.dir / LATEST_NAME}" if repair else "")
             )
-            self._write_latest(s)
+            if repair:
+                self._write_latest(s)
             return s
         raise CheckpointError(
             f"{problem}, and none of the checkpoints in {self.dir} verifies ({'; '.join(bad)})",

@@ -156,6 +156,10 @@ def test_lost_latest_pointer_recovers_newest_valid_checkpoint(tmp_path, damage):
     else:
         latest.write_text("7\n")
     warnings: list[str] = []
+    before = latest.read_bytes() if latest.exists() else None
+    assert ck.resume_step(warn=warnings.append, repair=False) == 2  # read-only callers (eval, preflight)
+    assert (latest.read_bytes() if latest.exists() else None) == before
+    warnings.clear()
     assert ck.resume_step(warn=warnings.append) == 2
     assert len(warnings) == 1 and "step_2" in warnings[0] and "step 3" in warnings[0]
     assert ck.latest_step() == 2  # pointer rewritten
