@@ -36,11 +36,11 @@ COMMON = {
 SECRET = "s3cr3t-value-never-on-disk"
 
 
-def _train(root: Path, **extra) -> dict:
+def _train(root: Path, run_id: str = "trust", **extra) -> dict:
     from flows.dapo_train import dapo_train
 
     cfg = load_config(CONFIG, tiny_overrides(root, **{**COMMON, **extra}))
-    return dapo_train(to_yaml(cfg), "trust")
+    return dapo_train(to_yaml(cfg), run_id)
 
 
 def _metric_steps(run: Path) -> list[int]:
@@ -121,3 +121,26 @@ def test_resume_recovers_verifies_and_keeps_records(tiny_assets, monkeypatch):
     with pytest.raises(StoreError, match="ledger"):
         _train(tiny_assets, **{"data.train_files": f"[{changed}]"})
     assert not (run / "ledger.sqlite").exists()
+
+
+def test_full_disk_during_a_commit_leaves_a_consistent_store_and_resumes(tiny_assets, monkeypatch):
+    """Every write of step 1's reward stage fails with ENOSPC (`files.FAULT_ENV`, as a full disk would): the
+    run stops with a DiskFull paragraph naming the file and the fix (the task's retries hit it too), the store
+    holds the stages committed before it and no temp file; the same run then finishes once space is back."""
+    from dapo_core.store import files as store_files
+    from dapo_core.store.files import DiskFull
+
+    monkeypatch.setenv("DAPO_TEST_API_KEY", SECRET)
+    monkeypatch.setenv(store_files.FAULT_ENV, "step_000001/reward_g0.arrow")
+    extra = {"trainer.experiment_name": "diskfull", "trainer.total_training_steps": 1}
+    with pytest.raises(DiskFull) as ei:
+        _train(tiny_assets, run_id="diskfull", **extra)
+    msg = str(ei.value)
+    assert "disk is full" in msg and "reward_g0.arrow" in msg and "Fix:" in msg and "resume" in msg
+    run = tiny_assets / "runs" / "diskfull"
+    with RunStore(run) as store:
+        assert "generate_g0" in store.committed_stages(1) and "reward_g0" not in store.committed_stages(1)
+    assert not [p for p in (run / "step_000001").iterdir() if ".tmp-" in p.name]
+    monkeypatch.delenv(store_files.FAULT_ENV)
+    assert _train(tiny_assets, run_id="diskfull", **extra)["train_step"] == 1
+    assert (run / "ckpt" / "latest").read_text().strip() == "1" and _metric_steps(run) == [1]
