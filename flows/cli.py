@@ -168,6 +168,7 @@ def _main(args: argparse.Namespace, state: dict) -> int:
         sys.stdout.write(cfg_yaml)
         return 0
 
+    tcfg = typed(cfg)
     if args.command in ("plan", "train"):  # a config that cannot fit is refused before anything starts
         from dapo_core.compute.plan import run_plan
 
@@ -175,7 +176,6 @@ def _main(args: argparse.Namespace, state: dict) -> int:
         code = run_plan(tcfg, args.command, gpu_mem=args.gpu_mem, model_config=args.model_config, dp=dp)
         if args.command == "plan" or code:
             return code
-    tcfg = typed(cfg)
     if args.command == "train":
         state["run_id"] = run_id
         state["run_dir"] = Path(tcfg.trainer.runs_dir) / run_id
