@@ -26,6 +26,7 @@ generation batches, so with filtering its last-step logic rarely fires; we delib
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -133,14 +134,12 @@ def resolve_config(config: str, overrides: list[str] | None = None) -> DapoConfi
 
 def default_run_id() -> str:
     """A new run id for a run started without one: the Prefect flow run's name and id prefix (stable across
-    retries of that flow run, so Retry continues the run), or a timestamp outside a flow run."""
+    retries of that flow run, so Retry continues the run); `run-<8 hex>` when called outside a flow run."""
     from prefect.runtime import flow_run
 
     if flow_run.id:
         return f"{flow_run.name}-{str(flow_run.id)[:8]}"
-    from flows.cli import make_run_id
-
-    return make_run_id()
+    return f"run-{uuid.uuid4().hex[:8]}"
 
 
 @flow(name="dapo-train", log_prints=True)
