@@ -16,6 +16,8 @@ import argparse
 import csv
 import hashlib
 import json
+import logging
+import os
 import shutil
 import sys
 import time
@@ -197,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models-dir", default="models")
     parser.add_argument("--metrics-dir", default="metrics")
     args = parser.parse_args(argv)
+    if os.environ.get("DAPO_TASK_LOGS") != "1":  # one line per task run is Prefect's default: too many here
+        logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     steps = [int(x) for x in args.milestones.split(",") if x.strip()]
     dvc_train(args.config, steps, Path(args.models_dir), Path(args.metrics_dir))
     return 0
