@@ -1,0 +1,287 @@
+"""Held-out accuracy per wall-clock minute: our DAPO step against TRL's GRPOTrainer on the same machine.
+
+Both sides start from the same base model folder (`models/tiny_base`, from `dapo base`) and the same parquet
+(`data/train.parquet`, from `dapo prepare`), with the same batch shape (`--prompts` × `--n` trained samples
+per optimizer step, one optimizer step per batch), the same learning rate (constant, no warm-up), temperature
+1 and the same response length. Ours runs `dapo train` with the CPU default's DAPO settings (dynamic sampling,
+overlong shaping, clip-higher, token-mean); TRL runs `bench/peer/trl_grpo.py` in `.venv-trl` (DAPO loss, clip
+0.2/0.28, no KL). Each side saves its policy at training-clock marks (`--marks` seconds from its first step;
+ours keeps every step's checkpoint and takes the one at each mark from metrics.jsonl's step timings);
+afterwards every saved policy is scored by the same evaluator (our `evaluate_model`): held-out mean@4 at
+temperature 1 and greedy accuracy on `data/val.parquet`.
+
+Modes: `pinned` runs both at once, each pinned to one core (`taskset`); `whole` runs them one after the other,
+each with the whole machine. Run (after `dapo prepare` and `dapo base`, and `bash
+bench/peer/setup_trl_env.sh`): `.venv/bin/python bench/bench_vs_trl.py --mode pinned --seeds 0,1` (about 2 ×
+10 minutes plus evaluation). Prints a JSON line per side, seed and mark, then a summary: medians over seeds,
+and the minutes each side needs to reach the other's final accuracy. Check /proc/loadavg: the machine must be
+otherwise idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+        RAY_USAGE_STATS_ENABLED="0",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def _pin(core: str | None) -> list[str]:
+    return ["taskset", "-c", core] if core is not None else []
+
+
+def ours_cmd(args: argparse.Namespace, seed: int, run_id: str) -> list[str]:
+    """`dapo train` with the benchmark's shape; every step checkpointed, no validation inside the clock."""
+    a = "actor_rollout_ref"
+    overrides = [
+        f"{a}.model.path={args.model}",
+        f"data.train_files=[{args.train}]",
+        f"data.val_files=[{args.val}]",
+        f"data.train_batch_size={args.prompts}",
+        f"data.gen_batch_size={2 * args.prompts}",
+        f"{a}.rollout.n={args.n}",
+        f"{a}.actor.ppo_mini_batch_size={args.prompts}",
+        f"{a}.actor.optim.lr={args.lr}",
+        f"{a}.actor.optim.lr_warmup_steps=0",
+        "trainer.total_training_steps=100000",
+        "trainer.save_freq=1",
+        "trainer.max_actor_ckpt_to_keep=null",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+        f"trainer.seed={seed}",
+        f"trainer.runs_dir={args.work}/ours_runs",
+        f"trainer.models_dir={args.work}/ours_models",
+        f"eval.output={args.work}/ours_eval_seed{seed}.json",
+        "eval.n=1",
+        f"trainer.experiment_name={run_id}",
+    ]
+    return [str(ROOT / ".venv/bin/dapo"), "train", "--config", args.config, *overrides]
+
+
+def run_ours(args: argparse.Namespace, seed: int, core: str | None, threads: int) -> subprocess.Popen:
+    """Start our side; returns the process (its own session, so the whole tree can be stopped)."""
+    run_id = f"bench-seed{seed}"
+    log = open(Path(args.work) / f"ours_seed{seed}.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        [*_pin(core), *ours_cmd(args, seed, run_id)],
+        cwd=ROOT,
+        env=_env(threads),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def ours_clock(run_dir: Path) -> list[dict]:
+    """Per step: training-clock seconds (sum of step times) from metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps, clock = [], 0.0
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "timing_s/step" not in row:
+            continue
+        clock += float(row["timing_s/step"])
+        steps.append({"step": int(row["step"]), "clock_s": clock})
+    return steps
+
+
+def watch_ours(args: argparse.Namespace, seed: int, proc: subprocess.Popen) -> list[dict]:
+    """Wait until our training clock passes the last mark, stop the run, return the marks' checkpoints."""
+    run_dir = Path(args.work) / "ours_runs" / f"bench-seed{seed}"
+    last = max(args.marks)
+    while proc.poll() is None:
+        steps = ours_clock(run_dir)
+        if steps and steps[-1]["clock_s"] >= last:
+            break
+        time.sleep(2)
+    _stop(proc)
+    steps = ours_clock(run_dir)
+    marks = []
+    for mark in args.marks:
+        done = [s for s in steps if s["clock_s"] <= mark]
+        if done:
+            s = done[-1]
+            marks.append({**s, "mark_s": mark, "path": str(run_dir / "ckpt" / f"step_{s['step']}" / "actor")})
+    return marks
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_trl(args: argparse.Namespace, seed: int, core: str | None, threads: int) -> subprocess.Popen:
+    """Start the TRL peer in .venv-trl."""
+    out = Path(args.work) / f"trl_seed{seed}"
+    cmd = [
+        *_pin(core),
+        str(ROOT / ".venv-trl/bin/python"),
+        str(ROOT / "bench/peer/trl_grpo.py"),
+        "--model",
+        args.model,
+        "--train",
+        args.train,
+        "--out",
+        str(out),
+        "--marks",
+        ",".join(str(m) for m in args.marks),
+        "--prompts",
+        str(args.prompts),
+        "--n",
+        str(args.n),
+        "--lr",
+        str(args.lr),
+        "--seed",
+        str(seed),
+        "--threads",
+        str(threads),
+    ]
+    log = open(Path(args.work) / f"trl_seed{seed}.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(threads), stdout=log, stderr=subprocess.STDOUT)
+
+
+def trl_marks(args: argparse.Namespace, seed: int) -> list[dict]:
+    """The TRL peer's saved marks from its timeline."""
+    path = Path(args.work) / f"trl_seed{seed}" / "timeline.json"
+    return json.loads(path.read_text())["marks"] if path.exists() else []
+
+
+def evaluate(args: argparse.Namespace, folder: str) -> dict[str, float]:
+    """Held-out mean@4 at temperature 1 and greedy accuracy of an HF folder, by our evaluator."""
+    out = {}
+    for name, overrides in (
+        ("mean@4", ["eval.n=4", "eval.temperature=1.0", "eval.top_p=1.0"]),
+        ("greedy", ["eval.n=1", "eval.temperature=1.0", "eval.top_k=1"]),  # top-k 1 = greedy
+    ):
+        code = (
+            "import json,sys\n"
+            "from dapo_core.config import load_config, to_yaml\n"
+            "from flows.evaluate import evaluate_model\n"
+            "cfg = load_config(sys.argv[1], sys.argv[3:])\n"
+            "m = evaluate_model.fn(to_yaml(cfg), sys.argv[2])\n"
+            "print(json.dumps([v for k, v in sorted(m.items()) if '/acc/mean@' in k][0]))\n"
+        )
+        res = subprocess.run(
+            [
+                str(ROOT / ".venv/bin/python"),
+                "-c",
+                code,
+                args.config,
+                folder,
+                f"data.val_files=[{args.val}]",
+                *overrides,
+            ],
+            cwd=ROOT,
+            env=_env(2),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        out[name] = float(res.stdout.strip().splitlines()[-1])
+    return out
+
+
+def minutes_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
+    """First training-clock minute at which the piecewise-linear accuracy curve reaches `target`."""
+    prev = (0.0, curve[0][1]) if curve else None
+    for t, acc in curve:
+        if acc >= target:
+            if prev is None or prev[1] >= target or acc == prev[1]:
+                return t / 60
+            return (prev[0] + (target - prev[1]) * (t - prev[0]) / (acc - prev[1])) / 60
+        prev = (t, acc)
+    return None
+
+
+def main() -> None:
+    """Parse arguments, run both sides per seed, evaluate every mark, print the table and summary."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=["pinned", "whole"], default="pinned")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--marks", default="150,300,450,600", help="training-clock seconds")
+    ap.add_argument("--config", default="configs/tiny_cpu.yaml")
+    ap.add_argument("--model", default="models/tiny_base")
+    ap.add_argument("--train", default="data/train.parquet")
+    ap.add_argument("--val", default="data/val.parquet")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--work", default="bench/out/vs_trl")
+    args = ap.parse_args()
+    args.marks = sorted(float(m) for m in args.marks.split(","))
+    work = Path(args.work).resolve()
+    args.work = str(work)
+    # Both sides read one snapshot of the inputs, so nothing that rewrites data/ or models/ meanwhile matters.
+    inputs = work / "inputs"
+    shutil.rmtree(inputs, ignore_errors=True)
+    inputs.mkdir(parents=True)
+    for name in ("train", "val"):
+        shutil.copy(getattr(args, name), inputs / f"{name}.parquet")
+        setattr(args, name, str(inputs / f"{name}.parquet"))
+    shutil.copytree(args.model, inputs / "base_model")
+    args.model = str(inputs / "base_model")
+    base = evaluate(args, args.model)
+    print(json.dumps({"side": "base", **base}), flush=True)
+    results: dict[str, dict[int, list[dict]]] = {"ours": {}, "trl": {}}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        if args.mode == "pinned":
+            ours, trl = run_ours(args, seed, "0", 1), run_trl(args, seed, "1", 1)
+            results["ours"][seed] = watch_ours(args, seed, ours)
+            trl.wait()
+        else:
+            results["ours"][seed] = watch_ours(args, seed, run_ours(args, seed, None, 2))
+            run_trl(args, seed, None, 2).wait()
+        results["trl"][seed] = trl_marks(args, seed)
+        for side in ("ours", "trl"):
+            for m in results[side][seed]:
+                m.update(evaluate(args, m["path"]))
+                print(json.dumps({"side": side, "seed": seed, **m}), flush=True)
+    summary: dict = {"mode": args.mode, "base": base}
+    for side in ("ours", "trl"):
+        per_mark = {}
+        for mark in args.marks:
+            rows = [m for runs in results[side].values() for m in runs if m["mark_s"] == mark]
+            if rows:
+                per_mark[mark] = {
+                    k: statistics.median(r[k] for r in rows) for k in ("mean@4", "greedy", "step")
+                }
+        summary[side] = per_mark
+    for side, other in (("ours", "trl"), ("trl", "ours")):
+        if summary[side] and summary[other]:
+            curve = [(0.0, base["mean@4"])] + [(t, v["mean@4"]) for t, v in sorted(summary[side].items())]
+            target = summary[other][max(summary[other])]["mean@4"]
+            summary[f"{side}_minutes_to_{other}_final"] = minutes_to_reach(curve, target)
+    print(json.dumps({"summary": summary}, indent=1))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
