@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -31,7 +32,6 @@ from omegaconf import OmegaConf
 from dapo_core.config import ConfigError, ConfigWarning, load_config, to_yaml, typed
 from dapo_core.config.checks import no_op_warnings
 from flows.preflight import (
-    StopRequested,
     cli_preflight,
     debug_enabled,
     prefect_startup_timeout,
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with stop_on_signals():
             return _main(args, state)
-    except StopRequested as stop:
+    except KeyboardInterrupt as stop:  # StopRequested (our handler), StopSignal (a wait on Ray), Ctrl-C
         return _stopped(stop, args, state)
     except Exception as exc:
         code = report_error(exc, args.command, debug=debug, run_dir=state.get("run_dir"))
@@ -125,16 +125,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
 
 
-def _stopped(stop: StopRequested, args: argparse.Namespace, state: dict) -> int:
+def _stopped(stop: KeyboardInterrupt, args: argparse.Namespace, state: dict) -> int:
     """Say what a SIGTERM/SIGINT left behind and how to resume; the exit status is 128 + the signal."""
     run_id = state.get("run_id")
-    lines = [f"dapo {args.command}: stopped by {stop}; committed stages and checkpoints are kept."]
+    signum = int(getattr(stop, "signum", signal.SIGINT))
+    name = signal.Signals(signum).name
+    lines = [f"dapo {args.command}: stopped by {name}; committed stages and checkpoints are kept."]
     if run_id:
         extra = " ".join(a for a in args.overrides if not a.startswith("trainer.experiment_name="))
-        cmd = f"dapo train --config {args.config} {extra} trainer.experiment_name={run_id}"
+        flow_only = " --flow-only" if getattr(args, "flow_only", False) else ""
+        cmd = f"dapo train{flow_only} --config {args.config} {extra} trainer.experiment_name={run_id}"
         lines.append("Resume with: " + " ".join(cmd.split()))
     print("\n".join(lines), file=sys.stderr, flush=True)
-    return 128 + stop.signum
+    return 128 + signum
 
 
 def _main(args: argparse.Namespace, state: dict) -> int:
@@ -161,8 +164,7 @@ def _main(args: argparse.Namespace, state: dict) -> int:
                 state["new_run"] = True
         cfg_yaml = to_yaml(cfg)
     except ConfigError as e:
-        print(f"dapo {args.command}: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return report_error(e, args.command, debug=debug_enabled(args.debug)) or EXIT_CONFIG_ERROR
 
     if args.command == "config":
         sys.stdout.write(cfg_yaml)

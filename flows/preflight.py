@@ -32,7 +32,7 @@ from pathlib import Path
 from types import FrameType
 
 from dapo_core.config import DapoConfig
-from dapo_core.errors import find_user_error
+from dapo_core.errors import DapoUserError, find_user_error
 from dapo_core.preflight import SKIP_ENV, Phase, PreflightError, model_folder_of, preflight
 
 __all__ = [
@@ -179,7 +179,10 @@ class UserErrorConsoleFilter(logging.Filter):
 
 
 def quiet_user_error_tracebacks() -> None:
-    """Attach `UserErrorConsoleFilter` to the console handlers of the root and `prefect` loggers (once)."""
+    """Attach `UserErrorConsoleFilter` to the console handlers of the root and `prefect` loggers (once).
+    Importing prefect configures its logging, so the handlers exist afterwards."""
+    import prefect.main  # noqa: F401  (runs prefect.logging.configuration.setup_logging)
+
     for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
         for h in logging.getLogger(name).handlers:
             is_console = isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
@@ -198,12 +201,18 @@ def _log_path(command: str, run_dir: Path | None) -> Path:
     return folder / f"{command}-{stamp}-{os.getpid()}.log"
 
 
+last_user_error: DapoUserError | None = None
+"""The last error `report_error` printed (for tests and programs embedding the CLI)."""
+
+
 def report_error(exc: BaseException, command: str, *, debug: bool, run_dir: Path | None = None) -> int | None:
     """Print a `DapoUserError` found in `exc` as one paragraph (the traceback goes to a log file, and to the
     console with `debug`) and return exit code 2; None when `exc` holds no user error (a bug: re-raise)."""
+    global last_user_error
     err = find_user_error(exc)
     if err is None:
         return None
+    last_user_error = err
     text = "".join(traceback.format_exception(exc))
     where = ""
     if err is not exc:  # raised inside a worker or a task: keep the whole chain for the curious

