@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 
 from dapo_core.data import batch as B
 from dapo_core.data.schemas import validate_stage
+from dapo_core.errors import DapoUserError
 from tasks.runtime import Runtime
 
 StageResult = tuple[str, dict[str, float]]
@@ -48,7 +49,13 @@ def run_stage(
     if fault is not None:
         raise InjectedFault(fault)
     t0 = time.perf_counter()
-    table, metrics = compute()
+    try:
+        table, metrics = compute()
+    except Exception as exc:
+        died = worker_died(exc, rt, step, stage)
+        if died is not None:
+            raise died from exc
+        raise
     if schema is not None:
         validate_stage(
             schema,
@@ -62,6 +69,39 @@ def run_stage(
     metrics[f"timing_s/{_STAGE_SUFFIX.sub('', stage)}"] = time.perf_counter() - t0
     uri = rt.store.write_stage(step, stage, table, meta={**(meta or {}), "metrics": metrics})
     return uri, metrics
+
+
+class WorkerDied(DapoUserError, RuntimeError):
+    """A worker process (Ray actor) died in the middle of a stage: killed, out of memory, or crashed."""
+
+
+def worker_died(exc: BaseException, rt: Runtime, step: int, stage: str) -> WorkerDied | None:
+    """A `WorkerDied` paragraph (what died, where, how to resume) when `exc` is or wraps Ray's actor-died
+    error, else None. What the stages committed before stays; a resume starts new workers."""
+    from ray.exceptions import RayActorError
+
+    cur: BaseException | None = exc
+    for _ in range(10):
+        if cur is None or isinstance(cur, RayActorError):
+            break
+        cur = cur.__cause__ or cur.__context__
+    if not isinstance(cur, RayActorError):
+        return None
+    first = (str(cur).strip().splitlines() or [type(cur).__name__])[0][:200]
+    try:
+        last = rt.store.checkpoints.latest_step()
+    except ValueError:
+        last = None
+    since = f"checkpoint step {last}" if last is not None else "the start (no checkpoint yet)"
+    return WorkerDied(
+        f"a worker process of run {rt.run_id} died during stage {stage!r} of step {step} (killed, out of "
+        f"memory, or crashed: {first}); the stages committed before it are kept",
+        fix=(
+            f"find what stopped it (memory, a kill), then resume with the same command and "
+            f"trainer.experiment_name={rt.run_id}: new workers start from {since} and committed stages are "
+            f"replayed"
+        ),
+    )
 
 
 class InjectedFault(RuntimeError):

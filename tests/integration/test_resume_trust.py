@@ -144,3 +144,61 @@ def test_full_disk_during_a_commit_leaves_a_consistent_store_and_resumes(tiny_as
     monkeypatch.delenv(store_files.FAULT_ENV)
     assert _train(tiny_assets, run_id="diskfull", **extra)["train_step"] == 1
     assert (run / "ckpt" / "latest").read_text().strip() == "1" and _metric_steps(run) == [1]
+
+
+@pytest.mark.timeout(900)
+def test_killed_worker_stops_with_one_paragraph_and_the_run_resumes(tiny_assets, monkeypatch):
+    """SIGKILL one worker (a Ray actor process of this `dapo train` run) inside step 2: the CLI exits 2
+    with one paragraph naming the run, the stage and how to resume, no traceback; the run then resumes from
+    checkpoint 1 (in-process workers here, to keep the test short) and finishes."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    ov = tiny_overrides(
+        tiny_assets,
+        **{
+            **COMMON,
+            "trainer.experiment_name": "workerkill",
+            "trainer.use_ray": "true",
+            "trainer.total_training_steps": 2,
+        },
+    )
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DAPO_TEST_API_KEY": SECRET}
+    root = Path(__file__).resolve().parents[2]
+    run = tiny_assets / "runs" / "workerkill"
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        marker = run / "step_000002" / "prompts_g0.manifest.json"
+        deadline = time.time() + 600
+        while not marker.exists():
+            assert proc.poll() is None, "the run ended before its worker could be killed"
+            assert time.time() < deadline
+            time.sleep(0.05)
+        ours = psutil.Process(proc.pid).children(recursive=True)  # only this run's Ray processes
+        workers = [p for p in ours if any("_RayHost" in part for part in p.cmdline())]  # "ray::_RayHost"
+        assert len(workers) >= 3, [p.cmdline()[:1] for p in ours]
+        min(workers, key=lambda p: p.pid).kill()  # one worker: the first started (the rollout worker)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err[-3000:]
+    assert "worker process of run workerkill died" in err and "step 2" in err and "Fix:" in err, err[-3000:]
+    assert "Traceback" not in err
+    monkeypatch.setenv("DAPO_TEST_API_KEY", SECRET)
+    extra = {"trainer.experiment_name": "workerkill", "trainer.total_training_steps": 2}
+    assert _train(tiny_assets, run_id="workerkill", **extra)["train_step"] == 2
+    assert (run / "ckpt" / "latest").read_text().strip() == "2" and _metric_steps(run) == [1, 2]
