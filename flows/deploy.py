@@ -15,6 +15,7 @@ resume that run). The resolved config is written with the run (`runs/<run_id>/`)
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +29,13 @@ def config_parameter(config: str) -> str:
     if path.parent.resolve() == CONFIGS_DIR.resolve() and path.suffix == ".yaml":
         return path.stem
     return str(path)
+
+
+def markup_safe(override: str) -> str:
+    """`override` with a space after each `[` that starts a list value (`a=[x]` → `a=[ x]`, which loads the
+    same): `prefect deployment run` prints a flow run's parameters as rich markup, and `[/tmp/x]` or `[jsonl]`
+    read as markup tags make it crash (`MarkupError`) after creating the run."""
+    return re.sub(r"\[(?=[A-Za-z#/@])", "[ ", override)
 
 
 def deploy(
@@ -55,7 +63,7 @@ def deploy(
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
     params = {
         "config": config_parameter(config) if config else cfg_yaml,
-        "overrides": list(overrides),
+        "overrides": [markup_safe(o) for o in overrides],
         "run_id": run_id or "",
     }
     description = (

@@ -373,3 +373,18 @@ def test_host_loss_marks_the_run_crashed(server, tiny_assets):
             print(f"marked Crashed {took:.0f} s after the kill")
     finally:
         _stop(serve, signal.SIGKILL)
+
+
+def test_deployment_overrides_survive_the_prefect_cli_printing_them():
+    """`prefect deployment run` prints parameters as rich markup; list values must not read as tags."""
+    from rich.console import Console
+    from rich.errors import MarkupError
+
+    from flows.deploy import markup_safe
+
+    items = ["data.train_files=[/tmp/a.parquet, /tmp/b.parquet]", "trainer.logger=[jsonl]", "data.seed=3"]
+    with pytest.raises(MarkupError):
+        Console(file=open(os.devnull, "w")).print(str(items))  # noqa: SIM115
+    safe = [markup_safe(i) for i in items]
+    Console(file=open(os.devnull, "w")).print(str(safe))  # noqa: SIM115
+    assert load_config(CONFIG, safe) == load_config(CONFIG, items)
