@@ -18,9 +18,10 @@ import torch
 from dapo_core.algo.advantages import compute_advantage
 from dapo_core.algo.dynamic_sampling import filter_groups
 from dapo_core.data import batch as B
+from dapo_core.errors import DapoUserError
 
 
-class DynamicSamplingExhausted(ValueError):
+class DynamicSamplingExhausted(DapoUserError, ValueError):
     """Raised when `max_num_gen_batches` generation batches did not yield `train_batch_size` informative
     groups."""
 

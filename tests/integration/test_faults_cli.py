@@ -71,6 +71,7 @@ def test_sigterm_stops_cleanly_and_resume_finishes(tiny_assets, prefect_home, tm
             "trainer.test_freq": -1,
             "trainer.val_before_train": "false",
             "trainer.use_ray": "true",
+            "algorithm.filter_groups.enable": "false",  # a barely warmed-up model may leave no varied group
         },
     )
     marker = uuid.uuid4().hex
