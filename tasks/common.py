@@ -8,19 +8,38 @@ import re
 import time
 from collections.abc import Callable
 from fnmatch import fnmatch
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from prefect.cache_policies import NO_CACHE
 
 from dapo_core.data import batch as B
 from dapo_core.data.schemas import validate_stage
-from dapo_core.errors import DapoUserError
+from dapo_core.errors import DapoUserError, find_user_error
 from tasks.runtime import Runtime
 
 StageResult = tuple[str, dict[str, float]]
 """What a stage task returns: the committed table's URI and the stage's metrics."""
 StageOutput = tuple[pa.Table, dict[str, float]]
 """What a stage computes: its table and metrics."""
+
+
+def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition of the stage tasks: retry a failure unless it is a `DapoUserError` (bad data, a
+    full disk, a dead worker, dynamic sampling exhausted...), which the same attempt would only hit again; the
+    user gets its paragraph at once instead of after the retries."""
+    exc = state.data if isinstance(state.data, BaseException) else None
+    return exc is None or find_user_error(exc) is None
+
+
+STAGE_TASK_OPTS: dict[str, Any] = {
+    "retries": 2,
+    "retry_delay_seconds": 1,
+    "retry_condition_fn": retry_unless_user_error,
+    "cache_policy": NO_CACHE,
+}
+"""Options of the stage tasks: two retries (none for user errors), never cached (the run store caches)."""
 
 # Generation-batch (`_g0`, `_ga`, `_gr1`) and local-update (`_p0`) suffixes: one timer name per stage kind.
 _STAGE_SUFFIX = re.compile(r"_(?:g[a-z]?\d*|p\d+)$")

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
 
 from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from dapo_core.algo.losses import agg_loss
 from dapo_core.data import batch as B
 from dapo_core.stages import compute_advantage_table
 from tasks import runtime
-from tasks.common import StageResult, run_name, run_stage, stage_name
+from tasks.common import (
+    STAGE_TASK_OPTS,
+    StageResult,
+    run_name,
+    run_stage,
+    stage_name,
+)
 
-_OPTS: dict[str, Any] = {"retries": 2, "retry_delay_seconds": 1, "cache_policy": NO_CACHE}
+_OPTS = STAGE_TASK_OPTS
 
 
 @task(name="old_log_prob", task_run_name=run_name("old_log_prob"), **_OPTS)

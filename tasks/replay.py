@@ -29,7 +29,6 @@ from typing import Any
 
 import pyarrow as pa
 from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from dapo_core.compute.cluster import submit
 from dapo_core.data import batch as B
@@ -37,6 +36,7 @@ from dapo_core.stages import apply_group_filter, filter_column
 from dapo_core.store.replay import ReplayBuffer
 from tasks import runtime
 from tasks.common import (
+    STAGE_TASK_OPTS,
     balanced,
     committed,
     filter_metric,
@@ -48,7 +48,7 @@ from tasks.common import (
     uids_of,
 )
 
-_OPTS: dict[str, Any] = {"retries": 2, "retry_delay_seconds": 1, "cache_policy": NO_CACHE}
+_OPTS = STAGE_TASK_OPTS
 _DAPO_COUNTS = "_dapo_filtered_reward_counts"
 
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pyarrow as pa
 from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from dapo_core.data import batch as B
 from dapo_core.seeding import uid_factory
 from dapo_core.stages import apply_group_filter, truncate_to_groups
 from tasks import runtime
 from tasks.common import (
+    STAGE_TASK_OPTS,
     StageResult,
     balanced,
     committed,
@@ -25,7 +23,7 @@ from tasks.common import (
     uids_of,
 )
 
-_OPTS: dict[str, Any] = {"retries": 2, "retry_delay_seconds": 1, "cache_policy": NO_CACHE}
+_OPTS = STAGE_TASK_OPTS
 
 
 @task(name="sample_prompts", task_run_name="sample_prompts-step{step}-{tag}", **_OPTS)

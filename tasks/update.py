@@ -12,8 +12,9 @@ from prefect.cache_policies import NO_CACHE
 
 from dapo_core.compute.cluster import chain
 from tasks import runtime
-from tasks.common import StageResult, run_name, run_stage, stage_name
+from tasks.common import StageResult, retry_unless_user_error, run_name, run_stage, stage_name
 
+# No retries for the updates: a failure may come after an optimizer step, and a retry would apply it twice.
 _OPTS: dict[str, Any] = {"cache_policy": NO_CACHE}
 
 
@@ -52,7 +53,13 @@ def update_actor(run_id: str, step: int, in_uri: str, part: int | None = None) -
     )
 
 
-@task(name="sync_weights", task_run_name="sync_weights-step{step}", cache_policy=NO_CACHE, retries=2)
+@task(
+    name="sync_weights",
+    task_run_name="sync_weights-step{step}",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_condition_fn=retry_unless_user_error,
+)
 def sync_weights(run_id: str, step: int, weight_version: int) -> int:
     """Push the actor's weights to the rollout worker; returns the new weight version."""
     rt = runtime.get(run_id)
@@ -67,7 +74,13 @@ def push_weights(rt: runtime.Runtime, weight_version: int) -> None:
     rt.rollout.set_weight_version(weight_version)
 
 
-@task(name="checkpoint", task_run_name="checkpoint-step{step}", cache_policy=NO_CACHE, retries=1)
+@task(
+    name="checkpoint",
+    task_run_name="checkpoint-step{step}",
+    cache_policy=NO_CACHE,
+    retries=1,
+    retry_condition_fn=retry_unless_user_error,
+)
 def checkpoint(run_id: str, step: int, driver_state: dict) -> str:
     """Write ckpt/step_<step>/ (actor [+critic] states, driver state) atomically; `latest` is written last."""
     rt = runtime.get(run_id)

@@ -10,10 +10,16 @@ from dapo_core.data import batch as B
 from dapo_core.metrics.validation import validation_summary
 from dapo_core.seeding import uid_factory
 from tasks import runtime
-from tasks.common import StageResult, run_stage
+from tasks.common import StageResult, retry_unless_user_error, run_stage
 
 
-@task(name="validate", task_run_name="validate-step{step}", cache_policy=NO_CACHE, retries=1)
+@task(
+    name="validate",
+    task_run_name="validate-step{step}",
+    cache_policy=NO_CACHE,
+    retries=1,
+    retry_condition_fn=retry_unless_user_error,
+)
 def validate(run_id: str, step: int, gen_step: int) -> StageResult:
     """Evaluate the current rollout weights on the validation set (committed as stage `val`)."""
     rt = runtime.get(run_id)
