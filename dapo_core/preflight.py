@@ -210,7 +210,9 @@ def model_folder_of(path: str, *, key: str = "eval.checkpoint") -> str:
     if (p / "actor" / "config.json").exists():
         return str(p / "actor")
     if (p / "ckpt").is_dir():
-        step = CheckpointDir(p).latest_step()
+        # A lost or damaged `latest` pointer: the newest verifying checkpoint, as `dapo eval` will resolve it
+        # (it warns then; read-only here).
+        step = CheckpointDir(p).resume_step(warn=lambda _: None, repair=False)
         if step is None:
             raise PreflightError(f"the run folder {p} has no checkpoint yet", where=key, fix=fix)
         return model_folder_of(str(CheckpointDir(p).path(step)), key=key)

@@ -106,7 +106,12 @@ def resolve_eval_checkpoint(cfg: DapoConfig) -> str:
         folders = [p for p in runs.iterdir() if p.is_dir()] if runs.is_dir() else []
         candidates = sorted(folders, key=lambda p: p.stat().st_mtime, reverse=True)
     for run in candidates:
-        if (run / "ckpt").is_dir() and CheckpointDir(run).latest_step() is not None:
+        quiet = (
+            CheckpointDir(run).resume_step(warn=lambda _: None, repair=False)
+            if (run / "ckpt").is_dir()
+            else None
+        )
+        if quiet is not None:  # a lost `latest` pointer counts: evaluate resolves (and warns about) it
             return str(run)
     which = f"run {cfg.trainer.experiment_name}" if cfg.trainer.experiment_name else f"any run of {runs}"
     raise PreflightError(

@@ -274,3 +274,22 @@ def test_critic_checkpoint_round_trips_without_pickle(tiny_dir, tmp_path):
     torch.save({"model": {}}, tmp_path / "old" / "critic.pt")  # the older, pickled layout
     with pytest.raises(StateFileError, match="older layout"):
         b.load_checkpoint(str(tmp_path / "old"))
+
+
+def test_preflight_and_dapo_eval_follow_a_lost_latest_pointer(tmp_path):
+    # Before: both resolved a run folder through the pointer alone and reported "no checkpoint" here.
+    from dapo_core.config import DapoConfig
+    from dapo_core.preflight import model_folder_of
+    from flows.preflight import resolve_eval_checkpoint
+
+    ck = CheckpointDir(tmp_path / "r1")
+    for s in (1, 2):
+        ck.save(s, _writer({"actor/model.safetensors": bytes([s]) * 8, "actor/config.json": b"{}"}))
+    (ck.dir / "latest").unlink()
+    assert model_folder_of(str(tmp_path / "r1")) == str(ck.path(2) / "actor")
+    cfg = DapoConfig()
+    cfg.trainer.runs_dir, cfg.trainer.experiment_name = str(tmp_path), "r1"
+    assert resolve_eval_checkpoint(cfg) == str(tmp_path / "r1")
+    cfg.trainer.experiment_name = ""  # the newest run with a checkpoint
+    assert resolve_eval_checkpoint(cfg) == str(tmp_path / "r1")
+    assert not (ck.dir / "latest").exists()  # read-only: the pointer is repaired only by a resume
