@@ -281,7 +281,8 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
             errs.append(f"{prefix}.top_p: {sec['top_p']} must be in (0, 1].")
         if sec["top_k"] == 0 or sec["top_k"] < -1:
             errs.append(f"{prefix}.top_k: {sec['top_k']} must be -1 (off) or >= 1.")
-        if sec["temperature"] < 0 or (sec["temperature"] == 0 and sec.get("do_sample", True)):
+        # eval has no do_sample: `dapo eval` samples when temperature > 0 and decodes greedily at 0.
+        if sec["temperature"] < 0 or (sec["temperature"] == 0 and sec.get("do_sample", prefix != "eval")):
             errs.append(f"{prefix}.temperature: {sec['temperature']} must be > 0 when sampling.")
 
     # --- step order

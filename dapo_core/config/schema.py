@@ -587,7 +587,7 @@ class EvalConfig:
     n: int = 8
     """Samples per problem (k)."""
     temperature: float = 1.0
-    """Sampling temperature."""
+    """Sampling temperature; 0 = greedy decoding (then eval.n = 1 is enough)."""
     top_p: float = 0.7
     """Nucleus threshold."""
     top_k: int = -1

@@ -557,3 +557,14 @@ def test_rollout_correction_preset_expands_at_load_and_reloads_the_same():
         ConfigError, match=r"rollout_correction\.preset: unknown .* did you mean 'bypass_pg_is'"
     ):
         load_config(TINY, ["algorithm.rollout_correction.preset=bypas_pg_is"])
+
+
+def test_eval_temperature_zero_is_greedy_and_negative_is_refused():
+    # `dapo eval` decodes greedily at temperature 0 (evaluate_model: do_sample = temperature > 0); the rollout
+    # still refuses 0 while it samples.
+    cfg = load_config(TINY, ["eval.temperature=0", "eval.n=1"])
+    assert cfg.eval.temperature == 0
+    with pytest.raises(ConfigError, match=r"eval\.temperature"):
+        load_config(TINY, ["eval.temperature=-1"])
+    with pytest.raises(ConfigError, match=r"rollout\.temperature"):
+        load_config(TINY, ["actor_rollout_ref.rollout.temperature=0"])
