@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from tests.integration.test_prefect_ui import PREFECT, _free_port, _healthy, _stop, _wait
+from tests.integration.prefect_server import prefect_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DVC = ROOT / ".venv" / "bin" / "dvc"
@@ -72,30 +70,14 @@ def _ran(out: str) -> set[str]:
 
 @pytest.mark.timeout(1500)
 def test_fresh_clone_repro_noop_eval_only_push_pull(tmp_path):
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    # One Prefect server for the ~10 stage commands (each would otherwise start its own temporary one).
+    settings = {
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    # One Prefect server for the ~10 stage commands (each would otherwise start its own temporary one).
-    port = _free_port()
-    env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
-    server = subprocess.Popen(
-        [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        _wait(lambda: _healthy(env["PREFECT_API_URL"]), 180, "prefect server health", server)
+    with prefect_server(tmp_path / "prefect", **settings) as (_, env):
         _lineage(tmp_path, env)
-    finally:
-        _stop(server, signal.SIGINT)
 
 
 def _lineage(tmp_path: Path, env: dict) -> None:

@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +19,7 @@ from safetensors.torch import load_file
 from dapo_core.config import ConfigError, load_config, to_yaml
 from flows.artifacts import artifact_key, step_row
 from tests.integration.conftest import CONFIG, tiny_overrides
+from tests.integration.prefect_server import prefect_server, stop, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,7 +132,6 @@ def test_fault_switch_is_inert_when_unset(prefect_home, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- a real Prefect server
-PREFECT = Path(sys.executable).parent / "prefect"
 ZOMBIE_WITHIN_S = 60
 """Seconds without a heartbeat before the automation crashes a run (tests: two 30 s beats)."""
 SERVED = {  # the tiny deployment: 3 steps, a checkpoint after each, no validation, in-process workers
@@ -144,42 +142,6 @@ SERVED = {  # the tiny deployment: 3 steps, a checkpoint after each, no validati
     "trainer.use_ray": "false",
     "algorithm.filter_groups.enable": "false",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(api: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def _wait(pred, timeout: float, what: str, proc=None):
-    end = time.time() + timeout
-    while time.time() < end:
-        got = pred()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{what}: process exited with {proc.returncode}")
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _stop(proc: subprocess.Popen, sig=signal.SIGINT) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @contextmanager
@@ -194,25 +156,8 @@ def _client(api: str):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, prefect_home):
     """`prefect server start` on a free loopback port, with the zombie automation of infra/."""
-    port = _free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect_server")),
-        "PREFECT_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
-        "OMP_NUM_THREADS": "1",
-    }
-    proc = subprocess.Popen(
-        [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        _wait(lambda: _healthy(api), 180, "prefect server health", proc)
+    home = tmp_path_factory.mktemp("prefect_server")
+    with prefect_server(home, PREFECT_RUNNER_POLL_FREQUENCY="2") as (api, env):
         auto = subprocess.run(
             [sys.executable, str(ROOT / "infra" / "zombie_automation.py"), "--within", str(ZOMBIE_WITHIN_S)],
             env=env,
@@ -222,8 +167,6 @@ def server(tmp_path_factory, prefect_home):
         )
         assert auto.returncode == 0, auto.stderr[-2000:]
         yield SimpleNamespace(api=api, env=env)
-    finally:
-        _stop(proc)
 
 
 def _serve(server, assets: Path, name: str, **env) -> subprocess.Popen:
@@ -246,7 +189,7 @@ def _deployment(client, name: str, serve: subprocess.Popen):
         except Exception:
             return None
 
-    return _wait(found, 300, f"deployment dapo-train/{name}", serve)
+    return wait_for(found, 300, f"deployment dapo-train/{name}", serve)
 
 
 def _final_state(client, flow_run_id, timeout: float, proc=None):
@@ -254,7 +197,7 @@ def _final_state(client, flow_run_id, timeout: float, proc=None):
         state = client.read_flow_run(flow_run_id).state
         return state if state is not None and state.is_final() else None
 
-    return _wait(final, timeout, f"flow run {flow_run_id} to finish", proc)
+    return wait_for(final, timeout, f"flow run {flow_run_id} to finish", proc)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -318,7 +261,7 @@ def test_retry_from_the_ui_continues_the_failed_run(server, tiny_assets):
             assert _final_state(client, failing.id, 600, serve).type == StateType.COMPLETED
             assert client.read_flow_run(failing.id).run_count == 2
     finally:
-        _stop(serve)
+        stop(serve)
     after = _manifests(run)
     kept = {
         k: v
@@ -355,7 +298,7 @@ def test_host_loss_marks_the_run_crashed(server, tiny_assets):
                 },
             )
             marker = tiny_assets / "runs" / "zombie" / "step_000001" / "generate_g0.manifest.json"
-            _wait(marker.exists, 300, "the run's first generation", serve)
+            wait_for(marker.exists, 300, "the run's first generation", serve)
             assert client.read_flow_run(fr.id).state.type == StateType.RUNNING
             time.sleep(5)  # let the first heartbeat event reach the server
             victims = _descendants(serve.pid)  # the flow-run process (and anything it started)
@@ -372,7 +315,7 @@ def test_host_loss_marks_the_run_crashed(server, tiny_assets):
             assert "heartbeat" in (state.message or "")
             print(f"marked Crashed {took:.0f} s after the kill")
     finally:
-        _stop(serve, signal.SIGKILL)
+        stop(serve, signal.SIGKILL)
 
 
 def test_deployment_overrides_survive_the_prefect_cli_printing_them():
