@@ -29,7 +29,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dapo_core.config import ConfigError, ConfigWarning, load_config, to_yaml, typed
+from dapo_core.config import ConfigError, ConfigWarning, load_config, to_safe_yaml, typed
 from dapo_core.config.checks import no_op_warnings
 from flows.preflight import (
     cli_preflight,
@@ -162,7 +162,7 @@ def _main(args: argparse.Namespace, state: dict) -> int:
             if not cfg.trainer.experiment_name:
                 cfg.trainer.experiment_name = run_id
                 state["new_run"] = True
-        cfg_yaml = to_yaml(cfg)
+        cfg_yaml = to_safe_yaml(cfg)  # handed to the flows: Prefect stores it as a parameter
     except ConfigError as e:
         return report_error(e, args.command, debug=debug_enabled(args.debug)) or EXIT_CONFIG_ERROR
 

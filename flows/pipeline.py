@@ -26,7 +26,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from prefect import flow
 
-from dapo_core.config import load_config, load_config_text, to_yaml, typed
+from dapo_core.config import load_config, load_config_text, to_safe_yaml, typed
 from flows.base_model import base_model_flow
 from flows.dapo_train import dapo_train
 from flows.evaluate import evaluate_flow
@@ -176,7 +176,7 @@ def dvc_train(config: str, milestones: list[int], models_dir: Path, metrics_dir:
     """The `train` stage of dvc.yaml: train (or resume) the run of these parameters, export its outputs."""
     from flows.dapo_train import dapo_train
 
-    cfg_yaml = to_yaml(load_config(config))
+    cfg_yaml = to_safe_yaml(load_config(config))
     run_id = dvc_run_id(cfg_yaml)
     print(
         f"dvc train: run id {run_id} (runs/ stays outside DVC; an interrupted repro resumes it)", flush=True

@@ -30,6 +30,7 @@ from dapo_core.config import (
     load_config_text,
     need_reference_policy,
     resolve_device,
+    to_safe_yaml,
     typed,
     use_critic,
 )
@@ -224,8 +225,6 @@ class TrainRun(runtime.Runtime):
 INPUTS_FILE = "inputs.json"
 """The run's record of its inputs' fingerprints (`dapo_core.store.fingerprints`)."""
 
-_SECRET_NAME = re.compile(r"(?i)(KEY|TOKEN|SECRET|PASS|CREDENTIAL|AUTH|PRIVATE|COOKIE|SESSION)")
-
 
 def input_fingerprints(
     cfg: DapoConfig, model_path: str, tokenizer_path: str, train: pa.Table, val: pa.Table, known: dict | None
@@ -279,24 +278,10 @@ def check_inputs(store: RunStore, cfg: DapoConfig, inputs: dict) -> list[str]:
     return diff
 
 
-def _mask_secrets(obj, secrets: dict[str, str]):
-    if isinstance(obj, dict):
-        return {k: _mask_secrets(v, secrets) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_mask_secrets(v, secrets) for v in obj]
-    if isinstance(obj, str):
-        for name, value in secrets.items():
-            obj = obj.replace(value, "${oc.env:" + name + "}")
-    return obj
-
-
 def config_record(cfg: DapoConfig) -> str:
-    """The config as written to the run folder: resolved, except that the value of any environment
-    variable with a secret-looking name (…KEY, …TOKEN, …SECRET, …PASSWORD, …) is written back as the
-    `${oc.env:NAME}` reference it came from, so a secret never lands on disk."""
-    secrets = {k: v for k, v in os.environ.items() if _SECRET_NAME.search(k) and len(v) >= 6}
-    data = _mask_secrets(OmegaConf.to_container(OmegaConf.structured(cfg)), secrets)
-    return OmegaConf.to_yaml(OmegaConf.create(data), sort_keys=True)
+    """The config as written to the run folder: resolved, secrets written back as `${oc.env:NAME}`
+    (`to_safe_yaml`)."""
+    return to_safe_yaml(OmegaConf.structured(cfg))
 
 
 def record_attempt(rt: TrainRun) -> Path:

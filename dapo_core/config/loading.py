@@ -28,6 +28,7 @@ import functools
 import hashlib
 import inspect
 import itertools
+import os
 import re
 import warnings
 from collections.abc import Iterator, Sequence
@@ -59,6 +60,7 @@ __all__ = [
     "load_config_text",
     "need_reference_policy",
     "resolve_device",
+    "to_safe_yaml",
     "to_yaml",
     "typed",
     "use_critic",
@@ -382,6 +384,31 @@ def validate_config(cfg: DictConfig) -> None:
 def to_yaml(cfg: DictConfig) -> str:
     """The fully resolved config as YAML with sorted keys (what `dapo config` prints and runs store)."""
     return OmegaConf.to_yaml(cfg, resolve=True, sort_keys=True)
+
+
+SECRET_ENV_NAME = re.compile(r"(?i)(KEY|TOKEN|SECRET|PASS|CREDENTIAL|AUTH|PRIVATE|COOKIE|SESSION)")
+"""Environment variable names whose values `to_safe_yaml` never writes out."""
+
+
+def _mask_secrets(obj: Any, secrets: dict[str, str]) -> Any:
+    if isinstance(obj, dict):
+        return {k: _mask_secrets(v, secrets) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_mask_secrets(v, secrets) for v in obj]
+    if isinstance(obj, str):
+        for name, value in secrets.items():
+            obj = obj.replace(value, "${oc.env:" + name + "}")
+    return obj
+
+
+def to_safe_yaml(cfg: DictConfig) -> str:
+    """`to_yaml`, except that the value of any environment variable with a secret-looking name (…KEY, …TOKEN,
+    …SECRET, …PASSWORD, …; values of 6+ characters) is written back as the `${oc.env:NAME}` reference it came
+    from. What is written to disk or handed to Prefect (run records, flow parameters) uses this, so a secret
+    never lands in a file or in Prefect's database; loading the text resolves the reference again."""
+    secrets = {k: v for k, v in os.environ.items() if SECRET_ENV_NAME.search(k) and len(v) >= 6}
+    data = _mask_secrets(OmegaConf.to_container(cfg, resolve=True), secrets)
+    return OmegaConf.to_yaml(OmegaConf.create(data), sort_keys=True)
 
 
 def config_hash(cfg: DictConfig) -> str:

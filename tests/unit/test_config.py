@@ -25,7 +25,9 @@ from dapo_core.config import (
     load_config_text,
     need_reference_policy,
     resolve_device,
+    to_safe_yaml,
     to_yaml,
+    typed,
     use_critic,
 )
 
@@ -568,3 +570,25 @@ def test_eval_temperature_zero_is_greedy_and_negative_is_refused():
         load_config(TINY, ["eval.temperature=-1"])
     with pytest.raises(ConfigError, match=r"rollout\.temperature"):
         load_config(TINY, ["actor_rollout_ref.rollout.temperature=0"])
+
+
+def test_to_safe_yaml_writes_secret_env_values_back_as_references(monkeypatch):
+    # What the CLI hands to the flows (Prefect stores it as a parameter) and what the run records hold.
+    monkeypatch.setenv("DAPO_TEST_API_KEY", "s3cr3t-v4lue")
+    monkeypatch.setenv("DAPO_TEST_PLAIN", "not-a-secret-name")
+    cfg = load_config(
+        TINY,
+        [
+            "trainer.project_name=${oc.env:DAPO_TEST_API_KEY}",
+            "trainer.experiment_name=${oc.env:DAPO_TEST_PLAIN}",
+        ],
+    )
+    text = to_safe_yaml(cfg)
+    assert "s3cr3t-v4lue" not in text and "${oc.env:DAPO_TEST_API_KEY}" in text
+    assert "not-a-secret-name" in text  # only secret-looking names are masked
+    again = typed(load_config_text(text))
+    assert (again.trainer.project_name, again.trainer.experiment_name) == (
+        "s3cr3t-v4lue",
+        "not-a-secret-name",
+    )
+    assert to_safe_yaml(load_config(TINY)) == to_yaml(load_config(TINY))  # no secret: the same text
