@@ -6,17 +6,74 @@ The sync order (`flows.dapo_train.train_step`) runs it once per step on the whol
 order (`flows.replay_order.replay_train_step`) runs it once per local update on each part of the batch
 (`part=i`, so the stages commit as `<name>_p<i>`). Pushing the new weights to the rollout worker is left to
 the step order.
+
+On-policy skip: when the update is exactly on-policy (`old_log_prob_needed` returns None: one PPO epoch over
+one mini-batch, nothing else reading π_old) the old_log_prob forward is skipped. The actor then takes π_old as
+its own log-probs, detached, so the ratio is exactly 1, as it is (to float precision) after a separate forward
+with the same weights; the step logs `timing_s/old_log_prob = 0` and `actor/old_log_prob_skipped = 1`.
+`actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false` always runs the stage.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
-from dapo_core.config import need_reference_policy, use_critic
-from flows.run_setup import TrainRun
+from dapo_core.config import DapoConfig, need_reference_policy, use_critic
+from flows.run_setup import TrainRun, default_model_path
 from tasks.common import StageResult
 from tasks.compute import advantage, old_log_prob, ref, values
 from tasks.update import update_actor, update_critic
+
+
+def _model_dropout(model_path: str) -> float:
+    """The largest `*dropout*` probability in the model folder's config.json (0 when there is none)."""
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return 0.0
+    conf = json.loads(path.read_text())
+    probs = [v for k, v in conf.items() if "dropout" in k and isinstance(v, int | float)]
+    return float(max(probs, default=0.0))
+
+
+def old_log_prob_needed(cfg: DapoConfig, parts: int = 1, model_path: str | None = None) -> str | None:
+    """Why the batch needs a separate π_old forward (the first reason, as the config key to change), or None
+    when the update is exactly on-policy and the old_log_prob stage can be skipped.
+
+    `parts`: local updates per batch (the replay order's `parameter_sync_step`; 1 in the sync order). Exactly
+    on-policy means: one PPO epoch over one mini-batch (`ppo_mini_batch_size · parts ≥ train_batch_size`), so
+    the weights that would compute π_old are the ones the update starts from; no dropout in the model (a
+    train-mode forward would differ from the eval-mode π_old forward); and nothing else reads π_old: no
+    rollout correction (IS / RS / bypass mode), no KL in the reward, no `bypass_mode` policy loss.
+    """
+    actor = cfg.actor_rollout_ref.actor
+    rc = cfg.algorithm.rollout_correction
+    if not actor.skip_old_log_prob_when_on_policy:
+        return "actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false"
+    if actor.ppo_epochs != 1:
+        return f"actor_rollout_ref.actor.ppo_epochs={actor.ppo_epochs} (more than one pass)"
+    if actor.ppo_mini_batch_size * parts < cfg.data.train_batch_size:
+        return (
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} < "
+            f"data.train_batch_size={cfg.data.train_batch_size}"
+            + (f" / parameter_sync_step={parts}" if parts > 1 else "")
+            + " (more than one optimizer step per batch)"
+        )
+    if rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None:
+        return "algorithm.rollout_correction (IS/RS weights or bypass mode read π_old)"
+    if cfg.algorithm.use_kl_in_reward:
+        return "algorithm.use_kl_in_reward=true (the KL penalty reads π_old)"
+    if (actor.policy_loss.loss_mode or "vanilla") == "bypass_mode":
+        return "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"
+    dropout = _model_dropout(model_path or default_model_path(cfg))
+    if dropout > 0:
+        return f"the model's dropout {dropout} > 0 (a train-mode forward is not the π_old forward)"
+    return None
+
+
+_ANNOUNCED: set[str] = set()
+"""Runs whose on-policy decision was printed (once per run and process)."""
 
 
 def learn(
@@ -32,7 +89,21 @@ def learn(
         metrics.append(m)
         return out
 
-    uri = stage(old_log_prob, batch_uri)
+    parts = rt.cfg.trainer.parameter_sync_step if part is not None else 1
+    reason = old_log_prob_needed(rt.cfg, parts)
+    if rt.run_id not in _ANNOUNCED:
+        _ANNOUNCED.add(rt.run_id)
+        print(
+            f"old_log_prob: separate forward ({reason})"
+            if reason
+            else "old_log_prob: skipped, the update is exactly on-policy (one epoch, one mini-batch): "
+            "π_old = the current policy, ratio 1"
+        )
+    if reason is None and step > rt.cfg.trainer.critic_warmup:
+        uri = batch_uri
+        metrics.append({"timing_s/old_log_prob": 0.0, "actor/old_log_prob_skipped": 1.0})
+    else:
+        uri = stage(old_log_prob, batch_uri)
     if need_reference_policy(rt.cfg):
         uri = stage(ref, uri)
     if use_critic(rt.cfg):

@@ -281,6 +281,9 @@ class ActorConfig:
     """Token budget of a micro-batch when `use_dynamic_bsz` (a longer row goes alone)."""
     ppo_epochs: int = 1
     """Passes over each training batch."""
+    skip_old_log_prob_when_on_policy: bool = True
+    """Skip the old_log_prob forward when the update is exactly on-policy (one epoch, one mini-batch, no
+    rollout correction, no KL in reward, not bypass mode): π_old = the current policy, ratio exactly 1."""
     shuffle: bool = False
     """Shuffle trajectories between PPO epochs."""
     clip_ratio: float = 0.2

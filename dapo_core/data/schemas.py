@@ -104,7 +104,12 @@ _NEW: dict[str, list[str]] = {
     "values": ["values"],
     "advantage": ["token_level_rewards", "advantages", "returns", "response_mask"],
 }
-_CONDITIONAL = {"ref_log_probs": "ref", "values": "values"}
+_CONDITIONAL = {
+    "ref_log_probs": "ref",
+    "values": "values",
+    "old_log_probs": "old_log_prob",  # absent later when the flow skips an on-policy old_log_prob forward
+    "entropy": "old_log_prob",
+}
 
 
 def _required(stage: str) -> list[str]:

@@ -67,7 +67,7 @@ def test_stage_columns_are_cumulative():
         "finish_reason",
     ]
     for a, b in zip(S.STAGES, S.STAGES[1:], strict=False):
-        carried = set(S.STAGE_COLUMNS[a]) - {"ref_log_probs", "values"}
+        carried = set(S.STAGE_COLUMNS[a]) - {"ref_log_probs", "values", "old_log_probs", "entropy"}
         assert carried <= set(S.STAGE_COLUMNS[b]), (a, b)
     assert "ref_log_probs" in S.STAGE_COLUMNS["ref"]
     assert "values" in S.STAGE_COLUMNS["values"]

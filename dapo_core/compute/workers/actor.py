@@ -188,8 +188,10 @@ class ActorWorker:
         if self.cfg.get("loss_scale_factor") is not None:
             gbi["loss_scale_factor"] = self.cfg["loss_scale_factor"]
         use_kl = bool(self.cfg.get("use_kl_loss")) and "ref_log_probs" in mb
-        return actor_objective(
-            mb["old_log_probs"],
+        # On-policy skip (the flow ran no old_log_prob stage): π_old is the current policy, ratio exp(0) = 1.
+        on_policy = "old_log_probs" not in mb
+        loss, metrics = actor_objective(
+            log_probs.detach() if on_policy else mb["old_log_probs"],
             log_probs,
             mb["advantages"],
             mb["response_mask"],
@@ -204,19 +206,35 @@ class ActorWorker:
             rollout_is_weights=mb.get("rollout_is_weights"),
             global_batch_info=gbi,
         )
+        if on_policy and entropy is not None:  # the old_log_prob stage's metric; summed over micro-batches
+            metrics["actor/entropy"] = metrics["actor/entropy_loss"]
+        return loss, metrics
 
     def update_actor(self, table: pa.Table, global_steps: int) -> dict[str, float]:
         """One PPO update over the batch (mini-batches of `ppo_mini_batch_size·n` trajectories); steps the
-        lr."""
-        cols = ["old_log_probs", "advantages"]
+        lr. Without an `old_log_probs` column (the flow skipped the old_log_prob stage: the update is exactly
+        on-policy) π_old is this forward's own log-probs, detached, and `actor/entropy` comes from this
+        forward; that is exact only for one epoch over one mini-batch, so anything else is refused."""
+        on_policy = "old_log_probs" not in table.column_names
+        cols = ["advantages"] if on_policy else ["old_log_probs", "advantages"]
         for c in ("rollout_is_weights", "ref_log_probs", "rollout_log_probs"):
             if c in table.column_names:
                 cols.append(c)
         t = B.to_padded(table, self.pad_token_id, columns=cols)
         mini = int(self.cfg["ppo_mini_batch_size"]) * self.n
         micro = self.cfg.get("ppo_micro_batch_size_per_gpu") or mini
+        epochs = int(self.cfg.get("ppo_epochs", 1))
+        if on_policy and (epochs != 1 or mini < table.num_rows):
+            raise ValueError(
+                f"update_actor: the batch has no old_log_probs column, which is exact only for one epoch "
+                f"over one mini-batch, but ppo_epochs={epochs} and ppo_mini_batch_size·n={mini} for "
+                f"{table.num_rows} rows; run the old_log_prob stage first "
+                "(actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false)."
+            )
         calc_entropy = (
-            bool(self.cfg.get("calculate_entropy", True)) or float(self.cfg.get("entropy_coeff", 0.0)) != 0
+            on_policy
+            or bool(self.cfg.get("calculate_entropy", True))
+            or float(self.cfg.get("entropy_coeff", 0.0)) != 0
         )
         self.engine.train()
         metrics = ppo_update(
@@ -225,11 +243,12 @@ class ActorWorker:
             loss_fn=self._loss_fn,
             mini_batch_size=min(mini, table.num_rows),
             micro_batch_size=int(micro),
-            epochs=int(self.cfg.get("ppo_epochs", 1)),
+            epochs=epochs,
             shuffle=bool(self.cfg.get("shuffle", False)),
             seed=self.seed + int(global_steps),
             temperature=self.temperature,
             calculate_entropy=calc_entropy,
+            sum_keys=("actor/pg_loss", "actor/entropy"),
             max_token_len=(
                 int(self.cfg["ppo_max_token_len_per_gpu"]) if self.cfg.get("use_dynamic_bsz") else None
             ),
