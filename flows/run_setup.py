@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 from omegaconf import OmegaConf
 
-from dapo_core.algo.dynamic_sampling import KeepRateEstimator, next_gen_batch_size
+from dapo_core.algo.dynamic_sampling import KeepRateEstimator, surplus_bounded_size
 from dapo_core.algo.kl import get_kl_controller
 from dapo_core.compute.cluster import Cluster, proxy
 from dapo_core.compute.models import load_tokenizer
@@ -513,13 +513,16 @@ def add_metrics(metrics: dict[str, float], new: dict[str, float]) -> None:
 
 
 def refill_size(cfg: DapoConfig, keep_rate: KeepRateEstimator, deficit: int, fixed: int) -> int:
-    """Prompts to generate for `deficit` missing groups: `fixed`, or sized to the deficit and the observed
-    keep rate with `algorithm.filter_groups.refill=adaptive`; 0 when nothing is missing."""
+    """Prompts to generate for `deficit` missing groups: `fixed`, or with `algorithm.filter_groups.refill=
+    adaptive` the largest batch whose expected surplus under the observed keep rate stays within
+    `filter_groups.surplus_budget · train_batch_size` groups (`surplus_bounded_size`; `gen_batch_size` before
+    any rate is observed); 0 when nothing is missing."""
     if deficit <= 0:
         return 0
     fg = cfg.algorithm.filter_groups
     if fg.enable and fg.refill == "adaptive":
-        return next_gen_batch_size(deficit, keep_rate.rate, base=gen_batch_size(cfg))
+        budget = fg.surplus_budget * cfg.data.train_batch_size
+        return surplus_bounded_size(deficit, keep_rate.rate, surplus_budget=budget, base=gen_batch_size(cfg))
     return fixed
 
 

@@ -7,6 +7,9 @@
   keep rate says are needed to fill the deficit, so fewer kept groups are generated only to be discarded as
   surplus. With ``keep_rate=None`` the first batch uses ``base`` (= the configured ``gen_batch_size``), which
   is the reference behaviour. ``bench/bench_refill.py`` measures the effect.
+* :func:`surplus_bounded_size` sizes a batch by its expected surplus instead: the largest batch whose
+  expected number of kept groups beyond the deficit (each prompt kept independently with the keep rate, so
+  kept ~ Binomial) stays within a budget. ``bench/bench_refill_budget.py`` measures surplus and rounds.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KeepRateEstimator", "filter_groups", "next_gen_batch_size"]
+__all__ = [
+    "KeepRateEstimator",
+    "expected_surplus",
+    "filter_groups",
+    "next_gen_batch_size",
+    "surplus_bounded_size",
+]
 
 
 def _group_arrays(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np.ndarray):
@@ -110,6 +119,67 @@ def next_gen_batch_size(
     if max_size is not None:
         size = min(size, int(max_size))
     return size
+
+
+def expected_surplus(size: int, keep_rate: float, deficit: int) -> float:
+    """E[max(0, K − deficit)] for K ~ Binomial(size, keep_rate): the kept groups a batch of `size` prompts is
+    expected to produce beyond `deficit` (they are thrown away as surplus)."""
+    if size <= deficit or keep_rate <= 0:
+        return 0.0
+    if keep_rate >= 1:
+        return float(size - deficit)
+    k = np.arange(deficit + 1, size + 1)
+    log_pmf = (
+        math.lgamma(size + 1)
+        - np.array([math.lgamma(x + 1) + math.lgamma(size - x + 1) for x in k])
+        + k * math.log(keep_rate)
+        + (size - k) * math.log1p(-keep_rate)
+    )
+    return float(np.sum((k - deficit) * np.exp(log_pmf)))
+
+
+def surplus_bounded_size(
+    deficit_groups: int,
+    keep_rate: float | None,
+    *,
+    surplus_budget: float,
+    base: int,
+    keep_rate_floor: float = 0.05,
+    max_size: int | None = None,
+) -> int:
+    """Prompts to generate next: the largest batch whose expected surplus (`expected_surplus`) is at most
+    `surplus_budget` groups, never fewer than `deficit_groups` (a batch that size cannot overshoot).
+
+    ``keep_rate=None`` → ``base``; ``deficit_groups <= 0`` → 0. The keep rate is floored at
+    ``keep_rate_floor`` and the size searched up to ``2·deficit/floor`` (clamped to ``max_size``). A small
+    budget gives little surplus and more, smaller rounds; the largest size is where the expected surplus of
+    one more prompt would cross the budget.
+    """
+    if isinstance(deficit_groups, bool) or int(deficit_groups) != deficit_groups:
+        raise ValueError(f"deficit_groups={deficit_groups!r} must be an int (groups still needed)")
+    if int(base) < 1:
+        raise ValueError(f"base={base} must be >= 1 (data.gen_batch_size)")
+    if not (math.isfinite(surplus_budget) and surplus_budget >= 0):
+        raise ValueError(f"surplus_budget={surplus_budget} must be a finite number >= 0 (groups)")
+    if deficit_groups <= 0:
+        return 0
+    if keep_rate is None:
+        return int(base) if max_size is None else min(int(base), int(max_size))
+    if not 0.0 <= float(keep_rate) <= 1.0:
+        raise ValueError(f"keep_rate={keep_rate} must be in [0, 1] (kept groups / generated groups) or None")
+    p = max(float(keep_rate), keep_rate_floor)
+    lo = int(deficit_groups)  # expected surplus 0
+    hi = max(lo, math.ceil(2 * deficit_groups / p) + 1)
+    if max_size is not None:
+        hi = min(hi, int(max_size))
+        lo = min(lo, hi)
+    while lo < hi:  # expected_surplus grows with the size: the largest size within the budget
+        mid = (lo + hi + 1) // 2
+        if expected_surplus(mid, p, int(deficit_groups)) <= surplus_budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return max(lo, 1)
 
 
 class KeepRateEstimator:

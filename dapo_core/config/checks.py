@@ -84,6 +84,7 @@ _POSITIVE_FLOATS: dict[str, str] = {
 _UNIT_INTERVAL: dict[str, tuple[bool, str]] = {
     "reward_model.max_failure_rate": (True, "0.5 stops a step when over half of its rewards fail"),
     "actor_rollout_ref.rollout.gpu_memory_utilization": (False, "the share of GPU memory vLLM may take"),
+    "algorithm.filter_groups.surplus_budget": (True, "0.005: half a percent of train_batch_size per batch"),
 }
 """Keys in [0, 1] (key -> (0 allowed, what it means))."""
 

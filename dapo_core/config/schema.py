@@ -453,6 +453,8 @@ class FilterGroupsConfig:
     """Most generation batches per step before giving up (0 = unlimited)."""
     refill: str = "fixed"
     """Refill sizing: fixed = gen_batch_size (reference) | adaptive = sized to the deficit (ours)."""
+    surplus_budget: float = 0.005
+    """refill=adaptive: expected kept groups thrown away per batch, as a share of train_batch_size."""
 
 
 @dataclass
