@@ -128,7 +128,8 @@ def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: 
         val_sampling=_sampling(ro.val_kwargs, cfg.data.max_response_length),
         engine_opts=engine_opts,
     )
-    return proxy(cluster.create("rollout", factory, num_gpus=_gpus(device)), RolloutWorker)
+    where = cfg.trainer.ray_resources.rollout
+    return proxy(cluster.create("rollout", factory, num_gpus=_gpus(device), resources=where), RolloutWorker)
 
 
 def _actor_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, device: str) -> ActorWorker:
@@ -155,7 +156,8 @@ def _actor_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, 
         gradient_checkpointing=arr.model.enable_gradient_checkpointing,
         use_remove_padding=arr.model.use_remove_padding,
     )
-    return proxy(cluster.create("actor", factory, num_gpus=_gpus(device)), ActorWorker)
+    where = cfg.trainer.ray_resources.actor
+    return proxy(cluster.create("actor", factory, num_gpus=_gpus(device), resources=where), ActorWorker)
 
 
 def _reward_worker(cfg: DapoConfig, cluster: Cluster, tokenizer_path: str) -> RewardWorker:
@@ -169,7 +171,7 @@ def _reward_worker(cfg: DapoConfig, cluster: Cluster, tokenizer_path: str) -> Re
         timeout_s=rm.timeout_s,
         max_failure_rate=rm.max_failure_rate,
     )
-    return proxy(cluster.create("reward", factory), RewardWorker)
+    return proxy(cluster.create("reward", factory, resources=cfg.trainer.ray_resources.reward), RewardWorker)
 
 
 def _ref_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, device: str) -> RefWorker:
@@ -184,7 +186,8 @@ def _ref_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, de
         max_token_len=arr.ref.log_prob_max_token_len_per_gpu if arr.ref.log_prob_use_dynamic_bsz else None,
         use_remove_padding=arr.model.use_remove_padding,
     )
-    return proxy(cluster.create("ref", factory, num_gpus=_gpus(device)), RefWorker)
+    where = cfg.trainer.ray_resources.ref
+    return proxy(cluster.create("ref", factory, num_gpus=_gpus(device), resources=where), RefWorker)
 
 
 def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, device: str) -> CriticWorker:
@@ -203,7 +206,8 @@ def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int,
         seed=cfg.trainer.seed,
         gradient_checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
     )
-    return proxy(cluster.create("critic", factory, num_gpus=_gpus(device)), CriticWorker)
+    where = cfg.trainer.ray_resources.critic
+    return proxy(cluster.create("critic", factory, num_gpus=_gpus(device), resources=where), CriticWorker)
 
 
 @dataclass(kw_only=True)
@@ -302,6 +306,7 @@ def record_attempt(rt: TrainRun) -> Path:
     if rt.changed_inputs and (root / INPUTS_FILE).exists():
         atomic_write_bytes(root / f"inputs.{n}.replaced.json", (root / INPUTS_FILE).read_bytes())
     rt.store.write_json(INPUTS_FILE, rt.inputs)
+    rt.store.write_json("workers.json", rt.cluster.placement)  # this attempt's Ray node per role ({}: local)
     return path
 
 

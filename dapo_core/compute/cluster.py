@@ -15,17 +15,33 @@ actors this object created and stops Ray only if this object started it.
 
 On CPU each actor asks for `num_cpus=1` and runs torch with one thread (docs/STACK_NOTES.md: two threads
 collapse under a neighbour's load); on GPU the model-holding roles ask for `num_gpus` each.
+
+Placement on a multi-node cluster: `create(..., resources={"gen_node": 1})` asks Ray for custom resources
+that a node advertises (`ray start --resources '{"gen_node": 1}'`, `infra/ray_cluster.sh`), so the worker runs
+on such a node (the config key `trainer.ray_resources.<role>`). A request no live node can satisfy is refused
+at once with a `DapoUserError` naming the key, instead of waiting for a node that will never come; where each
+worker landed is kept in `Cluster.placement` (node id and address per role).
+
+Console: workers are quiet unless `DAPO_WORKER_LOGS=1` is set in the driver's environment — each worker
+process switches off transformers'/HF hub's info lines and progress bars, tqdm bars and vLLM's info log
+(`quiet_worker_process`, done inside the worker because workers on other nodes inherit their node's
+environment, not the driver's). Warnings and errors of the workers still reach the console (Ray forwards
+their output), and a worker's exception is raised in the driver by the call that hit it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, Self, TypeVar, cast
+
+from dapo_core.errors import DapoUserError
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +60,42 @@ def actor_name(run_id: str, role: str) -> str:
     return f"dapo/{run_id}/{role}"
 
 
-def _init_worker_process(num_threads: int) -> None:
-    """Per-process set-up inside an actor: one torch thread on CPU unless told otherwise."""
+WORKER_LOGS_ENV = "DAPO_WORKER_LOGS"
+"""Environment variable of the driver: `1` leaves the workers' info lines and progress bars on (the same
+switch as `flows.progress.quiet_worker_noise`, which quiets the driver's own process)."""
+
+QUIET_WORKER_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TQDM_DISABLE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+"""What a quiet worker process sets (unless the variable is already set on its node)."""
+
+
+def quiet_worker_process() -> None:
+    """Switch off per-worker info lines and progress bars in this worker process: the variables of
+    `QUIET_WORKER_ENV` (read by libraries imported later), and transformers' and the HF hub's settings
+    directly when they are already imported (unpickling a worker factory imports them)."""
+    for key, value in QUIET_WORKER_ENV.items():
+        os.environ.setdefault(key, value)
+    if "transformers" in sys.modules and os.environ["TRANSFORMERS_VERBOSITY"] == "error":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    if "huggingface_hub" in sys.modules and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+def _init_worker_process(num_threads: int, verbose: bool = True) -> None:
+    """Per-process set-up inside an actor: one torch thread on CPU unless told otherwise; quiet unless
+    `verbose`."""
+    if not verbose:
+        quiet_worker_process()
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
     try:
         import torch
@@ -58,8 +108,8 @@ def _init_worker_process(num_threads: int) -> None:
 class _RayHost:
     """A generic Ray actor body: builds the worker object from a factory and forwards method calls to it."""
 
-    def __init__(self, factory: Callable[[], Any], num_threads: int):
-        _init_worker_process(num_threads)
+    def __init__(self, factory: Callable[[], Any], num_threads: int, verbose: bool = True):
+        _init_worker_process(num_threads, verbose)
         self._obj = factory()
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -73,6 +123,12 @@ class _RayHost:
 
     def ping(self) -> str:
         return "ok"
+
+    def where(self) -> dict[str, str]:
+        """The Ray node this worker runs on: its node id and address."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
 
 
 @dataclass
@@ -219,6 +275,89 @@ def local_ray_options() -> dict[str, Any]:
     return opts
 
 
+RESOURCES_KEY = "trainer.ray_resources"
+"""The config section that places each role's worker on nodes with Ray custom resources."""
+
+
+class PlacementError(DapoUserError):
+    """A worker's placement (`trainer.ray_resources.<role>`) is malformed or no node of the cluster can
+    satisfy it."""
+
+
+def checked_resources(role: str, resources: Mapping[str, Any] | None) -> dict[str, float]:
+    """`resources` of worker `role` as {name: amount}, or a `PlacementError` naming the key and the fix.
+
+    Amounts are finite numbers > 0; above 1 they must be whole (Ray's rule for resource quantities). The
+    names CPU, GPU and memory are Ray's built-in resources and are set by the device, not here."""
+    key = f"{RESOURCES_KEY}.{role}"
+    out: dict[str, float] = {}
+    for name, amount in (resources or {}).items():
+        name = str(name)
+        if name in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise PlacementError(
+                f"{key} asks for the built-in Ray resource {name!r}",
+                where=key,
+                fix=(
+                    "name a custom resource that the node advertises (ray start --resources "
+                    "'{\"gen_node\": 1}'); CPUs and GPUs per worker follow trainer.device"
+                ),
+            )
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not math.isfinite(amount):
+            bad = f"{amount!r} is not a number"
+        elif amount <= 0:
+            bad = f"{amount!r} is not > 0"
+        elif amount > 1 and amount != int(amount):
+            bad = f"{amount!r} is above 1 and not a whole number (Ray's rule for resource amounts)"
+        else:
+            out[name] = float(amount)
+            continue
+        raise PlacementError(
+            f"{key}.{name}: {bad}",
+            where=key,
+            fix=f"give the amount of resource {name!r} the {role} worker takes, e.g. {key}={{{name}: 1}}",
+        )
+    return out
+
+
+def _node_summary(node: Mapping[str, Any]) -> str:
+    """'192.0.2.2 (node 1a2b3c4d): CPU 2, gen_node 1' for an entry of `ray.nodes()`."""
+    res = {
+        k: v
+        for k, v in node.get("Resources", {}).items()
+        if not k.startswith("node:") and k not in ("memory", "object_store_memory")
+    }
+    listed = ", ".join(f"{k} {v:g}" for k, v in sorted(res.items())) or "no resources"
+    return f"{node.get('NodeManagerAddress', '?')} (node {str(node.get('NodeID', '?'))[:8]}): {listed}"
+
+
+def check_feasible(role: str, request: Mapping[str, float], nodes: list[Mapping[str, Any]]) -> None:
+    """Raise `PlacementError` unless one live node of `nodes` (`ray.nodes()`) offers every resource of
+    `request` in at least the asked amount. An infeasible actor would otherwise wait forever (Ray keeps it
+    pending until such a node joins)."""
+    alive = [n for n in nodes if n.get("Alive", True)]
+    if any(all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in request.items()) for n in alive):
+        return
+    custom = {k: v for k, v in request.items() if k not in ("CPU", "GPU")}
+    asked = ", ".join(f"{k}={v:g}" for k, v in request.items())
+    have = "; ".join(_node_summary(n) for n in alive) or "no live node"
+    missing = [k for k in custom if not any(k in n.get("Resources", {}) for n in alive)]
+    why = (
+        f"no node of the cluster offers resource(s) {', '.join(repr(k) for k in missing)}"
+        if missing
+        else "no single node offers all of them in that amount"
+    )
+    raise PlacementError(
+        f"worker '{role}' asks for {asked} ({RESOURCES_KEY}.{role}: {dict(custom) or '{}'}), but {why}; the "
+        f"cluster's nodes: {have}",
+        where=f"{RESOURCES_KEY}.{role}",
+        fix=(
+            f"start (or wait for) a node that offers them, e.g. infra/ray_cluster.sh join HEAD:PORT "
+            f"--resources '{{\"{next(iter(custom), 'gen_node')}\": 1}}' (`ray status` lists what the "
+            f"cluster has), or change {RESOURCES_KEY}.{role} (empty = any node)"
+        ),
+    )
+
+
 class StopSignal(KeyboardInterrupt):
     """SIGTERM/SIGINT arrived while the driver waited on a Ray worker. Raised by `Handle.wait` (and worker
     creation) at the next safe point: Ray's blocking wait loses exceptions that signal handlers raise in it,
@@ -322,6 +461,8 @@ class Cluster:
     ):
         self.run_id = run_id
         self.use_ray = use_ray
+        self.placement: dict[str, dict[str, str]] = {}
+        """Where each Ray worker runs: role -> {"node_id", "node_ip"} (empty for in-process workers)."""
         self.device = device
         self.num_threads = num_threads
         self._started_ray = False
@@ -353,15 +494,30 @@ class Cluster:
                     self._started_ray = True
 
     def create(
-        self, role: str, factory: Callable[[], Any], *, num_gpus: float = 0.0, num_cpus: float = 1.0
+        self,
+        role: str,
+        factory: Callable[[], Any],
+        *,
+        num_gpus: float = 0.0,
+        num_cpus: float = 1.0,
+        resources: Mapping[str, Any] | None = None,
     ) -> Handle:
         """Create the worker `role` from a zero-argument `factory` (a picklable callable) and return its
-        handle.
+        handle. `resources`: Ray custom resources the worker asks for (`trainer.ray_resources.<role>`), which
+        puts it on a node that advertises them; ignored for in-process workers.
 
         An existing actor of the same name (e.g. left by a crashed driver) is killed and replaced, so a
-        resumed run never talks to a worker holding stale weights.
+        resumed run never talks to a worker holding stale weights. A placement no live node can satisfy
+        raises `PlacementError` before anything is started.
         """
+        custom = checked_resources(role, resources)
         if not self.use_ray:
+            if custom:
+                log.warning(
+                    "%s.%s is ignored: trainer.use_ray=false runs every worker in this process",
+                    RESOURCES_KEY,
+                    role,
+                )
             handle = Handle(role=role, local=factory())
             with _REGISTRY_LOCK:
                 _LOCAL_REGISTRY[(self.run_id, role)] = handle
@@ -369,6 +525,8 @@ class Cluster:
             return handle
         import ray
 
+        request = {"CPU": float(num_cpus), **({"GPU": float(num_gpus)} if num_gpus else {}), **custom}
+        check_feasible(role, request, ray.nodes())
         name = actor_name(self.run_id, role)
         try:
             stale = ray.get_actor(name, namespace=NAMESPACE)
@@ -378,18 +536,28 @@ class Cluster:
             pass
         remote_cls: Any = ray.remote(_RayHost)
         actor = remote_cls.options(
-            name=name, namespace=NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1
-        ).remote(factory, self.num_threads)
+            name=name,
+            namespace=NAMESPACE,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            resources=custom or None,
+            max_concurrency=1,
+        ).remote(factory, self.num_threads, os.environ.get(WORKER_LOGS_ENV) == "1")
         try:  # construction errors surface here, with the role in the traceback
             _ray_get(actor.ping.remote(), timeout=self.start_timeout_s)
         except TimeoutError:
             ray.kill(actor)
-            raise RuntimeError(
+            raise PlacementError(
                 f"worker '{role}' of run {self.run_id} did not start within {self.start_timeout_s:.0f}s; it "
-                f"asked for num_cpus={num_cpus}, num_gpus={num_gpus} and the cluster has "
-                f"{ray.available_resources()} free — free resources, or start Ray with more "
-                f"(RAY_ADDRESS / ray start --num-cpus)"
+                f"asked for num_cpus={num_cpus}, num_gpus={num_gpus}, resources={custom} "
+                f"({RESOURCES_KEY}.{role}) and the cluster has {ray.available_resources()} free",
+                fix=(
+                    "free resources (other runs' workers hold them), or start Ray with more "
+                    "(RAY_ADDRESS / ray start --num-cpus / --resources, infra/ray_cluster.sh)"
+                ),
             ) from None
+        self.placement[role] = _ray_get(actor.where.remote(), timeout=self.start_timeout_s)
+        log.info("worker %s runs on node %s (%s)", role, self.placement[role]["node_id"][:8], name)
         handle = Handle(role=role, ray_actor=actor)
         self._owned[role] = handle
         return handle

@@ -140,7 +140,8 @@ def _unknown_keys(schema: DictConfig, data: Any, prefix: str, where: str) -> lis
             problems.append(f"{key}: unknown key ({where}) — {_suggest(key, schema)}")
             continue
         child = schema._get_node(k)
-        if isinstance(child, DictConfig) and isinstance(v, dict):
+        free_form = isinstance(child, DictConfig) and OmegaConf.get_type(child) is dict  # a {name: value} map
+        if isinstance(child, DictConfig) and isinstance(v, dict) and not free_form:
             problems.extend(_unknown_keys(child, v, key + ".", where))
     return problems
 

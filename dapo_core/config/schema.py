@@ -522,6 +522,26 @@ class RewardModelConfig:
 
 # ------------------------------------------------------------------------------------------ trainer
 @dataclass
+class RayResourcesConfig:
+    """Placement on a multi-node Ray cluster: the custom resources each role's worker asks for, e.g.
+    `rollout: {gen_node: 1}` puts the rollout worker on a node started with
+    `ray start --resources '{"gen_node": 1}'` (infra/ray_cluster.sh). Empty = any node with a free CPU/GPU.
+    A resource no live node offers is refused when the worker is created. Not part of the resume check:
+    a resumed run may be placed differently."""
+
+    rollout: dict[str, float] = field(default_factory=dict)
+    """Resources of the rollout (generation) worker, {name: amount}."""
+    actor: dict[str, float] = field(default_factory=dict)
+    """Resources of the actor (policy update) worker."""
+    ref: dict[str, float] = field(default_factory=dict)
+    """Resources of the reference-policy worker (when KL needs one)."""
+    critic: dict[str, float] = field(default_factory=dict)
+    """Resources of the critic worker (GAE)."""
+    reward: dict[str, float] = field(default_factory=dict)
+    """Resources of the reward worker (CPU scoring)."""
+
+
+@dataclass
 class TrainerConfig:
     """The step loop, checkpoints, resume, logging and where it runs."""
 
@@ -571,6 +591,8 @@ class TrainerConfig:
     """Run workers as Ray actors (false = in-process)."""
     ray_address: str | None = None
     """Ray cluster to join; null = RAY_ADDRESS or start a local one."""
+    ray_resources: RayResourcesConfig = field(default_factory=RayResourcesConfig)
+    """Which nodes each worker runs on (Ray custom resources per role; README "Several machines")."""
     nnodes: int = 1
     """Nodes in the cluster. Not implemented yet (default only)."""
     n_gpus_per_node: int = 8

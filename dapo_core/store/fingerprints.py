@@ -67,6 +67,7 @@ NOT_TRAINING_KEYS = (
     "trainer.device",
     "trainer.use_ray",
     "trainer.ray_address",
+    "trainer.ray_resources",
     "trainer.nnodes",
     "trainer.n_gpus_per_node",
     "trainer.logger",

@@ -6,7 +6,17 @@ import functools
 
 import pytest
 
-from dapo_core.compute.cluster import Cluster, actor_name, chain, proxy, submit
+from dapo_core.compute.cluster import (
+    QUIET_WORKER_ENV,
+    Cluster,
+    PlacementError,
+    actor_name,
+    chain,
+    check_feasible,
+    checked_resources,
+    proxy,
+    submit,
+)
 
 
 class Counter:
@@ -70,3 +80,67 @@ def test_a_worker_whose_constructor_fails_reports_the_error():
 
 def _explode():
     raise ValueError("boom")
+
+
+def test_placement_values_are_checked_with_the_key_and_the_fix():
+    assert checked_resources("rollout", {"gen_node": 1}) == {"gen_node": 1.0}
+    assert checked_resources("actor", None) == {}
+    for bad, why in (
+        ({"gen_node": 0}, "not > 0"),
+        ({"gen_node": "x"}, "not a number"),
+        ({"gen_node": 1.5}, "not a whole number"),
+        ({"GPU": 1}, "built-in Ray resource"),
+    ):
+        with pytest.raises(PlacementError, match=why) as err:
+            checked_resources("rollout", bad)
+        assert "trainer.ray_resources.rollout" in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_a_placement_no_node_offers_is_refused_at_once_naming_the_key():
+    nodes = [
+        {"Alive": True, "NodeID": "ab" * 28, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 4.0}}
+    ]
+    check_feasible("reward", {"CPU": 1.0}, nodes)  # fits
+    with pytest.raises(PlacementError) as err:
+        check_feasible("rollout", {"CPU": 1.0, "gen_node": 1.0}, nodes)
+    text = str(err.value)
+    assert "trainer.ray_resources.rollout" in text and "'gen_node'" in text and "10.0.0.1" in text
+    assert "--resources" in text  # the fix: start a node that offers it
+    nodes.append({"Alive": True, "NodeID": "cd" * 28, "Resources": {"CPU": 0.0, "gen_node": 1.0}})
+    with pytest.raises(PlacementError, match="no single node"):  # the resource exists, but not with a CPU
+        check_feasible("rollout", {"CPU": 1.0, "gen_node": 1.0}, nodes)
+    nodes[1]["Resources"]["CPU"] = 1.0
+    check_feasible("rollout", {"CPU": 1.0, "gen_node": 1.0}, nodes)
+
+
+def test_real_ray_refuses_an_unsatisfiable_worker_quickly_and_workers_are_quiet(monkeypatch):
+    """A local Ray has no custom resources: asking for one fails in seconds (not after start_timeout_s);
+    a created worker records its node and runs with the quiet settings unless DAPO_WORKER_LOGS=1."""
+    import time
+
+    import ray
+
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    for key in QUIET_WORKER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    cluster = Cluster("t3", use_ray=True, num_cpus=2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PlacementError, match=r"trainer\.ray_resources\.rollout"):
+            cluster.create("rollout", Counter, resources={"gen_node": 1})
+        assert time.monotonic() - t0 < 30
+        quiet = proxy(cluster.create("actor", _EnvProbe), _EnvProbe)
+        assert quiet.env("TQDM_DISABLE") == "1" and quiet.env("TRANSFORMERS_VERBOSITY") == "error"
+        assert cluster.placement["actor"]["node_id"] == ray.get_runtime_context().get_node_id()
+        monkeypatch.setenv("DAPO_WORKER_LOGS", "1")
+        loud = proxy(cluster.create("reward", _EnvProbe), _EnvProbe)
+        assert loud.env("TQDM_DISABLE") is None
+    finally:
+        cluster.shutdown()
+
+
+class _EnvProbe:
+    def env(self, key: str) -> str | None:
+        import os
+
+        return os.environ.get(key)
