@@ -43,6 +43,7 @@ from flows.run_setup import (
     TrainRun,
     add_metrics,
     close_run,
+    observe_rewards,
     open_run,
     refill_size,
     restore,
@@ -72,6 +73,7 @@ def collect_batch(rt: TrainRun, step: int, state: DriverState) -> tuple[str, dic
         rt.progress.stage(f"reward g{k}")
         reward_uri, m = reward(run_id, step, k, gen_uri)
         add_metrics(metrics, m)
+        add_metrics(metrics, observe_rewards(rt, reward_uri))  # data.history_sampler only
         k += 1
         if not fg.enable:
             kept_uris.append(reward_uri)

@@ -12,6 +12,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 from omegaconf import OmegaConf
@@ -22,6 +23,7 @@ from dapo_core.compute.cluster import Cluster, proxy
 from dapo_core.compute.models import load_tokenizer
 from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
 from dapo_core.config import (
+    ConfigError,
     DapoConfig,
     DataConfig,
     RolloutConfig,
@@ -36,6 +38,7 @@ from dapo_core.config import (
 )
 from dapo_core.data import batch as B
 from dapo_core.data.datasets import PromptSampler, read_parquet
+from dapo_core.data.sampler import MIXED, HistorySampler, group_outcomes
 from dapo_core.metrics.step import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
 from dapo_core.metrics.tracking import Tracker
 from dapo_core.store import RunStore, StoreCorruption
@@ -310,6 +313,45 @@ def record_attempt(rt: TrainRun) -> Path:
     return path
 
 
+def train_sampler(cfg: DapoConfig, table: pa.Table, tokenizer) -> PromptSampler:
+    """The training prompts' sampler, one prompt per draw: verl's seeded epochs (`PromptSampler`), or with
+    `data.history_sampler.enable` the `HistorySampler` that passes over prompts whose recent groups had no
+    reward spread (sync step order only: the replay order's rewards arrive where it cannot observe them)."""
+    opts: dict[str, Any] = {
+        "batch_size": 1,
+        "seed": cfg.data.seed,
+        "shuffle": cfg.data.shuffle,
+        "max_prompt_length": cfg.data.max_prompt_length,
+        "truncation": cfg.data.truncation,
+    }
+    hs = cfg.data.history_sampler
+    if not hs.enable:
+        return PromptSampler(table, tokenizer, **opts)
+    if cfg.trainer.step_order != "sync":
+        raise ConfigError(
+            f"data.history_sampler.enable=true needs trainer.step_order=sync (got "
+            f"{cfg.trainer.step_order!r}); turn one of them off."
+        )
+    return HistorySampler(table, tokenizer, window=hs.window, explore_prob=hs.explore_prob, **opts)
+
+
+def observe_rewards(rt: runtime.Runtime, reward_uri: str) -> dict[str, float]:
+    """Feed a scored generation batch's per-group outcomes to a `HistorySampler` (nothing otherwise); returns
+    its metrics: the share of the batch's groups without reward spread and of draws passed over so far."""
+    inner = rt.sampler.sampler
+    if not isinstance(inner, HistorySampler):
+        return {}
+    table = rt.store.read_uri(reward_uri)
+    pids, accs = table.column("prompt_id").to_pylist(), table.column("acc").to_pylist()
+    outcomes = [c for codes in group_outcomes(pids, accs).values() for c in codes]
+    inner.observe(pids, accs)
+    draws = max(inner.passed_over + inner.drawn, 1)
+    return {
+        "train/history_sampler/zero_spread_share": sum(c != MIXED for c in outcomes) / max(len(outcomes), 1),
+        "train/history_sampler/passed_over_share": inner.passed_over / draws,
+    }
+
+
 def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
     """Open (or create) `runs/<run_id>/`, check the inputs against the run's record, start the workers, build
     the samplers, register the runtime. Nothing is written to the run's records here (`record_attempt`
@@ -333,17 +375,7 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
         pad = int(tokenizer.pad_token_id)
         # Data first (cheap, and a wrong path should fail before workers spend minutes loading models).
         train_table = read_table(cfg.data.train_files)
-        sampler = ChunkSampler(
-            PromptSampler(
-                train_table,
-                tokenizer,
-                batch_size=1,
-                seed=cfg.data.seed,
-                shuffle=cfg.data.shuffle,
-                max_prompt_length=cfg.data.max_prompt_length,
-                truncation=cfg.data.truncation,
-            )
-        )
+        sampler = ChunkSampler(train_sampler(cfg, train_table, tokenizer))
         val_table = val_prompts(cfg.data, tokenizer)
         inputs = input_fingerprints(
             cfg,

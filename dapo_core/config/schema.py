@@ -100,6 +100,19 @@ class SourceFilesConfig:
 
 
 @dataclass
+class HistorySamplerConfig:
+    """History-aware prompt sampling (ours; off = verl's sampler): pass over prompts whose recent groups all had
+    no reward spread (all correct or all wrong), except with a small exploration probability."""
+
+    enable: bool = False
+    """Turn the history-aware sampler on (sync step order only)."""
+    window: int = 1
+    """How many of a prompt's latest groups must all lack spread for it to be passed over."""
+    explore_prob: float = 0.1
+    """Chance a prompt that would be passed over is drawn anyway."""
+
+
+@dataclass
 class DataConfig:
     """Datasets, prompt/response lengths and batch sizes (counted in prompts)."""
 
@@ -129,6 +142,8 @@ class DataConfig:
     """Seed of the training sampler."""
     dedup: bool = False
     """Drop duplicated problems (DAPO-Math-17k holds ~100 copies of each); reference keeps them."""
+    history_sampler: HistorySamplerConfig = field(default_factory=HistorySamplerConfig)
+    """History-aware prompt sampling (off by default)."""
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     """Generated arithmetic data for the CPU default."""
     source_files: SourceFilesConfig = field(default_factory=SourceFilesConfig)
@@ -282,8 +297,7 @@ class ActorConfig:
     ppo_epochs: int = 1
     """Passes over each training batch."""
     skip_old_log_prob_when_on_policy: bool = True
-    """Skip the old_log_prob forward when the update is exactly on-policy (one epoch, one mini-batch, no
-    rollout correction, no KL in reward, not bypass mode): π_old = the current policy, ratio exactly 1."""
+    """Skip the old_log_prob forward when the update is exactly on-policy (π_old = current policy, ratio 1)."""
     shuffle: bool = False
     """Shuffle trajectories between PPO epochs."""
     clip_ratio: float = 0.2
