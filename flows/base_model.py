@@ -24,6 +24,7 @@ from dapo_core.compute.models import build_tiny_model, load_tokenizer
 from dapo_core.compute.sft import answer_line_solution, warmup_sft
 from dapo_core.config import DapoConfig, load_config_text, typed
 from dapo_core.data.datasets import read_parquet
+from flows.progress import Ticker
 
 
 @task(name="build_tiny_model")
@@ -39,17 +40,20 @@ def sft(cfg_yaml: str, model_dir: str) -> dict:
     cfg = typed(load_config_text(cfg_yaml))
     s = cfg.actor_rollout_ref.model.sft
     rows = read_parquet(cfg.data.train_files[0]).to_pylist()
-    return warmup_sft(
-        model_dir,
-        rows,
-        load_tokenizer(model_dir),
-        steps=s.steps,
-        lr=s.lr,
-        batch_size=s.batch_size,
-        seed=s.seed,
-        solution_fn=functools.partial(answer_line_solution, answer_line_prob=s.answer_line_prob, seed=s.seed),
-        log_every=max(s.steps // 10, 1),  # ten progress lines ("[sft] step k/N loss ...") over the warm-up
-    )
+    with Ticker("SFT warm-up", s.steps, "steps") as bar:  # a bar on a terminal, else a line every 15 s
+        return warmup_sft(
+            model_dir,
+            rows,
+            load_tokenizer(model_dir),
+            steps=s.steps,
+            lr=s.lr,
+            batch_size=s.batch_size,
+            seed=s.seed,
+            solution_fn=functools.partial(
+                answer_line_solution, answer_line_prob=s.answer_line_prob, seed=s.seed
+            ),
+            on_step=lambda done, loss: bar.update(done, f"loss {loss:.3f}"),
+        )
 
 
 @flow(name="dapo-base-model", log_prints=True)
@@ -70,9 +74,7 @@ def base_model_flow(cfg_yaml: str) -> str:
     logger.info("building the tiny base model -> %s", out)
     path = build(cfg_yaml, str(out))
     if cfg.actor_rollout_ref.model.sft.enable:
-        logger.info(
-            "SFT warm-up: %d steps (a progress line every tenth)", cfg.actor_rollout_ref.model.sft.steps
-        )
+        logger.info("SFT warm-up: %d steps", cfg.actor_rollout_ref.model.sft.steps)
         metrics = sft(cfg_yaml, path)
         logger.info(
             "SFT warm-up: loss %.3f -> %.3f in %.0fs",

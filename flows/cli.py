@@ -23,9 +23,10 @@ import secrets
 import signal
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -34,12 +35,12 @@ from dapo_core.config.checks import no_op_warnings
 from flows.preflight import (
     cli_preflight,
     debug_enabled,
-    prefect_startup_timeout,
     quiet_user_error_tracebacks,
     report_error,
     resolve_eval_checkpoint,
     stop_on_signals,
 )
+from flows.progress import prefect_console_env, quiet_worker_noise, start_local_prefect
 
 __all__ = ["build_parser", "main", "make_run_id"]
 
@@ -101,7 +102,6 @@ def _quiet_task_run_logs() -> None:
     runs stay fully visible in the Prefect UI; `PREFECT_LOGGING_LEVEL=DEBUG` or `DAPO_TASK_LOGS=1` restores
     them on the console."""
     import logging
-    import os
 
     if os.environ.get("DAPO_TASK_LOGS") != "1":
         logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
@@ -111,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `dapo` command line; returns the exit status (0 ok, 2 a problem with the input, 130/143
     stopped by SIGINT/SIGTERM)."""
     args = build_parser().parse_args(argv)
+    prefect_console_env()  # before anything imports prefect
     debug = debug_enabled(args.debug)
     state: dict = {}
     try:
@@ -190,41 +191,46 @@ def _main(args: argparse.Namespace, state: dict) -> int:
     )
     if state.get("new_run"):
         print(f"run id: {run_id}  (resume with trainer.experiment_name={run_id})", flush=True)
-    if not os.environ.get("PREFECT_API_URL"):
-        print(
-            f"dapo {args.command}: starting a temporary local Prefect server (waits up to "
-            f"{prefect_startup_timeout()} s; set PREFECT_API_URL to use a running one)",
-            file=sys.stderr,
-            flush=True,
-        )
+    quiet_user_error_tracebacks()  # imports prefect, which configures its logging: quiet it afterwards
     _quiet_task_run_logs()
-    quiet_user_error_tracebacks()
+    quiet_worker_noise()
     if args.command == "prepare":
         from flows.prepare_data import prepare_data_flow
 
-        prepare_data_flow(cfg_yaml)
+        _with_prefect(args.command, prepare_data_flow)(cfg_yaml)
     elif args.command == "base":
         from flows.base_model import base_model_flow
 
-        base_model_flow(cfg_yaml)
+        _with_prefect(args.command, base_model_flow)(cfg_yaml)
     elif args.command == "train" and args.flow_only:
         from flows.dapo_train import dapo_train
 
-        dapo_train(cfg_yaml, run_id)
+        _with_prefect(args.command, dapo_train)(cfg_yaml, run_id)
     elif args.command == "train":
         from flows.pipeline import pipeline
 
-        pipeline(cfg_yaml, run_id)
+        _with_prefect(args.command, pipeline)(cfg_yaml, run_id)
     elif args.command == "eval":
         from flows.evaluate import evaluate_flow
 
-        evaluate_flow(cfg_yaml, tcfg.eval.checkpoint, cfg.eval.output)
+        _with_prefect(args.command, evaluate_flow)(cfg_yaml, tcfg.eval.checkpoint, cfg.eval.output)
     else:
         from flows.deploy import deploy
 
         name = args.name or Path(args.config).stem.replace("_", "-").replace(".", "-")
-        deploy(cfg_yaml, name, args.config, list(args.overrides))
+        deploy(cfg_yaml, name, args.config, list(args.overrides))  # PREFECT_API_URL: no temporary server
     return 0
+
+
+def _with_prefect(command: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, after starting the temporary local Prefect server when `fn` is a Prefect flow and no
+    `PREFECT_API_URL` is set (`flows.progress.start_local_prefect`: a start-up timeout a loaded machine
+    survives, a line every 15 s while it waits)."""
+    from prefect import Flow
+
+    if isinstance(fn, Flow):
+        start_local_prefect(command)
+    return fn
 
 
 if __name__ == "__main__":

@@ -77,17 +77,17 @@ def collect_batch(rt: TrainRun, step: int, state: DriverState) -> tuple[str, dic
         k += 1
         if not fg.enable:
             kept_uris.append(reward_uri)
+            rt.progress.gen_batch(k - 1, size, None, need)
             break
         kept_uri, m = filter_groups(run_id, step, k - 1, reward_uri)
         kept_uris.append(kept_uri)
         kept_groups += int(m["train/num_kept_groups"])
         keep_rate.update(int(m["train/num_kept_groups"]), int(m["train/num_groups"]))
+        rt.progress.gen_batch(k - 1, size, kept_groups, need)  # a bar on a terminal, else rate-limited lines
         if kept_groups >= need:
             break
-        print(f"num_prompt_in_batch={kept_groups} < prompt_bsz={need}")
         if fg.max_num_gen_batches > 0 and k >= fg.max_num_gen_batches:
             raise DynamicSamplingExhausted(exhausted_message(k, fg.max_num_gen_batches, kept_groups, need))
-        print(f"num_gen_batches={k}. Keep generating...")
     rt.progress.stage("assemble batch")
     batch_uri, m = assemble_batch(run_id, step, kept_uris, k)
     metrics.update(m)

@@ -21,6 +21,7 @@ from dapo_core.data import batch as B
 from dapo_core.metrics.validation import validation_summary
 from dapo_core.seeding import uid_factory
 from flows.artifacts import publish_eval
+from flows.progress import Ticker
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -44,6 +45,18 @@ def resolve_checkpoint(path: str) -> str:
     raise FileNotFoundError(
         f"{path} is neither an HF model folder, a checkpoint step folder nor a run folder"
     )
+
+
+def eval_chunks(rows: int, micro_batch: int | None, parts: int = 20) -> list[tuple[int, int]]:
+    """Row ranges `[start, stop)` that evaluation generates one after another, so that its progress can be
+    shown: about `parts` of them, each a whole number of the engine's micro-batches (`micro_batch` rows,
+    HFRolloutEngine's `max_batch_size`), so the engine forms exactly the micro-batches of a single call and,
+    with per-row seeds, every sample is the same. One range when the engine has no fixed micro-batch
+    (vLLM schedules requests itself)."""
+    if not micro_batch or micro_batch < 1 or rows <= micro_batch:
+        return [(0, rows)]
+    per = max(1, -(-rows // (micro_batch * parts))) * micro_batch
+    return [(a, min(a + per, rows)) for a in range(0, rows, per)]
 
 
 @task(name="evaluate_model")
@@ -87,7 +100,12 @@ def evaluate_model(cfg_yaml: str, model_dir: str) -> dict:
         print(
             f"evaluate: generating {prompts.num_rows} prompts x {ev.n} samples with {model_dir}", flush=True
         )
-        out = rollout.generate(table, gen_step=0, validate=True)
+        parts = []
+        with Ticker("evaluate: generate", table.num_rows, "responses") as bar:
+            for start, stop in eval_chunks(table.num_rows, getattr(rollout.engine, "max_batch_size", None)):
+                parts.append(rollout.generate(table.slice(start, stop - start), gen_step=0, validate=True))
+                bar.update(stop)
+        out = B.concat(parts)
         print(f"evaluate: generated {out.num_rows} responses in {time.perf_counter() - t0:.0f}s; scoring")
         out, _ = reward.score(out)
         summary = validation_summary(out)

@@ -27,10 +27,12 @@ from omegaconf import OmegaConf
 from prefect import flow
 
 from dapo_core.config import load_config, load_config_text, to_safe_yaml, typed
+from dapo_core.errors import DapoUserError
 from flows.base_model import base_model_flow
 from flows.dapo_train import dapo_train
 from flows.evaluate import evaluate_flow
 from flows.prepare_data import prepare_data_flow
+from flows.progress import prefect_console_env, quiet_worker_noise, start_local_prefect
 
 
 def headline_accuracy(metrics: dict) -> float | None:
@@ -202,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("DAPO_TASK_LOGS") != "1":  # one line per task run is Prefect's default: too many here
         logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
     steps = [int(x) for x in args.milestones.split(",") if x.strip()]
+    prefect_console_env()  # as the dapo CLI: usage data off unless asked for (prefect is imported already)
+    quiet_worker_noise()
+    try:
+        start_local_prefect("dvc-train")  # Prefect's own 20 s start-up timeout fails on a loaded machine
+    except DapoUserError as e:
+        print(f"dvc-train: {e}", file=sys.stderr)
+        return 2
     dvc_train(args.config, steps, Path(args.models_dir), Path(args.metrics_dir))
     return 0
 

@@ -1,24 +1,188 @@
-"""A live console display of the run: step k/N, the stage running now, generated tokens and reward."""
+"""What a person sees while the CLI and the flows work: progress and a quiet, honest console.
+
+- `Ticker`: the progress of one wait (the base-model warm-up's steps, evaluation's rows, ...). On a terminal a
+  rich bar; anywhere else (a log file, CI, `dvc repro` piping) one line at most every
+  `DAPO_PROGRESS_INTERVAL_S` seconds (default 15; the first and the last update always get a line), so a log
+  gets a few lines per minute, never one per step.
+- `StepProgress`: the training display: step k/N, the stage running, the headline metrics and, per generation
+  batch of dynamic sampling, the kept groups against the groups a step needs. Same rule: a live display on
+  a terminal, rate-limited lines elsewhere.
+- `prefect_console_env`: Prefect's usage data off unless the user turned it on; then the client's first-run
+  telemetry notice (which only honours `DO_NOT_TRACK`) is off too. Must run before `prefect` is imported.
+- `start_local_prefect`: start the temporary local Prefect server with a start-up timeout a loaded machine
+  survives, say what it waits for every 15 s (`DAPO_PROGRESS_INTERVAL_S`), and turn a timeout into one
+  paragraph naming the fix.
+- `quiet_worker_noise`: transformers' and the HF hub's progress bars and info lines off (`DAPO_WORKER_LOGS=1`
+  keeps them).
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+INTERVAL_ENV = "DAPO_PROGRESS_INTERVAL_S"
+"""Environment variable: seconds between two progress lines when the console is not a terminal."""
+
+DEFAULT_INTERVAL_S = 15.0
+"""Default of `DAPO_PROGRESS_INTERVAL_S`."""
+
+
+def line_interval_s() -> float:
+    """Seconds between two progress lines off a terminal (`DAPO_PROGRESS_INTERVAL_S`, default 15)."""
+    raw = os.environ.get(INTERVAL_ENV, "").strip()
+    try:
+        return max(float(raw), 0.0) if raw else DEFAULT_INTERVAL_S
+    except ValueError:
+        return DEFAULT_INTERVAL_S
+
+
+def _stderr_console() -> Console:
+    return Console(stderr=True)
+
+
+def _print_line(text: str) -> None:
+    # stderr, not a log record: the CLI keeps Prefect's task-run logger at WARNING (one line per task run
+    # otherwise), and a Ticker usually runs inside a task
+    # (written, not printed: inside a run with log_prints Prefect turns print(), to stderr too, into a record)
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+class RateLimitedLines:
+    """Prints a line when `interval_s` has passed since the last one, or when told it must (first / last)."""
+
+    def __init__(
+        self,
+        interval_s: float | None = None,
+        printer: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.interval_s = line_interval_s() if interval_s is None else interval_s
+        self.printer = printer or _print_line
+        self.clock = clock
+        self._last: float | None = None
+        self.pending: str | None = None  # the newest line not printed yet
+
+    def offer(self, text: str, force: bool = False) -> bool:
+        """Print `text` if forced or due; otherwise keep it as pending. Returns whether it was printed."""
+        now = self.clock()
+        if force or self._last is None or now - self._last >= self.interval_s:
+            self.printer(text)
+            self._last, self.pending = now, None
+            return True
+        self.pending = text
+        return False
+
+    def flush(self) -> None:
+        """Print the pending line, if any."""
+        if self.pending is not None:
+            self.offer(self.pending, force=True)
+
+
+class Ticker:
+    """Progress of one wait of `total` units: a rich bar on a terminal, else rate-limited lines
+    `<label>: <done>/<total> <unit> (<pct>%, <elapsed>s) <note>`. Use as a context manager or call `close`."""
+
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        unit: str = "",
+        *,
+        live: bool | None = None,
+        interval_s: float | None = None,
+        printer: Callable[[str], None] | None = None,
+        console: Console | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.label, self.total, self.unit = label, max(int(total), 0), unit
+        self.done = 0
+        self.clock = clock
+        self._t0 = clock()
+        console = console or _stderr_console()
+        self.live = console.is_terminal if live is None else live
+        self._lines = RateLimitedLines(interval_s, printer, clock)
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[note]}"),
+                console=console,
+                transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(label, total=self.total, note="")
+
+    def _text(self, note: str) -> str:
+        pct = f"{100 * self.done / self.total:.0f}%, " if self.total else ""
+        unit = f" {self.unit}" if self.unit else ""
+        tail = f" {note}" if note else ""
+        return f"{self.label}: {self.done}/{self.total}{unit} ({pct}{self.clock() - self._t0:.0f}s){tail}"
+
+    def update(self, done: int, note: str = "") -> None:
+        """`done` units are finished (absolute count); `note` is shown beside the count."""
+        self.done = min(int(done), self.total) if self.total else int(done)
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, completed=self.done, note=note)
+        else:
+            self._lines.offer(self._text(note), force=self.done >= self.total)
+
+    def advance(self, n: int = 1, note: str = "") -> None:
+        """`n` more units are finished."""
+        self.update(self.done + n, note)
+
+    def close(self) -> None:
+        """Stop the bar, or print the last state if its line was held back."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        else:
+            self._lines.flush()
+
+    def __enter__(self) -> Ticker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class StepProgress:
-    """rich progress bar over training steps with the stage running and headline metrics (or a no-op)."""
+    """The training display: step k/N, the stage running now, headline metrics and the generation batches of
+    dynamic sampling. `enabled`: the caller wants a live display; it is drawn only when the console is a
+    terminal. Everywhere else the same information comes as rate-limited lines (`DAPO_PROGRESS_INTERVAL_S`),
+    one per generation batch at most."""
 
-    def __init__(self, run_id: str, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(
+        self,
+        run_id: str,
+        enabled: bool = True,
+        *,
+        console: Console | None = None,
+        printer: Callable[[str], None] | None = None,
+        interval_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        console = console or _stderr_console()
+        self.enabled = enabled and console.is_terminal
         self.run_id = run_id
         self._progress: Progress | None = None
         self._task: TaskID | None = None
-        self._last = ""
-        if enabled:
+        self._gen_task: TaskID | None = None
+        self._lines = RateLimitedLines(interval_s, printer, clock)
+        self._step, self._total = 0, 0
+        if self.enabled:
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
@@ -26,7 +190,7 @@ class StepProgress:
                 TimeElapsedColumn(),
                 TextColumn("{task.fields[stage]}"),
                 TextColumn("{task.fields[last]}"),
-                console=Console(stderr=True),
+                console=console,
                 transient=False,
                 refresh_per_second=4,
             )
@@ -34,6 +198,7 @@ class StepProgress:
 
     def begin_step(self, step: int, total: int) -> None:
         """A new train step starts."""
+        self._step, self._total = step, total
         if self._progress is None:
             return
         if self._task is None:
@@ -46,6 +211,27 @@ class StepProgress:
         """The stage now running."""
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, stage=name)
+
+    def gen_batch(self, batch: int, prompts: int, kept: int | None, need: int) -> None:
+        """Generation batch `batch` (0-based) of this step is scored and filtered: `kept` informative groups
+        so far of the `need` the step trains on (None: dynamic sampling is off, the batch is the step's)."""
+        if kept is None:
+            text, done = f"{prompts} prompts generated and scored", need
+        else:
+            more = "; generating more" if kept < need else ""
+            text, done = f"{prompts} prompts, kept {kept}/{need} groups{more}", min(kept, need)
+        if self._progress is not None:
+            if self._gen_task is None:
+                self._gen_task = self._progress.add_task("", total=need, stage="", last="")
+            self._progress.update(
+                self._gen_task,
+                description=f"  step {self._step} gen batch {batch + 1}",
+                total=need,
+                completed=done,
+                last=text,
+            )
+            return
+        self._lines.offer(f"step {self._step}/{self._total} gen batch {batch + 1}: {text}")
 
     def end_step(self, metrics: dict) -> None:
         """A step finished: advance and show its score, accuracy and generated tokens."""
@@ -70,6 +256,73 @@ class StepProgress:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+# ------------------------------------------------------------------------------------------ the console
+ANALYTICS_ENV = "PREFECT_SERVER_ANALYTICS_ENABLED"
+
+
+def prefect_console_env() -> None:
+    """Prefect's usage data stay off unless the user set `PREFECT_SERVER_ANALYTICS_ENABLED=true` (the server's
+    heartbeat otherwise fails with a traceback on a machine without network). With it off, `DO_NOT_TRACK=1`
+    (unless set) also silences the client: Prefect's first-run "collects anonymous usage data" notice and
+    its SDK events only look at `DO_NOT_TRACK`. Call before `prefect` is imported (it reads both then)."""
+    os.environ.setdefault(ANALYTICS_ENV, "false")
+    if os.environ[ANALYTICS_ENV].strip().lower() in ("false", "0", "no", "off"):
+        os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def start_local_prefect(
+    command: str, report_every_s: float | None = None, printer: Callable[[str], None] | None = None
+) -> str | None:
+    """Without `PREFECT_API_URL`: start Prefect's temporary local server now (flows started later use it),
+    waiting up to `prefect_startup_timeout()` s and printing a line every `report_every_s` s (default
+    `DAPO_PROGRESS_INTERVAL_S`, 15) while it waits.
+    Returns its API URL (None when `PREFECT_API_URL` names a server). A server that does not answer in time
+    is a `PreflightError` naming the timeout variable and the alternatives."""
+    from flows.preflight import prefect_startup_timeout
+
+    if os.environ.get("PREFECT_API_URL", "").strip():
+        return None
+    say = printer or (lambda text: print(text, file=sys.stderr, flush=True))
+    timeout = prefect_startup_timeout()
+    every = line_interval_s() if report_every_s is None else report_every_s
+    say(
+        f"dapo {command}: starting a temporary local Prefect server (waits up to {timeout} s; set "
+        "PREFECT_API_URL to use a running one)"
+    )
+    from prefect.server.api.server import SubprocessASGIServer
+
+    t0 = time.monotonic()
+    done = threading.Event()
+
+    def report() -> None:
+        while not done.wait(max(every, 0.5)):
+            say(
+                f"dapo {command}: still waiting for the temporary Prefect server to answer "
+                f"({time.monotonic() - t0:.0f} s of up to {timeout} s; a loaded machine starts it slowly)"
+            )
+
+    watcher = threading.Thread(target=report, name="prefect-startup-report", daemon=True)
+    watcher.start()
+    server: Any = SubprocessASGIServer()
+    try:
+        server.start(timeout=timeout)
+    except RuntimeError as e:
+        from dapo_core.preflight import PreflightError
+
+        raise PreflightError(
+            f"the temporary local Prefect server did not answer within {timeout} s "
+            f"({str(e).splitlines()[0][:160]})",
+            where="environment variable PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
+            fix="raise it (e.g. 300) on a loaded machine, or start a server once (`prefect server start "
+            "--host 127.0.0.1`) and set PREFECT_API_URL=http://127.0.0.1:4200/api",
+        ) from None
+    finally:
+        done.set()
+        watcher.join()
+    say(f"dapo {command}: Prefect server ready at {server.api_url} after {time.monotonic() - t0:.0f} s")
+    return str(server.api_url)
 
 
 def quiet_worker_noise() -> None:

@@ -128,6 +128,7 @@ def warmup_sft(
     weight_decay: float = 0.0,
     grad_clip: float = 1.0,
     log_every: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
     """Fine-tune the HF model in ``model_dir`` on ``rows`` for ``steps`` steps and save it back in place.
 
@@ -135,6 +136,7 @@ def warmup_sft(
     (``solution_fn(row)``) + EOS, and minimises the token-mean cross-entropy over the solution and EOS
     tokens only. Returns metrics: ``loss_first`` / ``loss_last`` (mean of the first / last 10 % of
     steps), ``losses`` (per step), ``steps``, ``tokens`` (supervised tokens seen), ``wall_s``.
+    ``on_step(steps_done, loss)``, when given, is called after every step (a progress display).
     """
     from transformers import AutoModelForCausalLM
 
@@ -200,6 +202,8 @@ def warmup_sft(
                 f"[sft] step {step}/{steps} loss {losses[-1]:.4f} lr {optim.param_groups[0]['lr']:.2e}",
                 flush=True,
             )
+        if on_step is not None:  # a progress display: (steps done, this step's loss)
+            on_step(step + 1, losses[-1])
 
     model.eval()
     model.save_pretrained(str(model_dir), safe_serialization=True)
