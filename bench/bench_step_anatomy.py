@@ -1,0 +1,124 @@
+"""Where a training step goes: per-stage medians, and orchestration = step time − Σ stage compute.
+
+Runs the real `dapo-train` flow (ephemeral Prefect, Ray workers unless `--in-process`) on the CPU default
+(`configs/tiny_cpu.yaml`) from the project's own `data/` and `models/tiny_base` (`dapo prepare`, `dapo base`;
+read, never written), once per variant, and prints each variant's median step time, the median of every
+`timing_s/<stage>` and the median of what no stage timer covers (sampling prompts, filtering, weight sync,
+Prefect task and store bookkeeping, the driver). Steps 1 (warm-up) is left out of the medians.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_step_anatomy.py --steps 8 --variant default= \
+        --variant onpolicy=actor_rollout_ref.actor.ppo_mini_batch_size=16 \
+        --variant separate=actor_rollout_ref.actor.ppo_mini_batch_size=16,SKIP_OFF
+
+(`SKIP_OFF` stands for `actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false`.)
+`--rounds 2` runs the variants A B A B … (interleaved, so machine load hits them alike) and pools the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ALIASES = {"timing_s/step", "timing_s/gen", "timing_s/adv"}
+"""Timing keys that are not stages of their own (the step, and the reference's names for ours)."""
+SHORT = {"SKIP_OFF": "actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false"}
+"""Abbreviations usable in --variant."""
+
+
+def stage_times(row: dict) -> dict[str, float]:
+    """The step's per-stage seconds (`timing_s/<stage>` minus the aliases)."""
+    return {
+        k.split("/", 1)[1]: float(v) for k, v in row.items() if k.startswith("timing_s/") and k not in ALIASES
+    }
+
+
+def anatomy(rows: list[dict]) -> dict[str, float]:
+    """Medians over `rows` (metrics.jsonl step rows): step, each stage, orchestration (step − Σ stages)."""
+    stages = sorted({k for r in rows for k in stage_times(r)})
+    out = {"step": statistics.median(r["timing_s/step"] for r in rows)}
+    for s in stages:
+        out[s] = statistics.median(stage_times(r).get(s, 0.0) for r in rows)
+    out["orchestration"] = statistics.median(r["timing_s/step"] - sum(stage_times(r).values()) for r in rows)
+    return out
+
+
+def run_variant(name: str, overrides: list[str], steps: int, runs_dir: Path, in_process: bool) -> list[dict]:
+    """Train `steps` steps of the CPU default with `overrides`; return the step rows of metrics.jsonl."""
+    from dapo_core.config import load_config, to_yaml
+    from flows.dapo_train import dapo_train
+
+    run_id = f"anatomy-{name}"
+    shutil.rmtree(runs_dir / run_id, ignore_errors=True)
+    cfg = load_config(
+        ROOT / "configs" / "tiny_cpu.yaml",
+        [
+            f"data.train_files=[{ROOT / 'data' / 'train.parquet'}]",
+            f"data.val_files=[{ROOT / 'data' / 'val.parquet'}]",
+            f"trainer.models_dir={ROOT / 'models'}",
+            f"trainer.runs_dir={runs_dir}",
+            f"trainer.use_ray={'false' if in_process else 'true'}",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "trainer.logger=[jsonl]",
+            f"trainer.total_training_steps={steps}",
+            f"trainer.experiment_name={run_id}",
+            "trainer.resume_mode=disable",
+            *overrides,
+        ],
+    )
+    dapo_train(to_yaml(cfg), run_id)
+    lines = (runs_dir / run_id / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    return [r for r in rows if "timing_s/step" in r and r.get("step", 0) >= 2]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the variants and print one table (seconds, medians)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1, help="run the variants this many times, interleaved")
+    ap.add_argument("--variant", action="append", default=[], help="name=key=value,key=value (empty: as is)")
+    ap.add_argument("--in-process", action="store_true", help="trainer.use_ray=false")
+    ap.add_argument("--json", default="", help="also write the medians here")
+    args = ap.parse_args(argv)
+    variants = {}
+    for v in args.variant or ["default="]:
+        name, _, ov = v.partition("=")
+        variants[name] = [SHORT.get(x, x) for x in ov.split(",") if x]
+    tmp = Path(tempfile.mkdtemp(prefix="dapo-anatomy-"))
+    os.environ.setdefault("PREFECT_HOME", str(tmp / "prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    rows: dict[str, list[dict]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, ov in variants.items():
+            rows[name] += run_variant(name, ov, args.steps, tmp / "runs", args.in_process)
+    result = {name: anatomy(r) for name, r in rows.items()}
+    keys = [
+        "step",
+        *sorted({k for r in result.values() for k in r} - {"step", "orchestration"}),
+        "orchestration",
+    ]
+    print(f"steps per variant (after warm-up): {', '.join(f'{n} {len(r)}' for n, r in rows.items())}")
+    print("| seconds (median) | " + " | ".join(result) + " |")
+    print("|---|" + "---|" * len(result))
+    for k in keys:
+        print(f"| {k} | " + " | ".join(f"{result[n].get(k, 0.0):.3f}" for n in result) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"medians": result, "rows": rows}, indent=1))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
