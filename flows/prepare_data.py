@@ -10,6 +10,7 @@ Every written table is validated with the dataset schema before it is written.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -17,6 +18,7 @@ from prefect import flow, get_run_logger, task
 from dapo_core.config import load_config_text, typed
 from dapo_core.data.datasets import load_dapo_math, make_synthetic_splits, read_parquet, write_parquet
 from dapo_core.data.schemas import validate_dataset
+from flows.progress import say
 
 
 @task(name="synthetic_data")
@@ -52,7 +54,12 @@ def dapo_data(cfg_yaml: str) -> dict:
     for name, src in (("train", cfg.data.source_files.train), ("val", cfg.data.source_files.val)):
         if not src:
             continue
+        t0 = time.perf_counter()
+        say(f"prepare: reading the {name} split from {src} (a URL is downloaded first: minutes for 17k rows)")
         table, st = load_dapo_math([src], dedup=cfg.data.dedup)
+        say(
+            f"prepare: {name}: {st['rows']} rows read in {time.perf_counter() - t0:.0f}s; validating, writing"
+        )
         validate_dataset(table, name=src)
         path = out / f"{'dapo-math-17k' if name == 'train' else 'aime-2024'}.parquet"
         write_parquet(table, path)

@@ -48,6 +48,11 @@ def _stderr_console() -> Console:
     return Console(stderr=True)
 
 
+def say(text: str) -> None:
+    """One progress line on stderr, also inside a Prefect task (whose log lines the CLI keeps quiet)."""
+    _print_line(text)
+
+
 def _print_line(text: str) -> None:
     # stderr, not a log record: the CLI keeps Prefect's task-run logger at WARNING (one line per task run
     # otherwise), and a Ticker usually runs inside a task
@@ -300,7 +305,8 @@ def start_local_prefect(
         while not done.wait(max(every, 0.5)):
             say(
                 f"dapo {command}: still waiting for the temporary Prefect server to answer "
-                f"({time.monotonic() - t0:.0f} s of up to {timeout} s; a loaded machine starts it slowly)"
+                f"({time.monotonic() - t0:.0f} s; a loaded machine starts it slowly; Prefect gives up after "
+                f"{timeout} s of its own polling)"
             )
 
     watcher = threading.Thread(target=report, name="prefect-startup-report", daemon=True)

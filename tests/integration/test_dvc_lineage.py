@@ -95,7 +95,7 @@ def _lineage(tmp_path: Path, env: dict) -> None:
     assert "milestones: 10,30" in dvc_yaml
     (repo / "dvc.yaml").write_text(dvc_yaml.replace("milestones: 10,30", "milestones: 1,2"))
 
-    first = dvc("repro")
+    first = dvc("repro")  # never the real-data stage (pipelines/dapo_math/dvc.yaml): it would download
     assert _ran(first) == {"prepare", "base_model", "train", "evaluate_base", "evaluate"}, first
     for rel in OUTPUTS:
         assert (repo / rel).stat().st_size > 0, rel
@@ -131,5 +131,8 @@ def _lineage(tmp_path: Path, env: dict) -> None:
     dvc("pull", cwd=other)
     for rel in OUTPUTS:
         assert _md5(other / rel) == _md5(repo / rel), rel
-    status = dvc("status", cwd=other)
+    status = dvc("status", "dvc.yaml", cwd=other)  # the default lineage: everything restored
     assert "up to date" in status.lower() or status.strip() == "", status
+    # the whole project: only the real-data stage (pipelines/dapo_math/dvc.yaml), which nobody ran here
+    listed = {line.rstrip(":") for line in dvc("status", cwd=other).splitlines() if line and line[0] != "\t"}
+    assert listed == {"pipelines/dapo_math/dvc.yaml:prepare_dapo_math"}, listed
