@@ -131,8 +131,9 @@ def _check_run(out: dict, metrics: dict[int, dict], store: RunStore) -> None:
     seen_uids: set[str] = set()
     for k in range(1, STEPS + 1):
         stages = set(store.committed_stages(k))
+        # no old_log_prob_p<i>: each local update is one mini-batch (2 of 4 prompts per part), exactly on-policy
         expected = {"batch", "advantage"} | {
-            f"{s}_p{i}" for i in range(PARTS) for s in ("batch", "old_log_prob", "advantage", "update_actor")
+            f"{s}_p{i}" for i in range(PARTS) for s in ("batch", "advantage", "update_actor")
         }
         if k < STEPS:
             expected |= {"prompts_ga", "generate_ga", "reward_ga"}
