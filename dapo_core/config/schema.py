@@ -101,8 +101,8 @@ class SourceFilesConfig:
 
 @dataclass
 class HistorySamplerConfig:
-    """History-aware prompt sampling (ours; off = verl's sampler): pass over prompts whose recent groups all had
-    no reward spread (all correct or all wrong), except with a small exploration probability."""
+    """History-aware prompt sampling (ours; off = verl's sampler): pass over prompts whose recent groups all
+    had no reward spread (all correct or all wrong), except with a small exploration probability."""
 
     enable: bool = False
     """Turn the history-aware sampler on (sync step order only)."""
@@ -297,7 +297,7 @@ class ActorConfig:
     ppo_epochs: int = 1
     """Passes over each training batch."""
     skip_old_log_prob_when_on_policy: bool = True
-    """Skip the old_log_prob forward when the update is exactly on-policy (π_old = current policy, ratio 1)."""
+    """Skip the old_log_prob forward when the update is exactly on-policy (π_old = the policy, ratio 1)."""
     shuffle: bool = False
     """Shuffle trajectories between PPO epochs."""
     clip_ratio: float = 0.2

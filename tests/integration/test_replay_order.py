@@ -131,7 +131,7 @@ def _check_run(out: dict, metrics: dict[int, dict], store: RunStore) -> None:
     seen_uids: set[str] = set()
     for k in range(1, STEPS + 1):
         stages = set(store.committed_stages(k))
-        # no old_log_prob_p<i>: each local update is one mini-batch (2 of 4 prompts per part), exactly on-policy
+        # no old_log_prob_p<i>: each local update is one mini-batch (2 of 4 prompts a part), on-policy
         expected = {"batch", "advantage"} | {
             f"{s}_p{i}" for i in range(PARTS) for s in ("batch", "advantage", "update_actor")
         }
