@@ -283,8 +283,10 @@ def test_retry_from_the_ui_continues_the_failed_run(server, tiny_assets):
 @pytest.mark.timeout(900)
 def test_host_loss_marks_the_run_crashed(server, tiny_assets):
     """Kill the serving process and the flow-run process together (SIGKILL): the heartbeat automation of
-    infra/zombie_automation.py marks the run Crashed within a bounded time."""
+    infra/zombie_automation.py marks the run Crashed within a bounded time; once `dapo deploy` serves again,
+    Retry (the UI's button) continues the crashed run to the end, replaying what it had committed."""
     from prefect.client.schemas.objects import StateType
+    from prefect.states import AwaitingRetry
 
     serve = _serve(server, tiny_assets, "zombie", PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30")
     try:
@@ -294,7 +296,7 @@ def test_host_loss_marks_the_run_crashed(server, tiny_assets):
                 dep.id,
                 parameters={
                     "run_id": "zombie",
-                    "overrides": [*tiny_overrides(tiny_assets, **SERVED), "trainer.total_training_steps=200"],
+                    "overrides": [*tiny_overrides(tiny_assets, **SERVED), "trainer.total_training_steps=20"],
                 },
             )
             marker = tiny_assets / "runs" / "zombie" / "step_000001" / "generate_g0.manifest.json"
@@ -314,6 +316,15 @@ def test_host_loss_marks_the_run_crashed(server, tiny_assets):
             assert state.type == StateType.CRASHED, state
             assert "heartbeat" in (state.message or "")
             print(f"marked Crashed {took:.0f} s after the kill")
+
+            committed = marker.read_text()
+            serve = _serve(server, tiny_assets, "zombie", PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30")
+            result = client.set_flow_run_state(fr.id, AwaitingRetry(message="Retry from the UI"), force=False)
+            assert result.status.value == "ACCEPT", result
+            state = _final_state(client, fr.id, 900, serve)
+            assert state.type == StateType.COMPLETED, state
+            assert marker.read_text() == committed  # step 1's generation was replayed, not recomputed
+            assert (tiny_assets / "runs" / "zombie" / "ckpt" / "step_20" / "actor").is_dir()
     finally:
         stop(serve, signal.SIGKILL)
 
