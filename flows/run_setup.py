@@ -534,6 +534,8 @@ def restore(rt: TrainRun) -> DriverState:
 def _verify_replayed(store: RunStore, step: int, stage: str) -> None:
     """Checksum a stage that a resumed run will replay; a corrupted one (possibly shadowed by a later stage,
     so never read again) is reported and un-committed, so it is recomputed if anything needs it."""
+    if not store.is_committed(step, stage):
+        return  # deleted with a corrupted stage it was built on (a column delta): recomputed if needed
     try:
         store.verify_stage(step, stage)
     except StoreCorruption as e:

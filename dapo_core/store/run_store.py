@@ -7,48 +7,55 @@ A run lives in one directory, ``runs/<run_id>/``:
   into indexed columns so the queries the trainer runs every step stay fast. A key may also carry a small
   payload (bytes, e.g. the prompt row as Arrow IPC, so a prompt can be re-issued after a crash).
   Prompt keys are ``{uid}``; trajectory keys are ``{uid}_{anything}``, so ``uid`` may not contain ``_``.
-- ``step_000042/<stage>.arrow`` — a stage's output (Arrow IPC file), written to a temp file, fsynced and
-  renamed; then ``<stage>.manifest.json`` (rows, schema hash, sha256, bytes, meta) is written the same way
-  and the directory fsynced. **The manifest is the commit**: a stage is either committed with a file whose
-  checksum matches, or it does not exist. Re-writing a committed stage first removes its manifest.
+- ``step_000042/<stage>.arrow`` + ``<stage>.manifest.json`` — a stage's output, committed by its manifest and
+  stored as a column delta over the stages it was computed from (:mod:`dapo_core.store.stage_files`, which
+  :class:`RunStore` extends: every stage-file method is documented there).
 - ``*.json`` run-level files (resolved config, run state), written atomically.
 - ``ckpt/`` — checkpoints, managed by :class:`dapo_core.store.checkpoint.CheckpointDir` (see
   :attr:`RunStore.checkpoints`).
 
 The ledger has one writer (the flow's driver); stage files may be written by any process that can reach
-the directory. Local paths use a direct fast path (fsync needs a local file); ``read_uri`` accepts any
-fsspec URL.
+the directory (workers open a :class:`~dapo_core.store.stage_files.StageFiles` on the root and commit their
+outputs themselves). Local paths use a direct fast path (fsync needs a local file); ``read_uri`` accepts any
+fsspec URL. :mod:`dapo_core.store.retention` deletes step folders no resume needs.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import sqlite3
 import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, Self
+from typing import Any, Literal, Self
 
-import fsspec
-import pyarrow as pa
-from pyarrow import ipc
-
-from dapo_core.errors import DapoUserError
 from dapo_core.store.checkpoint import CheckpointDir
-from dapo_core.store.files import DiskFull, atomic_write, atomic_write_bytes, fsync_dir, unlink_missing_ok
+from dapo_core.store.files import DiskFull, atomic_write_bytes, fsync_dir
+from dapo_core.store.stage_files import (
+    _STEP_DIR_RE,
+    StageFiles,
+    StageNotCommitted,
+    StoreCorruption,
+    StoreError,
+    _check_step,
+    io_counters,
+    row_keys,
+    schema_hash,
+)
 
 __all__ = [
     "INFLIGHT_STATUSES",
     "PROMPT_STATUSES",
     "RunStore",
+    "StageFiles",
     "StageNotCommitted",
     "StoreCorruption",
     "StoreError",
     "atomic_write_bytes",
     "fsync_dir",
+    "io_counters",
+    "row_keys",
     "schema_hash",
 ]
 
@@ -57,98 +64,8 @@ PROMPT_STATUSES = ("pending", "running", "finished", "failure")
 INFLIGHT_STATUSES = ("pending", "running")
 """Statuses of a prompt whose group is not settled yet (re-issued after a crash)."""
 
-_STAGE_RE = re.compile(r"^[a-z0-9_]+$")
 _TAG_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 _INDEXED = ("status", "is_prompt", "global_steps")
-_MANIFEST_SUFFIX = ".manifest.json"
-_CHUNK = 8 << 20
-
-
-class StoreError(DapoUserError, ValueError):
-    """A run-store operation was given a bad argument or found the store in an unusable state."""
-
-
-class StageNotCommitted(StoreError, KeyError):
-    """A stage was read that has no committed manifest (it never finished, or it was deleted)."""
-
-    def __str__(self) -> str:  # KeyError would otherwise repr() the message
-        return str(self.args[0]) if self.args else ""
-
-
-class StoreCorruption(StoreError):
-    """A committed file does not match its manifest (checksum, size or format)."""
-
-
-# --------------------------------------------------------------------------------------------- helpers
-def schema_hash(schema: pa.Schema) -> str:
-    """A short stable hash of an Arrow schema's field names, types and nullability (metadata ignored)."""
-    text = "|".join(f"{f.name}:{f.type}:{int(f.nullable)}" for f in schema)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _sha256_file(path: Path) -> tuple[str, int, bytes]:
-    """Read a whole file; return its sha256, its size and the bytes."""
-    with open(path, "rb") as f:
-        data = f.read()
-    return hashlib.sha256(data).hexdigest(), len(data), data
-
-
-class _HashingSink:
-    """A minimal writable file object that hashes and counts everything written to the real file."""
-
-    def __init__(self, f):
-        self._f = f
-        self.sha = hashlib.sha256()
-        self.nbytes = 0
-        self.closed = False
-
-    def write(self, data) -> int:
-        mv = memoryview(data)
-        self.sha.update(mv)
-        self._f.write(mv)
-        self.nbytes += mv.nbytes
-        return mv.nbytes
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def close(self) -> None:  # the caller owns the underlying file
-        self.closed = True
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self.nbytes
-
-
-def _local_path_from_uri(uri: str) -> Path | None:
-    if uri.startswith("file://"):
-        from urllib.parse import unquote, urlparse
-
-        return Path(unquote(urlparse(uri).path))
-    if "://" not in uri:
-        return Path(uri)
-    return None
-
-
-def _check_stage(stage: str) -> str:
-    if not isinstance(stage, str) or not _STAGE_RE.match(stage):
-        raise StoreError(
-            f"stage name {stage!r} is invalid: use lowercase letters, digits and '_' only "
-            f"(e.g. 'generate_g0', 'old_log_prob')"
-        )
-    return stage
-
-
-def _check_step(step: int) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise StoreError(f"step {step!r} is invalid: pass a non-negative int")
-    return step
 
 
 def _check_tag_names(tags: Mapping[str, Any]) -> None:
@@ -196,7 +113,7 @@ def _sql_value(v: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------- store
-class RunStore:
+class RunStore(StageFiles):
     """The durable store of one run (ledger + committed stage outputs + run files + checkpoints).
 
     ``RunStore(root)`` creates ``root`` if needed and opens (or creates) ``root/ledger.sqlite``. A missing
@@ -207,15 +124,7 @@ class RunStore:
     """
 
     def __init__(self, root: str | Path):
-        local = _local_path_from_uri(str(root))
-        if local is None:
-            raise StoreError(
-                f"RunStore root {root!r} must be a local path or file:// URL (the ledger is SQLite "
-                f"and commits need fsync); put remote payloads on fsspec URLs and read them "
-                f"with read_uri"
-            )
-        self.root = local.absolute()
-        self.root.mkdir(parents=True, exist_ok=True)
+        StageFiles.__init__(self, root)
         self._refuse_lost_ledger()
         self._lock = threading.RLock()
         self._db: sqlite3.Connection | None = self._open_db()
@@ -621,233 +530,6 @@ class RunStore:
             ]
             db.executemany("DELETE FROM kv WHERE uid=? AND partition=?", [(u, partition) for u in uids])
         return len(uids)
-
-    # ------------------------------------------------------------------ stages
-    def step_dir(self, step: int) -> Path:
-        """The directory of a step's stage outputs: ``root/step_{step:06d}``."""
-        return self.root / f"step_{_check_step(step):06d}"
-
-    def _paths(self, step: int, stage: str) -> tuple[Path, Path]:
-        d = self.step_dir(step)
-        _check_stage(stage)
-        return d / f"{stage}.arrow", d / f"{stage}{_MANIFEST_SUFFIX}"
-
-    def stage_uri(self, step: int, stage: str) -> str:
-        """The ``file://`` URI of a stage's Arrow file (whether or not it is committed)."""
-        return self._paths(step, stage)[0].as_uri()
-
-    def write_stage(
-        self, step: int, stage: str, table: pa.Table, meta: Mapping[str, Any] | None = None
-    ) -> str:
-        """Commit ``table`` as the output of ``stage`` at ``step``; returns its ``file://`` URI.
-
-        Order: (un-commit an older version) → data to temp file + fsync + rename → manifest to temp file +
-        fsync + rename + dir fsync. A crash at any point leaves the stage either committed or absent.
-        """
-        if isinstance(table, pa.RecordBatch):
-            table = pa.Table.from_batches([table])
-        if not isinstance(table, pa.Table):
-            raise StoreError(
-                f"write_stage(step={step}, stage={stage!r}): table must be a pyarrow.Table, "
-                f"got {type(table).__name__}"
-            )
-        data_path, man_path = self._paths(step, stage)
-        meta = dict(meta or {})
-        try:
-            meta_json = json.loads(json.dumps(meta, allow_nan=False))
-        except (TypeError, ValueError) as e:
-            raise StoreError(
-                f"write_stage(step={step}, stage={stage!r}): meta is not JSON-serialisable ({e})"
-            ) from None
-        data_path.parent.mkdir(parents=True, exist_ok=True)
-        if man_path.exists():  # un-commit first so a crash mid-rewrite never pairs old manifest + new data
-            unlink_missing_ok(man_path)
-            fsync_dir(data_path.parent)
-        sinks: list[_HashingSink] = []
-
-        def write_ipc(f: BinaryIO) -> None:
-            sinks.append(_HashingSink(f))
-            with ipc.new_file(sinks[-1], table.schema) as writer:
-                writer.write_table(table)
-
-        atomic_write(data_path, write_ipc, fsync_parent=False)  # the manifest's write syncs the directory
-        sink = sinks[-1]
-        manifest = {
-            "format": 1,
-            "step": step,
-            "stage": stage,
-            "file": data_path.name,
-            "rows": table.num_rows,
-            "schema_hash": schema_hash(table.schema),
-            "columns": table.schema.names,
-            "sha256": sink.sha.hexdigest(),
-            "bytes": sink.nbytes,
-            "meta": meta_json,
-            "created": time.time(),
-        }
-        atomic_write_bytes(man_path, json.dumps(manifest, sort_keys=True, indent=1).encode())
-        return data_path.as_uri()
-
-    def manifest(self, step: int, stage: str) -> dict:
-        """The committed manifest of a stage; raises :class:`StageNotCommitted` if there is none."""
-        _, man_path = self._paths(step, stage)
-        try:
-            text = man_path.read_bytes()
-        except FileNotFoundError:
-            raise StageNotCommitted(
-                f"stage {stage!r} of step {step} is not committed (no {man_path.name} in "
-                f"{man_path.parent}): run the stage first"
-            ) from None
-        try:
-            man = json.loads(text)
-            if not all(k in man for k in ("sha256", "bytes", "file")):
-                raise KeyError("sha256/bytes/file")
-        except (ValueError, KeyError, TypeError):
-            raise StoreCorruption(
-                f"manifest {man_path} is unreadable: delete_stage({step}, {stage!r}) and re-run the stage"
-            ) from None
-        return man
-
-    def meta(self, step: int, stage: str) -> dict:
-        """The ``meta`` dict given to :meth:`write_stage` for this committed stage."""
-        return self.manifest(step, stage).get("meta", {})
-
-    def is_committed(self, step: int, stage: str) -> bool:
-        """True when the stage's manifest exists and names a file of the recorded size (no checksum read)."""
-        try:
-            man = self.manifest(step, stage)
-        except StoreError:
-            return False
-        data = self.step_dir(step) / man["file"]
-        try:
-            return data.stat().st_size == man["bytes"]
-        except FileNotFoundError:
-            return False
-
-    def verify_stage(self, step: int, stage: str) -> dict:
-        """Check a committed stage's file against its manifest (size + sha256); returns the manifest.
-
-        Raises :class:`StageNotCommitted` or :class:`StoreCorruption` naming the file.
-        """
-        man = self.manifest(step, stage)
-        self._read_verified(self.step_dir(step) / man["file"], man, verify=True)
-        return man
-
-    def _read_verified(self, path: Path, man: dict, verify: bool) -> pa.Table:
-        try:
-            if verify:
-                digest, size, data = _sha256_file(path)
-            else:
-                with open(path, "rb") as f:
-                    data = f.read()
-                digest, size = None, len(data)
-        except FileNotFoundError:
-            raise StoreCorruption(
-                f"{path} is missing although its manifest commits it: delete the stage and re-run it"
-            ) from None
-        if size != man["bytes"]:
-            raise StoreCorruption(
-                f"{path} has {size} bytes, its manifest says {man['bytes']} (torn or truncated "
-                f"file): delete the stage and re-run it"
-            )
-        if digest is not None and digest != man["sha256"]:
-            raise StoreCorruption(
-                f"{path} fails its sha256 check (manifest {man['sha256'][:12]}…, file "
-                f"{digest[:12]}…): the file is corrupted; delete the stage and re-run it"
-            )
-        try:
-            table = ipc.open_file(pa.py_buffer(data)).read_all()
-        except (pa.ArrowInvalid, OSError) as e:
-            raise StoreCorruption(f"{path} is not a readable Arrow IPC file ({e})") from None
-        if table.num_rows != man.get("rows", table.num_rows):
-            raise StoreCorruption(f"{path} has {table.num_rows} rows, its manifest says {man['rows']}")
-        return table
-
-    def read_stage(self, step: int, stage: str, verify: bool = True) -> pa.Table:
-        """Read a committed stage (checksum verified unless ``verify=False``)."""
-        man = self.manifest(step, stage)
-        return self._read_verified(self.step_dir(step) / man["file"], man, verify)
-
-    def read_uri(self, uri: str, verify: bool = True) -> pa.Table:
-        """Read an Arrow IPC file by URI (``file://`` or any fsspec URL).
-
-        When a manifest sits beside the file (a committed stage), its size and checksum are verified; a
-        stage file whose manifest is missing is refused (it is not committed).
-        """
-        local = _local_path_from_uri(uri)
-        if local is not None:
-            name = local.name
-            if name.endswith(".arrow"):
-                man_path = local.with_name(name[: -len(".arrow")] + _MANIFEST_SUFFIX)
-                if man_path.exists():
-                    try:
-                        man = json.loads(man_path.read_bytes())
-                    except ValueError:
-                        raise StoreCorruption(f"manifest {man_path} is unreadable") from None
-                    return self._read_verified(local, man, verify)
-                if _STEP_DIR_RE.match(local.parent.name):
-                    raise StageNotCommitted(f"{uri} is not committed (no {man_path.name} beside it)")
-            try:
-                with open(local, "rb") as f:
-                    return ipc.open_file(pa.py_buffer(f.read())).read_all()
-            except FileNotFoundError:
-                raise StoreError(f"read_uri: {uri} does not exist") from None
-        with fsspec.open(uri, "rb") as f:
-            return ipc.open_file(pa.py_buffer(f.read())).read_all()
-
-    def committed_stages(self, step: int) -> list[str]:
-        """Sorted names of the stages committed at ``step``."""
-        d = self.step_dir(step)
-        if not d.is_dir():
-            return []
-        names = sorted(
-            p.name[: -len(_MANIFEST_SUFFIX)]
-            for p in d.iterdir()
-            if p.name.endswith(_MANIFEST_SUFFIX) and not p.name.startswith(".")
-        )
-        return [s for s in names if _STAGE_RE.match(s) and self.is_committed(step, s)]
-
-    def steps(self) -> list[int]:
-        """Sorted steps that have a step directory (committed or not)."""
-        out = []
-        for p in self.root.iterdir():
-            m = _STEP_DIR_RE.match(p.name)
-            if m and p.is_dir():
-                out.append(int(m.group(1)))
-        return sorted(out)
-
-    def latest_committed_step(self, stage: str) -> int | None:
-        """The highest step at which ``stage`` is committed, or None."""
-        _check_stage(stage)
-        for step in reversed(self.steps()):
-            if self.is_committed(step, stage):
-                return step
-        return None
-
-    def delete_stage(self, step: int, stage: str) -> bool:
-        """Un-commit (manifest first) and delete a stage's files; returns whether anything was there."""
-        data_path, man_path = self._paths(step, stage)
-        existed = man_path.exists() or data_path.exists()
-        if man_path.exists():
-            unlink_missing_ok(man_path)
-            fsync_dir(man_path.parent)
-        unlink_missing_ok(data_path)
-        return existed
-
-    def clean_temp_files(self, min_age_s: float = 60.0) -> int:
-        """Remove temp files (``.*.tmp-*``) left by crashed writers that are older than ``min_age_s``."""
-        now, n = time.time(), 0
-        dirs = [self.root] + [self.step_dir(s) for s in self.steps()]
-        for d in dirs:
-            for p in d.iterdir():
-                if p.name.startswith(".") and ".tmp-" in p.name and p.is_file():
-                    try:
-                        if now - p.stat().st_mtime >= min_age_s:
-                            p.unlink()
-                            n += 1
-                    except FileNotFoundError:
-                        pass
-        return n
 
     # ------------------------------------------------------------------ run-level files
     def _run_file(self, name: str) -> Path:
