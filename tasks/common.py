@@ -1,5 +1,14 @@
 """The commit discipline shared by every stage task (skip if committed, else compute → validate → commit), and
-the small table helpers the rollout-side tasks of both step orders share."""
+the small table helpers the rollout-side tasks of both step orders share.
+
+Three ways to commit a stage, all skipped when the stage is committed already:
+
+- `worker_stage`: a worker reads its input from the run store by URI, computes, validates and commits the
+  output itself (`dapo_core.store.jobs.StageJob`); only the URI and the metrics come back to the driver.
+- `select_stage`: a stage whose rows are a selection of earlier stages' rows (dynamic-sampling filter, the
+  assembled batch) is committed as row ids only, from the few columns the decision needs (memory-mapped).
+- `run_stage`: the driver computes the table (prompts it drew, update markers, validation) and commits it.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +19,16 @@ from collections.abc import Callable
 from fnmatch import fnmatch
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from prefect.cache_policies import NO_CACHE
 
+from dapo_core.compute.workers.rollout import generation_metrics as rollout_generation_metrics
 from dapo_core.data import batch as B
 from dapo_core.data.schemas import validate_stage
 from dapo_core.errors import DapoUserError, find_user_error
+from dapo_core.store.jobs import StageJob
 from tasks.runtime import Runtime
 
 StageResult = tuple[str, dict[str, float]]
@@ -54,9 +66,11 @@ def run_stage(
     schema: str | None = None,
     n: int | None = None,
     meta: dict | None = None,
+    base: str | list[str] | None = None,
 ) -> StageResult:
     """Return the committed output of (step, stage) if it exists, else compute, validate against `schema`,
-    commit.
+    commit (as a column delta over `base`, the URIs of the stages it was computed from: only what the stage
+    adds is written, `dapo_core.store.stage_files`).
 
     The run store is the single source of truth: a retried task, a retried flow run or a resumed run skips
     work whose manifest is already written. Timing goes into the metrics as `timing_s/<stage>`.
@@ -85,9 +99,95 @@ def run_stage(
             max_response_length=rt.cfg.data.max_response_length,
         )
     metrics = dict(metrics)
-    metrics[f"timing_s/{_STAGE_SUFFIX.sub('', stage)}"] = time.perf_counter() - t0
-    uri = rt.store.write_stage(step, stage, table, meta={**(meta or {}), "metrics": metrics})
+    metrics[f"timing_s/{_timer(stage)}"] = time.perf_counter() - t0
+    uri = rt.store.write_stage(step, stage, table, meta={**(meta or {}), "metrics": metrics}, base=base)
     return uri, metrics
+
+
+def _timer(stage: str) -> str:
+    return _STAGE_SUFFIX.sub("", stage)
+
+
+def worker_stage(
+    rt: Runtime,
+    step: int,
+    stage: str,
+    call: Callable[[StageJob], StageResult],
+    *,
+    input_uri: str,
+    schema: str | None = None,
+    n: int | None = None,
+    meta: dict | None = None,
+) -> StageResult:
+    """Return the committed output of (step, stage) if it exists, else hand a `StageJob` (read `input_uri`,
+    compute, validate against `schema`, commit as a delta over the input) to a worker through `call`, e.g.
+    `lambda job: rt.reward.score_stage(job)`, and return what it committed. No table passes through here."""
+    done = committed(rt, step, stage)
+    if done is not None:
+        return done
+    fault = injected_fault(stage, step, rt.run_id)
+    if fault is not None:
+        raise InjectedFault(fault)
+    job = StageJob(
+        root=str(rt.store.root),
+        step=step,
+        stage=stage,
+        input_uri=input_uri,
+        timer=_timer(stage),
+        schema=schema,
+        n=n,
+        vocab_size=rt.vocab_size,
+        max_prompt_length=rt.cfg.data.max_prompt_length,
+        max_response_length=rt.cfg.data.max_response_length,
+        meta=dict(meta or {}),
+    )
+    try:
+        uri, metrics = call(job)
+    except Exception as exc:
+        died = worker_died(exc, rt, step, stage)
+        if died is not None:
+            raise died from exc
+        raise
+    return uri, dict(metrics)
+
+
+def select_stage(
+    rt: Runtime,
+    step: int,
+    stage: str,
+    base: list[str],
+    compute: Callable[[], tuple[np.ndarray, dict[str, float]]],
+) -> StageResult:
+    """Return the committed output of (step, stage) if it exists, else commit the rows `compute()` selects
+    (positions in the concatenated views of `base`, in order) as row ids only (`RunStore.write_selection`).
+
+    The selected rows were validated when their stages were committed; what a selection can break is the
+    group structure, so every uid must keep all `n` of its rows."""
+    done = committed(rt, step, stage)
+    if done is not None:
+        return done
+    fault = injected_fault(stage, step, rt.run_id)
+    if fault is not None:
+        raise InjectedFault(fault)
+    t0 = time.perf_counter()
+    positions, metrics = compute()
+    metrics = {**metrics, f"timing_s/{_timer(stage)}": time.perf_counter() - t0}
+    uri = rt.store.write_selection(step, stage, positions, base=base, meta={"metrics": metrics})
+    return uri, metrics
+
+
+def lengths_of(rt: Runtime, uris: list[str]) -> pa.Table:
+    """`uid`, `sample_idx`, `prompt_ids` and `response_ids` lengths of the concatenated views at `uris` (list
+    offsets only, memory-mapped: no token is read)."""
+    return pa.concat_tables([rt.store.read_lengths(u, ["prompt_ids", "response_ids"]) for u in uris])
+
+
+def check_whole_groups(table: pa.Table, n: int, where: str) -> None:
+    """Raise when a uid of `table` (a selection) does not have exactly `n` rows."""
+    counts = pc.value_counts(table.column("uid"))
+    bad = [c["values"] for c in counts.to_pylist() if c["counts"] != n]
+    if bad:
+        raise ValueError(f"{where}: groups {bad[:5]} do not have n={n} rows after selection")
 
 
 class WorkerDied(DapoUserError, RuntimeError):
@@ -192,9 +292,15 @@ def filter_metric(rt: Runtime) -> str:
     return metric
 
 
-def balanced(rt: Runtime, table: pa.Table) -> pa.Table:
-    """`table` reordered for equal per-rank token loads if `trainer.balance_batch` (one training process)."""
-    return B.balance_batch(table, dp_size=1) if rt.cfg.trainer.balance_batch else table
+def balanced_order(rt: Runtime, lengths: pa.Table) -> np.ndarray:
+    """The row order for equal per-rank token loads (`B.balance_order`, one training process) of a batch with
+    these `prompt_ids`/`response_ids` lengths (`lengths_of`); the identity unless `trainer.balance_batch`."""
+    if not rt.cfg.trainer.balance_batch:
+        return np.arange(lengths.num_rows, dtype=np.int64)
+    seqlens = lengths.column("prompt_ids").to_numpy().astype(np.int64) + lengths.column(
+        "response_ids"
+    ).to_numpy().astype(np.int64)
+    return B.balance_order(seqlens, dp_size=1)
 
 
 def uids_of(table: pa.Table) -> list[str]:
@@ -221,9 +327,5 @@ def from_ipc(data: bytes) -> pa.Table:
 
 
 def generation_metrics(out: pa.Table) -> dict[str, float]:
-    """Mean response length and generated tokens of a generation batch."""
-    lens = B.response_lengths(out)
-    return {
-        "response_length/gen_mean": float(sum(lens) / max(len(lens), 1)),
-        "perf/gen_tokens": float(sum(lens)),
-    }
+    """Mean response length and generated tokens of a generation batch (the rollout worker's function)."""
+    return rollout_generation_metrics(out)

@@ -1,24 +1,32 @@
-"""Compute-side stage tasks: old_log_prob, ref, values, advantage."""
+"""Compute-side stage tasks: old_log_prob, ref, values, advantage.
+
+Each hands its worker a `StageJob` (`tasks.common.worker_stage`): the worker reads the input view from the run
+store, computes, validates and commits the output itself; the driver sees the URI and the metrics. The
+advantage stage has no model: its table function runs on the reward worker (`RewardWorker.transform_stage`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict
+from functools import partial
+from typing import Any
 
+import pyarrow as pa
 from prefect import task
 
-from dapo_core.algo.losses import agg_loss
-from dapo_core.data import batch as B
 from dapo_core.stages import compute_advantage_table
 from tasks import runtime
 from tasks.common import (
     STAGE_TASK_OPTS,
     StageResult,
     run_name,
-    run_stage,
     stage_name,
+    worker_stage,
 )
 
 _OPTS = STAGE_TASK_OPTS
+_KL_COEF = "_kl_coef_after"
+"""Metrics key that carries the in-reward KL coefficient back from the worker (not logged)."""
 
 
 @task(name="old_log_prob", task_run_name=run_name("old_log_prob"), **_OPTS)
@@ -26,28 +34,31 @@ def old_log_prob(run_id: str, step: int, batch_uri: str, part: int | None = None
     """π_old log-probs recomputed by the actor (decoupled mode), or the rollout's own (bypass mode)."""
     rt = runtime.get(run_id)
     cfg = rt.cfg
-
-    def compute():
-        table = rt.store.read_uri(batch_uri)
-        if cfg.algorithm.rollout_correction.bypass_mode:
-            return table.append_column("old_log_probs", table.column("rollout_log_probs")), {}
-        out = rt.actor.compute_log_prob(table, True)
-        t = B.to_padded(out, rt.pad_token_id, columns=["entropy"])
-        ent = agg_loss(t["entropy"], t["response_mask"].float(), cfg.actor_rollout_ref.actor.loss_agg_mode)
-        return out, {"actor/entropy": float(ent)}
-
-    return run_stage(rt, step, stage_name("old_log_prob", part), compute, schema="old_log_prob", n=rt.n)
+    return worker_stage(
+        rt,
+        step,
+        stage_name("old_log_prob", part),
+        lambda job: rt.actor.log_prob_stage(
+            job,
+            bypass=cfg.algorithm.rollout_correction.bypass_mode,
+            entropy_agg_mode=cfg.actor_rollout_ref.actor.loss_agg_mode,
+        ),
+        input_uri=batch_uri,
+        schema="old_log_prob",
+        n=rt.n,
+    )
 
 
 @task(name="ref", task_run_name=run_name("ref"), **_OPTS)
 def ref(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Reference-policy log-probs (only when a KL term is used)."""
     rt = runtime.get(run_id)
-    return run_stage(
+    return worker_stage(
         rt,
         step,
         stage_name("ref", part),
-        lambda: (runtime.need(rt.ref, "ref").compute_ref_log_prob(rt.store.read_uri(in_uri)), {}),
+        lambda job: runtime.need(rt.ref, "ref").ref_log_prob_stage(job),
+        input_uri=in_uri,
         schema="ref",
         n=rt.n,
     )
@@ -57,14 +68,22 @@ def ref(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageRe
 def values(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Critic values per response token (only for GAE-style estimators)."""
     rt = runtime.get(run_id)
-    return run_stage(
+    return worker_stage(
         rt,
         step,
         stage_name("values", part),
-        lambda: (runtime.need(rt.critic, "critic").compute_values(rt.store.read_uri(in_uri)), {}),
+        lambda job: runtime.need(rt.critic, "critic").values_stage(job),
+        input_uri=in_uri,
         schema="values",
         n=rt.n,
     )
+
+
+def _advantage(table: pa.Table, kl_ctrl: Any, **kwargs: Any) -> tuple[pa.Table, dict[str, float]]:
+    """`compute_advantage_table` with the controller's coefficient after the stage in the metrics (the worker
+    updates its copy of the controller; the driver takes the value back)."""
+    out, metrics = compute_advantage_table(table, kl_ctrl=kl_ctrl, **kwargs)
+    return out, {**metrics, _KL_COEF: float(kl_ctrl.value)}
 
 
 @task(name="advantage", task_run_name=run_name("advantage"), **_OPTS)
@@ -72,27 +91,38 @@ def advantage(run_id: str, step: int, in_uri: str, part: int | None = None) -> S
     """Token rewards (KL in reward), rollout correction, and advantages by the configured estimator."""
     rt = runtime.get(run_id)
     alg = rt.cfg.algorithm
-
-    def compute():
-        table = rt.store.read_uri(in_uri)
-        rc = alg.rollout_correction
-        enabled = rc.rollout_is is not None or rc.rollout_rs is not None
-        return compute_advantage_table(
-            table,
-            pad_token_id=rt.pad_token_id,
-            adv_estimator=alg.adv_estimator,
-            gamma=alg.gamma,
-            lam=alg.lam,
-            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            use_kl_in_reward=alg.use_kl_in_reward,
-            kl_ctrl=rt.kl_ctrl,
-            kl_penalty_kind=alg.kl_penalty,
-            rollout_correction=asdict(rc) if enabled else None,
-        )
-
+    rc = alg.rollout_correction
+    enabled = rc.rollout_is is not None or rc.rollout_rs is not None
+    fn = partial(
+        _advantage,
+        kl_ctrl=rt.kl_ctrl,
+        pad_token_id=rt.pad_token_id,
+        adv_estimator=alg.adv_estimator,
+        gamma=alg.gamma,
+        lam=alg.lam,
+        norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        use_kl_in_reward=alg.use_kl_in_reward,
+        kl_penalty_kind=alg.kl_penalty,
+        rollout_correction=asdict(rc) if enabled else None,
+    )
+    stage = stage_name("advantage", part)
+    replayed = rt.store.is_committed(step, stage)  # a committed stage is replayed: the coefficient stays
     value_before = rt.kl_ctrl.value
     try:
-        return run_stage(rt, step, stage_name("advantage", part), compute, schema="advantage", n=rt.n)
+        uri, metrics = worker_stage(
+            rt,
+            step,
+            stage,
+            lambda job: rt.reward.transform_stage(job, fn),
+            input_uri=in_uri,
+            schema="advantage",
+            n=rt.n,
+        )
     except BaseException:
         rt.kl_ctrl.value = value_before  # a retried attempt must not update the adaptive KL coefficient twice
         raise
+    metrics = dict(metrics)
+    coef = metrics.pop(_KL_COEF, None)
+    if coef is not None and not replayed:
+        rt.kl_ctrl.value = float(coef)
+    return uri, metrics

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from prefect import task
 
@@ -37,15 +38,19 @@ from dapo_core.store.replay import ReplayBuffer
 from tasks import runtime
 from tasks.common import (
     STAGE_TASK_OPTS,
-    balanced,
+    balanced_order,
+    check_whole_groups,
     committed,
     filter_metric,
     from_ipc,
     generation_metrics,
+    lengths_of,
     precomputed,
     rows_of,
     run_stage,
+    select_stage,
     uids_of,
+    worker_stage,
 )
 
 _OPTS = STAGE_TASK_OPTS
@@ -124,15 +129,12 @@ def collect_generation(run_id: str, step: int, tag: str) -> dict[str, float]:
         out = launch.future.result()
         return out, generation_metrics(out)
 
-    gen_uri, metrics = run_stage(rt, step, f"generate_{tag}", generate, schema="generate", n=rt.n)
+    prompts = f"prompts_{tag}"
+    base = rt.store.stage_uri(step, prompts) if rt.store.is_committed(step, prompts) else None
+    gen_uri, metrics = run_stage(rt, step, f"generate_{tag}", generate, schema="generate", n=rt.n, base=base)
     rt.launches.pop((step, tag), None)
-    reward_uri, m = run_stage(
-        rt,
-        step,
-        f"reward_{tag}",
-        lambda: rt.reward.score(rt.store.read_uri(gen_uri)),
-        schema="reward",
-        n=rt.n,
+    reward_uri, m = worker_stage(
+        rt, step, f"reward_{tag}", rt.reward.score_stage, input_uri=gen_uri, schema="reward", n=rt.n
     )
     metrics = {**metrics, **m}
     table = rt.store.read_uri(reward_uri)
@@ -213,16 +215,24 @@ def sample_batch(run_id: str, step: int) -> tuple[str | None, dict[str, float]]:
 def split_batch(run_id: str, step: int, batch_uri: str, parts: int) -> list[str]:
     """Cut the sampled batch into `parts` equal slices of whole groups (`batch_p<i>`), each balanced."""
     rt = runtime.get(run_id)
-    table = rt.store.read_uri(batch_uri)
-    if table.num_rows % (parts * rt.n):
+    lengths = lengths_of(rt, [batch_uri])
+    if lengths.num_rows % (parts * rt.n):
         raise ValueError(
-            f"step {step}: batch of {table.num_rows // rt.n} groups does not split into "
+            f"step {step}: batch of {lengths.num_rows // rt.n} groups does not split into "
             f"trainer.parameter_sync_step={parts} equal parts; choose a divisor of data.train_batch_size"
         )
-    uris = []
-    for i, part in enumerate(B.chunk(table, parts)):
-        part = balanced(rt, part)
-        uris.append(run_stage(rt, step, f"batch_p{i}", precomputed(part), schema="reward", n=rt.n)[0])
+    uris, start = [], 0
+    for i, part in enumerate(B.chunk(lengths, parts)):
+        first = start
+
+        def rows(
+            part: pa.Table = part, first: int = first, i: int = i
+        ) -> tuple[np.ndarray, dict[str, float]]:
+            check_whole_groups(part, rt.n, f"step {step}: part {i} of the batch")
+            return first + balanced_order(rt, part), {}
+
+        uris.append(select_stage(rt, step, f"batch_p{i}", [batch_uri], rows)[0])
+        start += part.num_rows
     return uris
 
 
@@ -230,4 +240,5 @@ def split_batch(run_id: str, step: int, batch_uri: str, parts: int) -> list[str]
 def join_parts(run_id: str, step: int, uris: list[str]) -> str:
     """The step's `advantage` table: the parts' advantage tables concatenated (for step metrics)."""
     rt = runtime.get(run_id)
-    return run_stage(rt, step, "advantage", lambda: (B.concat([rt.store.read_uri(u) for u in uris]), {}))[0]
+    total = sum(rt.store.manifest(*rt.store.ref_of(u))["rows"] for u in uris)
+    return select_stage(rt, step, "advantage", uris, lambda: (np.arange(total, dtype=np.int64), {}))[0]

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 from prefect import task
 
 from dapo_core.data import batch as B
 from dapo_core.seeding import uid_factory
-from dapo_core.stages import apply_group_filter, truncate_to_groups
+from dapo_core.stages import apply_group_filter, filter_column, truncate_to_groups
 from tasks import runtime
 from tasks.common import (
     STAGE_TASK_OPTS,
     StageResult,
-    balanced,
+    balanced_order,
+    check_whole_groups,
     committed,
     filter_metric,
-    generation_metrics,
+    lengths_of,
     precomputed,
     rows_of,
     run_stage,
+    select_stage,
     to_ipc,
     uids_of,
+    worker_stage,
 )
 
 _OPTS = STAGE_TASK_OPTS
@@ -71,15 +75,14 @@ def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: b
 def generate(run_id: str, step: int, gen_idx: int, gen_step: int, prompts_uri: str) -> StageResult:
     """Sample n responses per prompt on the rollout worker (seeded by gen_step, uid, sample_idx)."""
     rt = runtime.get(run_id)
+    stage = f"generate_g{gen_idx}"
 
-    def compute():
-        table = rt.store.read_uri(prompts_uri)
-        uids = sorted(set(table.column("uid").to_pylist()))
-        rt.store.update_tags(uids, status="running")
-        out = rt.rollout.generate(table, gen_step)
-        return out, generation_metrics(out)
+    def call(job):
+        uids = rt.store.read_uri(prompts_uri, verify=False, columns=["uid"]).column("uid")
+        rt.store.update_tags(sorted(set(uids.to_pylist())), status="running")
+        return rt.rollout.generate_stage(job, gen_step)
 
-    return run_stage(rt, step, f"generate_g{gen_idx}", compute, schema="generate", n=rt.n)
+    return worker_stage(rt, step, stage, call, input_uri=prompts_uri, schema="generate", n=rt.n)
 
 
 @task(name="reward", task_run_name="reward-step{step}-g{gen_idx}", **_OPTS)
@@ -87,11 +90,11 @@ def reward(run_id: str, step: int, gen_idx: int, gen_uri: str) -> StageResult:
     """Score every trajectory (math_dapo + overlong shaping); finished prompts are marked in the ledger."""
     rt = runtime.get(run_id)
 
-    def compute():
-        table = rt.store.read_uri(gen_uri)
-        out, metrics = rt.reward.score(table)
-        uids = table.column("uid").to_pylist()
-        samples = table.column("sample_idx").to_pylist()
+    def call(job):
+        out = rt.reward.score_stage(job)
+        ids = rt.store.read_uri(gen_uri, verify=False, columns=["uid", "sample_idx"])
+        uids = ids.column("uid").to_pylist()
+        samples = ids.column("sample_idx").to_pylist()
         rt.store.put_many(
             [
                 (f"{u}_{s}", {"is_prompt": False, "status": "finished", "global_steps": step})
@@ -99,9 +102,9 @@ def reward(run_id: str, step: int, gen_idx: int, gen_uri: str) -> StageResult:
             ]
         )
         rt.store.update_tags(sorted(set(uids)), status="finished")
-        return out, metrics
+        return out
 
-    return run_stage(rt, step, f"reward_g{gen_idx}", compute, schema="reward", n=rt.n)
+    return worker_stage(rt, step, f"reward_g{gen_idx}", call, input_uri=gen_uri, schema="reward", n=rt.n)
 
 
 @task(name="filter_groups", task_run_name="filter_groups-step{step}-g{gen_idx}", **_OPTS)
@@ -110,15 +113,17 @@ def filter_groups(run_id: str, step: int, gen_idx: int, reward_uri: str) -> Stag
     rt = runtime.get(run_id)
 
     def compute():
-        table = rt.store.read_uri(reward_uri)
-        outcome = apply_group_filter(table, filter_metric(rt))
-        return outcome.kept, {
+        metric = filter_metric(rt)
+        table = rt.store.read_uri(reward_uri, verify=False, columns=["uid", filter_column(metric)])
+        table = table.append_column("_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+        outcome = apply_group_filter(table, metric)
+        return outcome.kept.column("_row").to_numpy(), {
             **outcome.metrics,
             "train/num_groups": float(outcome.num_groups),
             "train/num_kept_groups": float(outcome.num_kept_groups),
         }
 
-    return run_stage(rt, step, f"kept_g{gen_idx}", compute)
+    return select_stage(rt, step, f"kept_g{gen_idx}", [reward_uri], compute)
 
 
 @task(name="assemble_batch", task_run_name="assemble_batch-step{step}", **_OPTS)
@@ -127,12 +132,11 @@ def assemble_batch(run_id: str, step: int, kept_uris: list[str], num_gen_batches
     rt = runtime.get(run_id)
 
     def compute():
-        tables = [rt.store.read_uri(u) for u in kept_uris]
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        table, dropped = truncate_to_groups(table, rt.cfg.data.train_batch_size, rt.n)
-        return balanced(rt, table), {
+        table, dropped = truncate_to_groups(lengths_of(rt, kept_uris), rt.cfg.data.train_batch_size, rt.n)
+        check_whole_groups(table, rt.n, f"step {step}: assembled batch")
+        return balanced_order(rt, table), {
             "train/num_gen_batches": float(num_gen_batches),
             "train/discarded_surplus_groups": float(dropped),
         }
 
-    return run_stage(rt, step, "batch", compute, schema="reward", n=rt.n)
+    return select_stage(rt, step, "batch", kept_uris, compute)

@@ -112,3 +112,48 @@ def test_critic_values_then_updates_reduce_the_value_loss(model_dir):
     t, _ = compute_advantage_table(t, pad_token_id=0, adv_estimator="gae", gamma=1.0, lam=1.0)
     losses = [critic.update_critic(t, global_steps=i)["critic/vf_loss"] for i in range(4)]
     assert losses[-1] < losses[0]
+
+
+def test_workers_read_their_input_and_commit_their_output_themselves(model_dir, tmp_path):
+    """The driver hands a StageJob (URIs and limits); the worker reads, computes, validates and commits a
+    column delta; the committed views equal what the in-memory calls give."""
+    from dapo_core.data.schemas import SchemaError
+    from dapo_core.store import RunStore
+    from dapo_core.store.jobs import StageJob
+
+    store = RunStore(tmp_path / "run")
+    root = str(store.root)
+    prompts = _prompts()
+    p_uri = store.write_stage(1, "prompts_g0", prompts)
+    limits = {"n": 4, "vocab_size": 1000, "max_prompt_length": 16, "max_response_length": 6}
+
+    def job(stage: str, uri: str, schema: str | None) -> StageJob:
+        return StageJob(root=root, step=1, stage=stage, input_uri=uri, timer=stage, schema=schema, **limits)
+
+    roll = _rollout(model_dir)
+    g_uri, m = roll.generate_stage(job("generate_g0", p_uri, "generate"), gen_step=1)
+    assert m["perf/gen_tokens"] > 0 and "timing_s/generate_g0" in m
+    want = roll.generate(prompts, gen_step=1)
+    assert store.read_uri(g_uri).equals(want)
+    assert store.manifest(1, "generate_g0")["file_columns"] == [
+        "response_ids",
+        "rollout_log_probs",
+        "finish_reason",
+        "weight_version",
+        "gen_step",
+    ]
+    actor = ActorWorker(model_dir, ACTOR, pad_token_id=0, temperature=1.0, rollout_n=4, total_steps=5)
+    o_uri, m = actor.log_prob_stage(job("old_log_prob", g_uri, None))  # no reward columns: not validated
+    assert "actor/entropy" in m
+    assert store.read_uri(o_uri).equals(actor.compute_log_prob(want))
+    # a table that fails validation commits nothing
+    bad = {**limits, "max_response_length": 2}
+    with pytest.raises(SchemaError):
+        roll.generate_stage(
+            StageJob(
+                root=root, step=1, stage="generate_g1", input_uri=p_uri, timer="g", schema="generate", **bad
+            ),
+            gen_step=1,
+        )
+    assert not store.is_committed(1, "generate_g1")
+    store.close()

@@ -17,10 +17,11 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from dapo_core.algo.losses import PolicyLossParams, actor_objective
+from dapo_core.algo.losses import PolicyLossParams, actor_objective, agg_loss
 from dapo_core.compute.engines.train import make_train_engine, ppo_update
 from dapo_core.compute.microbatch import token_budget_split
 from dapo_core.data import batch as B
+from dapo_core.store.jobs import StageJob, run_job, stage_files
 
 
 def _log_prob_table(
@@ -178,6 +179,27 @@ class ActorWorker:
             table = B.set_column(table, "entropy", ents)
         return table
 
+    def log_prob_stage(
+        self, job: StageJob, *, bypass: bool = False, entropy_agg_mode: str = "token-mean"
+    ) -> tuple[str, dict[str, float]]:
+        """The old_log_prob stage on the batch at `job.input_uri`, committed by this worker: the current
+        weights' log-probs and `actor/entropy` (aggregated with `entropy_agg_mode`), or the rollout's own
+        log-probs in bypass mode."""
+
+        def compute(table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+            if bypass:
+                return table.append_column("old_log_probs", table.column("rollout_log_probs")), {}
+            out = self.compute_log_prob(table, True)
+            t = B.to_padded(out, self.pad_token_id, columns=["entropy"])
+            ent = agg_loss(t["entropy"], t["response_mask"].float(), entropy_agg_mode)
+            return out, {"actor/entropy": float(ent)}
+
+        return run_job(job, compute)
+
+    def update_actor_from(self, root: str, uri: str, global_steps: int) -> dict[str, float]:
+        """`update_actor` on the batch this worker reads from the run store at `uri` (run folder `root`)."""
+        return self.update_actor(stage_files(root).read_uri(uri), global_steps)
+
     # -- update ----------------------------------------------------------------------------------------------
     def _loss_fn(self, log_probs, entropy, mb: dict, global_batch_info: dict):
         """`actor_objective` of one micro-batch with this actor's settings (`ppo_update`'s loss function)."""
@@ -317,3 +339,7 @@ class RefWorker:
             remove_padding=self.remove_padding,
         )
         return B.set_column(table, "ref_log_probs", logps)
+
+    def ref_log_prob_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
+        """`compute_ref_log_prob` on the view at `job.input_uri`, committed by this worker."""
+        return run_job(job, lambda table: (self.compute_ref_log_prob(table), {}))

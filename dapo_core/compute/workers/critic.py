@@ -21,6 +21,7 @@ from dapo_core.algo.losses import compute_value_loss
 from dapo_core.compute.engines.train import enable_gradient_checkpointing, minibatch_update
 from dapo_core.compute.models import load_model
 from dapo_core.data import batch as B
+from dapo_core.store.jobs import StageJob, run_job, stage_files
 
 
 class _ValueModel(nn.Module):
@@ -87,6 +88,14 @@ class CriticWorker:
             t = B.to_padded(table, self.pad_token_id)
             v = self._forward(t) * t["response_mask"].to(self.device)
         return B.add_token_column(table, "values", v, "float32")
+
+    def values_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
+        """`compute_values` on the view at `job.input_uri`, committed by this worker."""
+        return run_job(job, lambda table: (self.compute_values(table), {}))
+
+    def update_critic_from(self, root: str, uri: str, global_steps: int) -> dict[str, float]:
+        """`update_critic` on the batch this worker reads from the run store at `uri` (run folder `root`)."""
+        return self.update_critic(stage_files(root).read_uri(uri), global_steps)
 
     def update_critic(self, table: pa.Table, global_steps: int) -> dict[str, float]:
         """PPO value updates; returns `critic/vf_loss`, `critic/vf_clipfrac`, `critic/grad_norm`, `critic/lr`.

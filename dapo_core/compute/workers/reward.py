@@ -6,12 +6,14 @@ that the advantage stage places at the last valid token). Failed or timed-out sa
 with their uid by the reward manager (never a silent zero); a NaN score is a failure. When more than
 `max_failure_rate` of a batch's rows fail, `score` raises `RewardFailureRate` naming the data source and one
 example row (an unknown data_source or an unparsable ground truth fails every row: training on that would
-learn nothing, and the run would otherwise end "Completed").
+learn nothing, and the run would otherwise end "Completed"). `score_stage` reads its input from the run store
+and commits its output itself (`StageJob`); `transform_stage` does the same for a table function of the
+driver's (the advantage stage), so no batch passes through the driver.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -21,6 +23,7 @@ from dapo_core.data import batch as B
 from dapo_core.errors import DapoUserError
 from dapo_core.rewards import default_compute_score
 from dapo_core.rewards.manager import RewardManager
+from dapo_core.store.jobs import StageJob, run_job
 
 
 class RewardFailureRate(DapoUserError, RuntimeError):
@@ -89,6 +92,17 @@ class RewardWorker:
         for name, col in cols.items():
             table = B.set_column(table, name, col)
         return table, dict(res.metrics)
+
+    def score_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
+        """`score` the generation at `job.input_uri`, committed by this worker as `job.stage`."""
+        return run_job(job, self.score)
+
+    def transform_stage(
+        self, job: StageJob, fn: Callable[[pa.Table], tuple[pa.Table, dict[str, float]]]
+    ) -> tuple[str, dict[str, float]]:
+        """`fn` (a model-free table function, e.g. the advantage stage) applied to the view at
+        `job.input_uri` here, committed by this worker as `job.stage`."""
+        return run_job(job, fn)
 
     def _check_failure_rate(self, rows: list[dict], failures: list[tuple[str, str]]) -> None:
         """Raise `RewardFailureRate` when the share of failed rows exceeds `max_failure_rate`."""

@@ -3,7 +3,7 @@
 Input rows are already one per sample (the driver repeats each prompt `n` times and stamps
 `uid`/`sample_idx`); each row's sampling seed is `request_seed(seed, gen_step, uid, sample_idx)`, so
 regenerating a committed step after a crash gives the same tokens where the engine is deterministic (HF on CPU
-is).
+is). `generate_stage` reads its prompts from the run store and commits its output itself (`StageJob`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,16 @@ import torch
 from dapo_core.compute.engines.rollout import SamplingParams, make_rollout_engine
 from dapo_core.data import batch as B
 from dapo_core.seeding import request_seed
+from dapo_core.store.jobs import StageJob, run_job
+
+
+def generation_metrics(out: pa.Table) -> dict[str, float]:
+    """Mean response length and generated tokens of a generation batch."""
+    lens = B.response_lengths(out)
+    return {
+        "response_length/gen_mean": float(sum(lens) / max(len(lens), 1)),
+        "perf/gen_tokens": float(sum(lens)),
+    }
 
 
 class RolloutWorker:
@@ -63,6 +73,16 @@ class RolloutWorker:
         for name, col in cols.items():
             table = B.set_column(table, name, col)
         return table
+
+    def generate_stage(self, job: StageJob, gen_step: int) -> tuple[str, dict[str, float]]:
+        """`generate` on the prompts at `job.input_uri`, committed by this worker as `job.stage`; returns its
+        URI and the generation metrics."""
+
+        def compute(table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+            out = self.generate(table, gen_step)
+            return out, generation_metrics(out)
+
+        return run_job(job, compute)
 
     def sync_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
