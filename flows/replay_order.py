@@ -72,10 +72,14 @@ def sample_with_refill(rt: TrainRun, step: int, state: DriverState, metrics: dic
     """Sample the step's batch from the buffer, generating with the current weights while it is short."""
     cfg = rt.cfg
     max_rounds = cfg.algorithm.filter_groups.max_num_gen_batches
-    k = 0
+    need = cfg.data.train_batch_size
+    k, size = 0, 0
     while True:
         rt.progress.stage("sample replay buffer")
         batch_uri, m = sample_batch(rt.run_id, step)
+        if k > 0:  # the refill batch just collected: groups the buffer can now give this step, of `need`
+            have = need if batch_uri is not None else int(m.get("training/replay/sampleable_groups", 0))
+            rt.progress.gen_batch(k - 1, size, min(have, need), need)
         if batch_uri is not None:
             metrics.update(m)
             metrics["train/num_gen_batches"] = float(k)

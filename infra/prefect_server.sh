@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start / stop a local Prefect server for deployments and the UI (state in $PREFECT_HOME, default ./.prefect).
 #   infra/prefect_server.sh start|stop|status
+# `start` waits up to PREFECT_START_TIMEOUT_S seconds (default 180) for the server to answer, with a line every 15 s.
 # `start` also installs the automation that marks flow runs Crashed when their heartbeats stop (the host or the
 # flow-run process died): infra/zombie_automation.py, ZOMBIE_WITHIN_S seconds without a heartbeat (default 90;
 # `dapo deploy` makes flow runs beat every 30 s).
@@ -17,14 +18,16 @@ case "${1:-start}" in
     if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then echo "already running (pid $(cat "$PIDFILE"))"; exit 0; fi
     nohup .venv/bin/prefect server start --host 127.0.0.1 --port "$PORT" >"$PREFECT_HOME/server.log" 2>&1 &
     echo $! >"$PIDFILE"
-    for _ in $(seq 1 60); do
+    WAIT_S="${PREFECT_START_TIMEOUT_S:-180}"  # a loaded machine has been seen to need > 2 minutes
+    for i in $(seq 1 "$WAIT_S"); do
       if curl -sf "http://127.0.0.1:$PORT/api/health" >/dev/null; then
         echo "Prefect server up: UI http://127.0.0.1:$PORT  API http://127.0.0.1:$PORT/api (pid $(cat "$PIDFILE"))"
         PREFECT_API_URL="http://127.0.0.1:$PORT/api" .venv/bin/python infra/zombie_automation.py --within "${ZOMBIE_WITHIN_S:-90}"
         echo "export PREFECT_API_URL=http://127.0.0.1:$PORT/api"; exit 0; fi
+      if [ $((i % 15)) -eq 0 ]; then echo "waiting for the Prefect server to answer on port $PORT ($i s of $WAIT_S s)"; fi
       sleep 1
     done
-    echo "server did not become healthy; see $PREFECT_HOME/server.log" >&2; exit 1 ;;
+    echo "the Prefect server did not become healthy within $WAIT_S s; see $PREFECT_HOME/server.log (on a loaded machine raise PREFECT_START_TIMEOUT_S)" >&2; exit 1 ;;
   stop)
     [ -f "$PIDFILE" ] && kill -INT "$(cat "$PIDFILE")" 2>/dev/null && rm -f "$PIDFILE" && echo stopped || echo "not running" ;;
   status)
