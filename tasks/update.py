@@ -1,4 +1,8 @@
-"""Update-side stage tasks: update_critic, update_actor, weight sync, checkpoint."""
+"""Update-side stage tasks: update_critic, update_actor, weight sync, checkpoint.
+
+The updates hand the worker the batch's URI (the worker reads it from the run store) and commit a one-row
+marker with the update's metrics; the checkpoint task then applies step-data retention
+(`dapo_core.store.retention`)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from dapo_core.compute.cluster import chain
+from dapo_core.store.retention import apply_retention
 from tasks import runtime
 from tasks.common import StageResult, retry_unless_user_error, run_name, run_stage, stage_name
 
@@ -32,7 +37,7 @@ def update_critic(run_id: str, step: int, in_uri: str, part: int | None = None) 
         stage_name("update_critic", part),
         lambda: (
             _marker(step, part),
-            runtime.need(rt.critic, "critic").update_critic(rt.store.read_uri(in_uri), step),
+            runtime.need(rt.critic, "critic").update_critic_from(str(rt.store.root), in_uri, step),
         ),
     )
 
@@ -48,7 +53,7 @@ def update_actor(run_id: str, step: int, in_uri: str, part: int | None = None) -
         stage_name("update_actor", part),
         lambda: (
             _marker(step, part),
-            rt.actor.update_actor(rt.store.read_uri(in_uri), step),
+            rt.actor.update_actor_from(str(rt.store.root), in_uri, step),
         ),
     )
 
@@ -96,7 +101,26 @@ def checkpoint(run_id: str, step: int, driver_state: dict) -> str:
     # overwrite: a retry after a save that completed, or a run resumed (resume_path) from before its latest
     # checkpoint, writes this step again; the state being saved is the driver's current one either way
     path = ckpts.save(step, write, {"step": step, "run_id": run_id}, overwrite=True)
-    keep = rt.cfg.trainer.max_actor_ckpt_to_keep
-    if keep:
-        ckpts.keep_last(keep)
+    tr = rt.cfg.trainer
+    if tr.max_actor_ckpt_to_keep:
+        ckpts.keep_last(tr.max_actor_ckpt_to_keep)
+    deleted = apply_retention(rt.store, step, tr.keep_rollouts_every, replay_pins(rt))
+    if deleted:
+        print(
+            f"retention: deleted the step data of steps {_span(deleted)} (covered by checkpoint {step}; "
+            f"trainer.keep_rollouts_every={tr.keep_rollouts_every})"
+        )
     return str(path)
+
+
+def replay_pins(rt: runtime.Runtime) -> set[int]:
+    """Steps whose files the replay buffer still needs (its groups' `replay_add` files); none in the sync
+    order."""
+    if rt.cfg.trainer.step_order != "replay_buffer":
+        return set()
+    uris = {t["uri"] for _, t in rt.store.items("train", is_prompt=False) if "uri" in t}
+    return {rt.store.ref_of(u)[0] for u in uris}
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 2 else ", ".join(map(str, steps))

@@ -585,6 +585,9 @@ class TrainerConfig:
     """Resume even if data, base model or training config changed (inputs.json); drops stored rollouts."""
     max_actor_ckpt_to_keep: int | None = None
     """Keep at most this many actor checkpoints; null = all."""
+    keep_rollouts_every: int = 0
+    """Also keep the step data (rollouts, stage files) of every this-many-th step; 0 = keep only what a resume
+    replays (steps after the latest checkpoint), older step folders are deleted after each checkpoint."""
     max_critic_ckpt_to_keep: int | None = None
     """Keep at most this many critic checkpoints; null = all. Not implemented yet (default only)."""
     step_order: str = "sync"

@@ -50,6 +50,7 @@ def tiny_overrides(root: Path, **extra) -> list[str]:
         "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8,
         "eval.n": 2,
+        "trainer.keep_rollouts_every": 1,  # tests inspect every step's stages (retention: test_retention)
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

@@ -70,6 +70,7 @@ def _overrides(tmp: Path, *, use_ray: bool, run: str) -> list[str]:
         f"trainer.parameter_sync_step={PARTS}",
         "trainer.test_freq=0",
         f"trainer.save_freq={STEPS}",
+        "trainer.keep_rollouts_every=1",  # the checks read every step's stages (retention: test_retention)
         "trainer.val_before_train=false",
         "trainer.logger=[jsonl]",
         f"trainer.use_ray={str(use_ray).lower()}",

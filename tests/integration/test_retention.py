@@ -1,0 +1,135 @@
+"""Step-data retention: after a checkpoint only what a resume replays is kept (plus keep_rollouts_every steps,
+base chains and pinned steps); a process SIGKILLed in the middle of a deletion leaves every kept stage
+readable and its trash is removed by the next call."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from dapo_core.store import RunStore
+from dapo_core.store.retention import apply_retention, retained_steps
+
+
+def _rows(step: int, n: int = 16) -> pa.Table:
+    return pa.table(
+        {
+            "uid": pa.array([f"{step:04d}{i // 4:028x}" for i in range(n)]),
+            "sample_idx": pa.array([i % 4 for i in range(n)], pa.int64()),
+            "x": pa.array(np.arange(n, dtype=np.float32) + step),
+        }
+    )
+
+
+def _fill(root: Path, steps: range) -> None:
+    with RunStore(root) as store:
+        for s in steps:
+            u = store.write_stage(s, "prompts_g0", _rows(s))
+            t = _rows(s).append_column("y", pa.array(np.ones(16, np.float32)))
+            store.write_stage(s, "reward_g0", t, base=u)
+
+
+def test_keeps_resume_steps_every_kth_base_chains_and_pins(tmp_path):
+    root = tmp_path / "run"
+    _fill(root, range(1, 8))
+    with RunStore(root) as store:
+        # step 6 builds on a stage of step 1 (as the replay order's batch builds on an earlier step's rows)
+        store.write_stage(6, "batch", _rows(1), base=store.stage_uri(1, "prompts_g0"))
+        keep, delete = retained_steps(store, 5, keep_every=2, pinned=[3])
+        assert keep == [1, 2, 3, 4, 6, 7] and delete == [5]
+        assert apply_retention(store, 5, keep_every=0) == [2, 3, 4, 5]
+        assert store.steps() == [1, 6, 7]
+        assert store.read_stage(6, "batch").equals(_rows(1))
+        assert store.read_stage(7, "reward_g0").column("x").equals(_rows(7).column("x"))
+        assert apply_retention(store, None) == []  # no checkpoint: nothing goes
+
+
+CHILD = """
+import os, signal, sys
+from dapo_core.store import RunStore
+from dapo_core.store import retention
+retention.crash_hook = lambda where: os.kill(os.getpid(), signal.SIGKILL)
+with RunStore(sys.argv[1]) as store:
+    retention.apply_retention(store, int(sys.argv[2]))
+"""
+
+
+def test_sigkill_between_rename_and_removal(tmp_path):
+    root = tmp_path / "run"
+    _fill(root, range(1, 6))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(root), "3"], cwd=Path(__file__).parents[2])
+    assert proc.returncode == -signal.SIGKILL
+    trash = [p.name for p in root.iterdir() if p.name.startswith(".trash-")]
+    assert len(trash) == 3  # renamed away, never removed
+    with RunStore(root) as store:
+        assert store.steps() == [4, 5]  # what a resume from checkpoint 3 replays is all there
+        for s in (4, 5):
+            assert store.committed_stages(s) == ["prompts_g0", "reward_g0"]
+            store.verify_stage(s, "reward_g0")
+            assert store.read_stage(s, "reward_g0").num_rows == 16
+        assert apply_retention(store, 3) == []
+    assert not [p for p in root.iterdir() if p.name.startswith(".trash-")]
+    assert os.listdir(root / "step_000004")
+
+
+@pytest.mark.timeout(900)
+def test_default_retention_in_a_killed_run_and_resume_stays_bitwise(tiny_assets):
+    """With `keep_rollouts_every=0` a run keeps only the step folders after its latest checkpoint; a run
+    SIGKILLed inside step 3 and resumed ends bitwise equal to an uninterrupted run that kept everything."""
+    from safetensors.torch import load_file
+
+    from tests.integration.conftest import CONFIG, tiny_overrides
+
+    common = {
+        "trainer.total_training_steps": 3,
+        "trainer.save_freq": 1,
+        "trainer.test_freq": -1,
+        "trainer.val_before_train": "false",
+        "trainer.use_ray": "false",
+        "algorithm.filter_groups.enable": "false",  # the briefly warmed-up model may keep no group
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    repo = Path(__file__).resolve().parents[2]
+
+    def cmd(name: str, keep: int) -> list[str]:
+        extra = {**common, "trainer.experiment_name": name, "trainer.keep_rollouts_every": keep}
+        ov = tiny_overrides(tiny_assets, **extra)
+        return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
+
+    subprocess.run(cmd("kept", 1), check=True, env=env, cwd=repo, capture_output=True)
+    victim = subprocess.Popen(
+        cmd("bounded", 0),
+        env=env,
+        cwd=repo,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    run = tiny_assets / "runs" / "bounded"
+    marker = run / "step_000003" / "generate_g0.manifest.json"
+    deadline = time.time() + 600
+    while not marker.exists():
+        assert victim.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    with RunStore(run) as store:
+        assert store.steps() == [3]  # steps 1 and 2 went after checkpoints 1 and 2
+    done = subprocess.run(cmd("bounded", 0), env=env, cwd=repo, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with RunStore(run) as store:
+        assert store.steps() == []  # step 3 is covered by the final checkpoint
+    with RunStore(tiny_assets / "runs" / "kept") as store:
+        assert store.steps() == [1, 2, 3]
+    a = load_file(str(tiny_assets / "runs" / "kept" / "ckpt" / "step_3" / "actor" / "model.safetensors"))
+    b = load_file(str(run / "ckpt" / "step_3" / "actor" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
