@@ -586,8 +586,7 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int | None = None
     """Keep at most this many actor checkpoints; null = all."""
     keep_rollouts_every: int = 0
-    """Also keep the step data (rollouts, stage files) of every this-many-th step; 0 = keep only what a resume
-    replays (steps after the latest checkpoint), older step folders are deleted after each checkpoint."""
+    """Keep every this-many-th step's data past checkpoints (0: only steps a resume replays)."""
     max_critic_ckpt_to_keep: int | None = None
     """Keep at most this many critic checkpoints; null = all. Not implemented yet (default only)."""
     step_order: str = "sync"
