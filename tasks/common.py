@@ -75,12 +75,9 @@ def run_stage(
     The run store is the single source of truth: a retried task, a retried flow run or a resumed run skips
     work whose manifest is already written. Timing goes into the metrics as `timing_s/<stage>`.
     """
-    done = committed(rt, step, stage)
+    done = _committed_or_fault(rt, step, stage)
     if done is not None:
         return done
-    fault = injected_fault(stage, step, rt.run_id)
-    if fault is not None:
-        raise InjectedFault(fault)
     t0 = time.perf_counter()
     try:
         table, metrics = compute()
@@ -122,12 +119,9 @@ def worker_stage(
     """Return the committed output of (step, stage) if it exists, else hand a `StageJob` (read `input_uri`,
     compute, validate against `schema`, commit as a delta over the input) to a worker through `call`, e.g.
     `lambda job: rt.reward.score_stage(job)`, and return what it committed. No table passes through here."""
-    done = committed(rt, step, stage)
+    done = _committed_or_fault(rt, step, stage)
     if done is not None:
         return done
-    fault = injected_fault(stage, step, rt.run_id)
-    if fault is not None:
-        raise InjectedFault(fault)
     job = StageJob(
         root=str(rt.store.root),
         step=step,
@@ -151,6 +145,18 @@ def worker_stage(
     return uri, dict(metrics)
 
 
+def _committed_or_fault(rt: Runtime, step: int, stage: str) -> StageResult | None:
+    """The committed output of (step, stage), or None when it is to be computed now; raises the fault
+    `DAPO_FAULT` injects there (tests of retry and resume), which only a stage not yet committed can hit."""
+    done = committed(rt, step, stage)
+    if done is not None:
+        return done
+    fault = injected_fault(stage, step, rt.run_id)
+    if fault is not None:
+        raise InjectedFault(fault)
+    return None
+
+
 def select_stage(
     rt: Runtime,
     step: int,
@@ -163,12 +169,9 @@ def select_stage(
 
     The selected rows were validated when their stages were committed; what a selection can break is the
     group structure, so every uid must keep all `n` of its rows."""
-    done = committed(rt, step, stage)
+    done = _committed_or_fault(rt, step, stage)
     if done is not None:
         return done
-    fault = injected_fault(stage, step, rt.run_id)
-    if fault is not None:
-        raise InjectedFault(fault)
     t0 = time.perf_counter()
     positions, metrics = compute()
     metrics = {**metrics, f"timing_s/{_timer(stage)}": time.perf_counter() - t0}
