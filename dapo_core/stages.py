@@ -19,6 +19,7 @@ from dapo_core.algo.advantages import compute_advantage
 from dapo_core.algo.dynamic_sampling import filter_groups
 from dapo_core.data import batch as B
 from dapo_core.errors import DapoUserError
+from dapo_core.metrics.step import compute_data_metrics
 
 
 class DynamicSamplingExhausted(DapoUserError, ValueError):
@@ -160,3 +161,27 @@ def compute_advantage_table(
         out = B.add_token_column(out, name, tensor, "float32")
     out = B.add_token_column(out, "response_mask", mask.to(torch.int8), "int8")
     return out, metrics
+
+
+def batch_data_metrics(table: pa.Table, pad_token_id: int) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """The §7.1 data metrics of a step's advantage view (``critic/*`` with ``critic/acc/mean``,
+    ``response_length*``, ``prompt_length/*``) and its per-row ``prompt_length`` / ``response_length`` (what
+    the §7.2 timing and throughput metrics count tokens from).
+
+    Computed where the table is (a worker next to the run store): only these numbers and two integer lists
+    go to the driver, never the token-level columns (gigabytes at the recipe's shape)."""
+    t = B.to_padded(
+        table,
+        pad_token_id,
+        columns=["advantages", "returns", "token_level_rewards"]
+        + (["values"] if "values" in table.column_names else []),
+    )
+    t["token_level_scores"] = place_scalar_at_last_token(
+        table.column("reward").to_pylist(), B.response_lengths(table), t["responses"].shape[1]
+    )
+    out = dict(compute_data_metrics(t, use_critic="values" in table.column_names))
+    out["critic/acc/mean"] = float(
+        sum(bool(a) for a in table.column("acc").to_pylist()) / max(table.num_rows, 1)
+    )
+    lengths = {k: [int(v) for v in t[k].tolist()] for k in ("prompt_length", "response_length")}
+    return out, lengths

@@ -36,11 +36,11 @@ from dapo_core.config import (
     typed,
     use_critic,
 )
-from dapo_core.data import batch as B
 from dapo_core.data.datasets import PromptSampler, read_parquet
 from dapo_core.data.sampler import MIXED, HistorySampler, group_outcomes
-from dapo_core.metrics.step import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
+from dapo_core.metrics.step import compute_throughput_metrics, compute_timing_metrics
 from dapo_core.metrics.tracking import Tracker
+from dapo_core.stages import batch_data_metrics
 from dapo_core.store import RunStore, StoreCorruption
 from dapo_core.store.checkpoint import MANIFEST_NAME, CheckpointDir, CheckpointError, verify_folder
 from dapo_core.store.files import atomic_write_bytes
@@ -566,29 +566,22 @@ def refill_size(cfg: DapoConfig, keep_rate: KeepRateEstimator, deficit: int, fix
 
 
 def step_metrics(rt: runtime.Runtime, step: int, adv_uri: str, metrics: dict) -> dict:
-    """Data, timing and throughput metrics of a finished step (docs/REFERENCE.md §7.1–7.2 key names)."""
-    table = rt.store.read_uri(adv_uri)
-    t = B.to_padded(
-        table,
-        rt.pad_token_id,
-        columns=["advantages", "returns", "token_level_rewards"]
-        + (["values"] if "values" in table.column_names else []),
-    )
-    from dapo_core.stages import place_scalar_at_last_token
+    """Data, timing and throughput metrics of a finished step (docs/REFERENCE.md §7.1–7.2 key names). The
+    data metrics are computed on the reward worker, which reads the advantage view from the store; the
+    driver gets a few numbers and the per-row lengths, never the table."""
+    import torch
 
-    t["token_level_scores"] = place_scalar_at_last_token(
-        table.column("reward").to_pylist(), B.response_lengths(table), t["responses"].shape[1]
+    out, lengths = rt.reward.summarize(
+        str(rt.store.root), adv_uri, functools.partial(batch_data_metrics, pad_token_id=rt.pad_token_id)
     )
-    out = dict(compute_data_metrics(t, use_critic="values" in table.column_names))
     timing = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("timing_s/")}
     timing.setdefault("gen", timing.get("generate", 0.0))  # the reference's timer names (§7.2) for our stages
     if "advantage" in timing:
         timing.setdefault("adv", timing["advantage"])
-    out.update(compute_timing_metrics(t, timing))
-    out.update(compute_throughput_metrics(t, timing, n_gpus=1))
-    out["critic/acc/mean"] = float(
-        sum(bool(a) for a in table.column("acc").to_pylist()) / max(table.num_rows, 1)
-    )
+    counts = {k: torch.tensor(v, dtype=torch.long) for k, v in lengths.items()}
+    counts |= {"prompts": torch.empty(0, 0), "responses": torch.empty(0, 0)}  # widths: unused by §7.2
+    out.update(compute_timing_metrics(counts, timing))
+    out.update(compute_throughput_metrics(counts, timing, n_gpus=1))
     return out
 
 

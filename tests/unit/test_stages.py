@@ -143,3 +143,40 @@ def test_replay_order_keep_rate_is_the_checkpointed_one(monkeypatch):
     assert est.state_dict() == {"kept": 1.0, "seen": 4.0}
     assert metrics == {**new, "timing_s/generate": 3.0, "perf/gen_tokens": 8.0}
     assert DriverState().to_json(rt)["keep_rate_state"] == {"kept": 1.0, "seen": 4.0}
+
+
+def test_step_data_metrics_computed_from_the_table_equal_the_padded_batch_path():
+    """`batch_data_metrics` (run on a worker next to the store) gives exactly the metrics the driver used to
+    compute from the whole padded advantage table, and its per-row lengths give the same timing and
+    throughput metrics."""
+    import math
+
+    from dapo_core.metrics.step import (
+        compute_data_metrics,
+        compute_throughput_metrics,
+        compute_timing_metrics,
+    )
+    from dapo_core.stages import batch_data_metrics
+
+    t = _table([[1, -1, -1, 1], [1, 1, 1, -1]], lengths=[2, 3, 0, 2, 5, 1, 4, 3])
+    table, _ = compute_advantage_table(t, pad_token_id=0, adv_estimator="grpo")
+    padded = B.to_padded(table, 0, columns=["advantages", "returns", "token_level_rewards"])
+    padded["token_level_scores"] = place_scalar_at_last_token(
+        table.column("reward").to_pylist(), B.response_lengths(table), padded["responses"].shape[1]
+    )
+    want = dict(compute_data_metrics(padded, use_critic=False))
+    want["critic/acc/mean"] = 5 / 8  # rewards > 0 are correct (`_table`)
+    timing = {"step": 2.5, "gen": 1.0, "adv": 0.1, "update_actor": 0.7}
+    want |= compute_timing_metrics(padded, timing) | compute_throughput_metrics(padded, timing, n_gpus=1)
+
+    got, lengths = batch_data_metrics(table, pad_token_id=0)
+    assert lengths["response_length"] == [2, 3, 0, 2, 5, 1, 4, 3] and lengths["prompt_length"] == [2] * 8
+    counts = {k: torch.tensor(v) for k, v in lengths.items()} | {
+        "prompts": torch.empty(0, 0),
+        "responses": torch.empty(0, 0),
+    }
+    got |= compute_timing_metrics(counts, timing) | compute_throughput_metrics(counts, timing, n_gpus=1)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert (math.isnan(v) and math.isnan(got[k])) or got[k] == v, k
+    assert got["response/aborted_ratio"] == 1 / 8  # the empty response counts as aborted

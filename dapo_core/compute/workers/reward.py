@@ -23,7 +23,7 @@ from dapo_core.data import batch as B
 from dapo_core.errors import DapoUserError
 from dapo_core.rewards import default_compute_score
 from dapo_core.rewards.manager import RewardManager
-from dapo_core.store.jobs import StageJob, run_job
+from dapo_core.store.jobs import StageJob, run_job, stage_files
 
 
 class RewardFailureRate(DapoUserError, RuntimeError):
@@ -103,6 +103,11 @@ class RewardWorker:
         """`fn` (a model-free table function, e.g. the advantage stage) applied to the view at
         `job.input_uri` here, committed by this worker as `job.stage`."""
         return run_job(job, fn)
+
+    def summarize(self, root: str, uri: str, fn: Callable[[pa.Table], Any]) -> Any:
+        """`fn` (a model-free summary, e.g. a step's data metrics) of the committed view at `uri` of the run
+        folder `root`, read here; only its (small) result goes back to the caller. Commits nothing."""
+        return fn(stage_files(root).read_uri(uri))
 
     def _check_failure_rate(self, rows: list[dict], failures: list[tuple[str, str]]) -> None:
         """Raise `RewardFailureRate` when the share of failed rows exceeds `max_failure_rate`."""
