@@ -57,9 +57,12 @@ def test_prepare_says_what_it_waits_for(root, tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     _clean(out)
-    assert "starting a temporary local Prefect server (waits up to 120 s" in out
-    assert "still waiting for the temporary Prefect server to answer" in out
-    assert re.search(r"Prefect server ready at http://127\.0\.0\.1:\d+/api after \d+ s", out)
+    # 120 s unless PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS says otherwise (the Makefile sets it)
+    assert re.search(r"starting a temporary local Prefect server \(waits up to \d+ s", out), out
+    ready = re.search(r"Prefect server ready at http://127\.0\.0\.1:\d+/api after (\d+) s", out)
+    assert ready, out
+    if int(ready.group(1)) >= 2:  # a line a second while it waits (a fast machine may be ready in < 1 s)
+        assert "still waiting for the temporary Prefect server to answer" in out
     assert "train: 400 rows" in out
 
 
