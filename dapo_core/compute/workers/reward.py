@@ -8,7 +8,8 @@ with their uid by the reward manager (never a silent zero); a NaN score is a fai
 example row (an unknown data_source or an unparsable ground truth fails every row: training on that would
 learn nothing, and the run would otherwise end "Completed"). `score_stage` reads its input from the run store
 and commits its output itself (`StageJob`); `transform_stage` does the same for a table function of the
-driver's (the advantage stage), so no batch passes through the driver.
+driver's (the advantage stage), and `validation_stage` scores the held-out generation and computes the
+`val-core/…` / `val-aux/…` metrics here, so no batch passes through the driver.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pyarrow as pa
 from dapo_core.compute.models import load_tokenizer
 from dapo_core.data import batch as B
 from dapo_core.errors import DapoUserError
+from dapo_core.metrics.validation import validation_summary
 from dapo_core.rewards import default_compute_score
 from dapo_core.rewards.manager import RewardManager
 from dapo_core.store.jobs import StageJob, run_job, stage_files
@@ -96,6 +98,17 @@ class RewardWorker:
     def score_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
         """`score` the generation at `job.input_uri`, committed by this worker as `job.stage`."""
         return run_job(job, self.score)
+
+    def validation_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
+        """`score` the validation generation at `job.input_uri` and commit it as `job.stage`; its metrics
+        (what goes back to the driver) are `validation_summary` of the scored rows, not the reward
+        metrics."""
+
+        def compute(table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+            scored, _ = self.score(table)
+            return scored, validation_summary(scored)
+
+        return run_job(job, compute)
 
     def transform_stage(
         self, job: StageJob, fn: Callable[[pa.Table], tuple[pa.Table, dict[str, float]]]

@@ -3,7 +3,9 @@
 Input rows are already one per sample (the driver repeats each prompt `n` times and stamps
 `uid`/`sample_idx`); each row's sampling seed is `request_seed(seed, gen_step, uid, sample_idx)`, so
 regenerating a committed step after a crash gives the same tokens where the engine is deterministic (HF on CPU
-is). `generate_stage` reads its prompts from the run store and commits its output itself (`StageJob`).
+is). `generate_stage` reads its prompts from the run store and commits its output itself (`StageJob`);
+`validation_stage` does the same for the held-out prompts (it repeats them `val_kwargs.n` times itself, so
+only the distinct prompts are ever written by the driver).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from dapo_core.compute.engines.rollout import SamplingParams, make_rollout_engine
 from dapo_core.data import batch as B
-from dapo_core.seeding import request_seed
+from dapo_core.seeding import request_seed, uid_factory
 from dapo_core.store.jobs import StageJob, run_job
 
 
@@ -81,6 +83,20 @@ class RolloutWorker:
         def compute(table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
             out = self.generate(table, gen_step)
             return out, generation_metrics(out)
+
+        return run_job(job, compute)
+
+    def validation_stage(
+        self, job: StageJob, gen_step: int, *, n: int, uid_seed: int
+    ) -> tuple[str, dict[str, float]]:
+        """The validation generation: the distinct held-out prompts at `job.input_uri`, each repeated `n`
+        times with uids seeded by (`uid_seed`, "val", `job.step`), generated with the validation sampling
+        settings and committed by this worker as `job.stage` (no metrics: validation's are the scorer's)."""
+
+        def compute(prompts: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+            uid_fn = uid_factory(uid_seed, "val", job.step)
+            table = B.repeat_interleave_prompts(prompts, n, uid_fn=uid_fn)
+            return self.generate(table, gen_step, True), {}
 
         return run_job(job, compute)
 
