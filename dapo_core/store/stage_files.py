@@ -24,8 +24,26 @@ Consistency: a stage whose base is not committed is not committed either (:meth:
 deleting or re-writing a stage first deletes the stages built on it (leaves first, each manifest before its
 file), so a crash at any point leaves every committed stage readable.
 
-Manifests of ``format`` 1 (run folders written before column deltas) have no base and hold whole tables: they
-are read as they are, and new stages may be written on top of them (their row keys are computed on read).
+**Run-length ends** (manifest ``format`` 3). A per-token list column (``list<int or float>``, no nulls) whose
+every row is one value repeated with possibly another last value — ``[b, b, …, b, e]`` — is stored as one
+``struct<n: int32, body, last>`` per row and listed in the manifest's ``encoded`` (``{column: "ends"}``); a
+read expands it back to the same ``list<…>`` values, bit for bit. GRPO's advantages and returns (one value per
+row), the token-level rewards (zeros and the score at the last token) and an all-ones response mask are such
+columns: at the recipe's shape they are over half of a step's bytes, and this makes them a few bytes a row.
+
+Manifests of ``format`` 2 (column deltas, before the run-length ends) are read as they are (they have no
+``encoded``). Manifests of ``format`` 1 (run folders written before column deltas) have no base and hold whole
+tables: they are read as they are, and new stages may be written on top of them (their row keys are computed
+on read). A manifest of a newer format than :data:`FORMAT` is refused, naming the file and the fix.
+
+A verified read memory-maps the file and hashes the mapping (no copy into a ``bytes``; the table is then
+zero-copy over the checked pages). **Verified once per process**: a file this process has hashed is taken on
+trust by its later verified reads while its (device, inode, size, mtime, ctime) are unchanged — and only if
+it had been unchanged for :data:`TRUST_AFTER_S` when it was hashed, so that any later write to it, a flipped
+byte included, necessarily moves its ctime (file timestamps tick at most every second, even on coarse
+filesystems) and is hashed again. A worker reads the generation files of a step in several views (the reward
+worker scores them, computes the advantage and the step's metrics; the actor computes old log-probs and
+updates): each is hashed once there instead of at every view.
 
 Byte counters (:func:`io_counters`) count the stage-file bytes this process read and wrote, for the
 benchmarks that measure what passes through the driver.
@@ -35,6 +53,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
 import time
@@ -69,8 +88,10 @@ KEY_COLUMN = "_key"
 """The row id column of every stage file whose table has ``uid`` and ``sample_idx``."""
 SRC_COLUMN = "_src"
 """Positions of a selection's rows in the concatenated base views."""
-FORMAT = 2
-"""Manifest format written now (1: whole tables, no base)."""
+FORMAT = 3
+"""Manifest format written now (1: whole tables, no base; 2: column deltas; 3: run-length ends)."""
+ENDS = "ends"
+"""The ``encoded`` kind of a list column stored as one ``(n, body, last)`` per row (module docstring)."""
 
 StageRef = tuple[int, str]
 """(step, stage) of a stage file in the same run folder."""
@@ -79,8 +100,21 @@ _STAGE_RE = re.compile(r"^[a-z0-9_]+$")
 _STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 _MANIFEST_SUFFIX = ".manifest.json"
 _INTERNAL = (KEY_COLUMN, SRC_COLUMN)
-_COUNTERS = {"read_bytes": 0, "mapped_bytes": 0, "written_bytes": 0, "files_read": 0, "files_written": 0}
+_COUNTERS = {
+    "read_bytes": 0,
+    "trusted_bytes": 0,
+    "mapped_bytes": 0,
+    "written_bytes": 0,
+    "files_read": 0,
+    "files_written": 0,
+}
 _COUNTER_LOCK = threading.Lock()
+TRUST_AFTER_S = 2.0
+"""A hashed file is trusted by later verified reads of this process only if it was this old (since its last
+change) when it was hashed (module docstring)."""
+_VERIFIED: OrderedDict[str, tuple[tuple[int, ...], str]] = OrderedDict()
+"""path -> (stat key when hashed, sha256) of the files this process verified and may take on trust."""
+_VERIFIED_MAX = 4096
 
 
 class StoreError(DapoUserError, ValueError):
@@ -102,8 +136,10 @@ class StoreCorruption(StoreError):
 def io_counters(reset: bool = False) -> dict[str, int]:
     """Stage-file bytes and files read and written by this process so far (``reset``: zero them after).
 
-    ``read_bytes``: files read whole (verified reads); ``mapped_bytes``: the columns an unverified read
-    returned from memory-mapped files (only those pages are touched); ``written_bytes``: files written."""
+    ``read_bytes``: files read whole and hashed (verified reads); ``trusted_bytes``: files a verified read
+    took on trust (hashed before by this process, unchanged since); ``mapped_bytes``: the columns an
+    unverified read returned from memory-mapped files (only those pages are touched); ``written_bytes``: files
+    written; ``files_read`` counts the hashed and the trusted files."""
     with _COUNTER_LOCK:
         out = dict(_COUNTERS)
         if reset:
@@ -116,7 +152,7 @@ def _count(kind: str, nbytes: int) -> None:
     with _COUNTER_LOCK:
         _COUNTERS[f"{kind}_bytes"] += int(nbytes)
         if kind != "mapped":
-            _COUNTERS[f"files_{kind}"] += 1
+            _COUNTERS["files_read" if kind == "trusted" else f"files_{kind}"] += 1
 
 
 def schema_hash(schema: pa.Schema) -> str:
@@ -144,11 +180,154 @@ def row_keys(table: pa.Table) -> pa.Array | None:
     return pa.array(keys, type=pa.int64())
 
 
-def _sha256_file(path: Path) -> tuple[str, int, bytes]:
-    """Read a whole file; return its sha256, its size and the bytes."""
-    with open(path, "rb") as f:
-        data = f.read()
-    return hashlib.sha256(data).hexdigest(), len(data), data
+def _stat_key(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _sha256_mapped(path: Path, expect: str) -> tuple[str, int, pa.Buffer, bool]:
+    """Memory-map a whole file; return its sha256, its size, the mapped buffer (hashed in place: no copy) and
+    whether it was taken on trust (this process hashed it before to ``expect``, and it is unchanged since)."""
+    st = os.stat(path)
+    key, name = _stat_key(st), str(path)
+    buf = pa.memory_map(name).read_buffer()
+    with _COUNTER_LOCK:
+        if _VERIFIED.get(name) == (key, expect):
+            _VERIFIED.move_to_end(name)
+            return expect, buf.size, buf, True
+    digest = hashlib.sha256(memoryview(buf)).hexdigest()
+    settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) >= TRUST_AFTER_S * 1e9
+    if digest == expect and settled and buf.size == st.st_size:
+        with _COUNTER_LOCK:
+            _VERIFIED[name] = (key, digest)
+            _VERIFIED.move_to_end(name)
+            while len(_VERIFIED) > _VERIFIED_MAX:
+                _VERIFIED.popitem(last=False)
+    return digest, buf.size, buf, False
+
+
+# ------------------------------------------------------------------------------------- run-length ends
+def _ends_type(field: pa.Field) -> pa.DataType | None:
+    """The value type of a column that may be stored as run-length ends, or None."""
+    t = field.type
+    if not pa.types.is_list(t) or t != pa.list_(t.value_type):  # plain list<item> only
+        return None
+    vt = t.value_type
+    if not (pa.types.is_integer(vt) or pa.types.is_floating(vt)):
+        return None
+    return vt
+
+
+def _ends_encode_chunk(chunk: pa.ListArray, vt: pa.DataType) -> pa.StructArray | None:
+    vals = chunk.flatten()
+    if vals.null_count:
+        return None
+    v = vals.to_numpy(zero_copy_only=False)
+    u = v.view(f"u{v.itemsize}")  # compare bits: -0.0 and NaN payloads must come back as they were
+    lens = pc.list_value_length(chunk).to_numpy(zero_copy_only=False).astype(np.int64)
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    full = lens > 0
+    body = np.zeros(len(lens), dtype=u.dtype)
+    last = np.zeros(len(lens), dtype=u.dtype)
+    body[full] = u[starts[full]]
+    last[full] = u[ends[full] - 1]
+    long = lens > 2  # cheap rejection of ordinary columns: the second value of a row must be the first
+    if not np.array_equal(u[starts[long] + 1], body[long]):
+        return None
+    expect = np.repeat(body, lens)
+    expect[ends[full] - 1] = last[full]
+    if not np.array_equal(expect, u):
+        return None
+    return pa.StructArray.from_arrays(
+        [pa.array(lens.astype(np.int32)), pa.array(body.view(v.dtype), vt), pa.array(last.view(v.dtype), vt)],
+        names=["n", "body", "last"],
+    )
+
+
+def _ends_encode(col: pa.ChunkedArray, field: pa.Field) -> tuple[pa.ChunkedArray, pa.Field] | None:
+    """``col`` as run-length ends (one ``(n, body, last)`` struct per row) and its file field, or None when
+    some row is not ``[b, …, b, e]``, or the column has nulls or another type."""
+    vt = _ends_type(field)
+    if vt is None or col.null_count:
+        return None
+    chunks = []
+    for chunk in col.chunks:
+        enc = _ends_encode_chunk(chunk, vt)
+        if enc is None:
+            return None
+        chunks.append(enc)
+    if sum(c.nbytes for c in chunks) >= col.nbytes:  # rows of 0-2 values: nothing to gain
+        return None
+    stype = pa.struct([("n", pa.int32()), ("body", vt), ("last", vt)])
+    return (
+        pa.chunked_array(chunks, type=stype),
+        pa.field(field.name, stype, nullable=field.nullable, metadata=field.metadata),
+    )
+
+
+def _ends_decode(col: pa.ChunkedArray, field: pa.Field, where: Path) -> tuple[pa.ChunkedArray, pa.Field]:
+    """The ``list<…>`` column that :func:`_ends_encode` stored as ``col``."""
+    t = field.type
+    if not (
+        pa.types.is_struct(t) and [f.name for f in t] == ["n", "body", "last"] and t[1].type == t[2].type
+    ):
+        raise StoreCorruption(f"{where}: column {field.name!r} is marked run-length encoded but has type {t}")
+    vt = t[1].type
+    chunks = []
+    for chunk in col.chunks:
+        lens = pc.struct_field(chunk, "n").to_numpy(zero_copy_only=False).astype(np.int64)
+        body = pc.struct_field(chunk, "body").to_numpy(zero_copy_only=False)
+        last = pc.struct_field(chunk, "last").to_numpy(zero_copy_only=False)
+        if len(lens) and lens.min() < 0:
+            raise StoreCorruption(f"{where}: column {field.name!r} has a negative run length")
+        ends = np.cumsum(lens)
+        vals = np.repeat(body, lens)
+        full = lens > 0
+        vals[ends[full] - 1] = last[full]
+        offsets = np.concatenate([[0], ends]).astype(np.int32)
+        chunks.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(vals, vt), type=pa.list_(vt)))
+    return (
+        pa.chunked_array(chunks, type=pa.list_(vt)),
+        pa.field(field.name, pa.list_(vt), nullable=field.nullable, metadata=field.metadata),
+    )
+
+
+def _encode_file_table(file_table: pa.Table) -> tuple[pa.Table, dict[str, str]]:
+    """``file_table`` with every column that can be stored as run-length ends so stored, and the manifest's
+    ``encoded``."""
+    encoded: dict[str, str] = {}
+    cols, fields = [], []
+    for field in file_table.schema:
+        col = file_table.column(field.name)
+        enc = None if field.name in _INTERNAL else _ends_encode(col, field)
+        if enc is not None:
+            col, field = enc
+            encoded[field.name] = ENDS
+        cols.append(col)
+        fields.append(field)
+    if not encoded:
+        return file_table, encoded
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields, metadata=file_table.schema.metadata)), encoded
+
+
+def _decode_file_table(table: pa.Table, man: dict, path: Path) -> pa.Table:
+    """The file table as written, with the manifest's ``encoded`` columns expanded back."""
+    encoded = man.get("encoded") or {}
+    if not encoded:
+        return table
+    if not isinstance(encoded, dict):
+        raise StoreCorruption(f"{path}: its manifest's 'encoded' is not a mapping")
+    cols, fields = [], []
+    for field in table.schema:
+        col = table.column(field.name)
+        kind = encoded.get(field.name)
+        if kind == ENDS:
+            col, field = _ends_decode(col, field, path)
+        elif kind is not None:
+            raise StoreCorruption(f"{path}: column {field.name!r} has an unknown encoding {kind!r}")
+        cols.append(col)
+        fields.append(field)
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields, metadata=table.schema.metadata))
 
 
 class _HashingSink:
@@ -434,6 +613,7 @@ class StageFiles:
             self._delete_dependents((step, stage))
             unlink_missing_ok(man_path)
             fsync_dir(data_path.parent)
+        file_table, encoded = _encode_file_table(file_table)
         sinks: list[_HashingSink] = []
 
         def write_ipc(f: BinaryIO) -> None:
@@ -452,6 +632,7 @@ class StageFiles:
             **view,
             "file_columns": [c for c in file_table.schema.names if c not in _INTERNAL],
             "selection": SRC_COLUMN in file_table.column_names,
+            "encoded": encoded,
             "sha256": sink.sha.hexdigest(),
             "bytes": sink.nbytes,
             "meta": meta_json,
@@ -579,9 +760,10 @@ class StageFiles:
     # ------------------------------------------------------------------ read
     def _read_verified(self, path: Path, man: dict, verify: bool) -> pa.Table:
         try:
-            if verify:
-                digest, size, data = _sha256_file(path)
-                _count("read", size)
+            data: pa.Buffer | pa.MemoryMappedFile
+            if verify:  # mapped and hashed in place; the table is zero-copy over the checked pages
+                digest, size, data, trusted = _sha256_mapped(path, str(man["sha256"]))
+                _count("trusted" if trusted else "read", size)
             else:  # memory-mapped: only the pages of the columns used are ever read
                 data = pa.memory_map(str(path))
                 digest, size = None, data.size()
@@ -600,12 +782,12 @@ class StageFiles:
                 f"{digest[:12]}…): the file is corrupted; delete the stage and re-run it"
             )
         try:
-            table = ipc.open_file(pa.py_buffer(data) if isinstance(data, bytes) else data).read_all()
+            table = ipc.open_file(data).read_all()
         except (pa.ArrowInvalid, OSError) as e:
             raise StoreCorruption(f"{path} is not a readable Arrow IPC file ({e})") from None
         if table.num_rows != man.get("rows", table.num_rows):
             raise StoreCorruption(f"{path} has {table.num_rows} rows, its manifest says {man['rows']}")
-        return table
+        return _decode_file_table(table, man, path)
 
     def _remember(self, key: tuple[int, str, str], view: _View) -> None:
         with self._views_lock:

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pytest
 
 from dapo_core.store import RunStore, StoreCorruption
-from dapo_core.store.stage_files import KEY_COLUMN, SRC_COLUMN, StageFiles, io_counters
+from dapo_core.store.stage_files import FORMAT, KEY_COLUMN, SRC_COLUMN, StageFiles, io_counters
 
 
 def _prompts(groups: int, n: int = 4, seed: int = 0) -> pa.Table:
@@ -116,7 +116,7 @@ def test_base_missing_or_replaced_behind_the_stores_back(store):
     assert store.base_of(1, "generate_g0") == []  # the rows are not the base's, so it was stored whole
     raw = StageFiles(store.root)
     man = json.loads((store.step_dir(1) / "generate_g0.manifest.json").read_text())
-    assert man["format"] == 2 and raw.read_stage(1, "generate_g0").equals(_add(p, "response_ids", 1))
+    assert man["format"] == FORMAT and raw.read_stage(1, "generate_g0").equals(_add(p, "response_ids", 1))
 
 
 def test_key_mismatch_is_corruption(store, tmp_path):
