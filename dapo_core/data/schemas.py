@@ -7,9 +7,14 @@ the earlier stages. Two columns are conditional because their stage is optional 
 their own stage and checked, when present, at every later stage; ``rollout_is_weights`` (only when
 importance sampling is on) is checked when present.
 
-Backend: ``pandera.pyarrow`` directly on the ``pa.Table`` (no conversion; measured in
-``bench/bench_schemas.py``). Cross-field checks are dataframe-level pandera checks written with
-``pyarrow.compute`` + numpy over flattened list values (never element-wise Python):
+How it runs (cheap enough for every stage of every step): column presence and Arrow types are compared with
+``pyarrow`` against ``COLUMN_TYPES``; every row predicate below runs vectorised with ``pyarrow.compute`` +
+numpy over flattened list values (never element-wise Python); pandera (``pandera.pyarrow``) then validates
+the compact per-row frame of their outcome (``row_ok``: one bool per trajectory) with the stage's named
+schema. Handing pandera the batch itself cost ~10 ms per column per stage on the 2-core machine (its narwhals
+backend converts the whole table schema once per column and, in pandera 0.35, retries a failing optional
+pyspark import per column), ~0.4 s per validation of a 24-column batch; the compact frame costs about one
+column's worth (``bench/README.md``, step anatomy). The row predicates:
 
 - every per-token list column has the length of ``response_ids`` in each row;
 - log-probs are finite and ≤ ``LOGPROB_TOL`` (1e-6: log-softmax in float32/bfloat16 can round a
@@ -26,11 +31,20 @@ message names the stage, each failing column, up to 5 offending uids and what to
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+
+if importlib.util.find_spec("pyspark") is None:
+    # pandera 0.35's narwhals backend tries `from pandera.engines import pyspark_engine` in every column's
+    # dtype check; without pyspark that import fails, is not cached and re-executes the module each time
+    # (~5 ms per column here). Marking the module absent makes the import fail at once, as it would anyway.
+    sys.modules.setdefault("pandera.engines.pyspark_engine", None)  # type: ignore[arg-type]
+
 import pandera.errors as pa_errors
 import pandera.pyarrow as ppa
 import pyarrow as pa
@@ -389,11 +403,6 @@ def _stage_cols(stage: str, present: frozenset[str]) -> list[str]:
     return list(STAGE_COLUMNS[stage]) + [c for c in OPTIONAL_COLUMNS[stage] if c in present]
 
 
-def _columns(stage: str, present: frozenset[str]) -> dict[str, ppa.Column]:
-    """Presence and dtype of every column; nulls are checked by the fused row check (`_not_null`)."""
-    return {c: ppa.Column(COLUMN_TYPES[c], nullable=True, required=True) for c in _stage_cols(stage, present)}
-
-
 def _not_null(col: str) -> Callable[[pa.Table], np.ndarray]:
     def fn(table: pa.Table) -> np.ndarray:
         c = table.column(col)
@@ -404,25 +413,22 @@ def _not_null(col: str) -> Callable[[pa.Table], np.ndarray]:
     return fn
 
 
-def _fused_check(rcs: tuple[_RowCheck, ...]) -> ppa.Check:
-    """All row predicates AND-ed into one pandera check (one pass of pandera's bookkeeping)."""
+ROW_OK = "row_ok"
+"""Column of the compact per-row frame pandera validates: True when every row predicate holds for the row."""
 
-    def fn(data) -> pa.Array:
-        ok = np.ones(data.table.num_rows, dtype=bool)
-        for rc in rcs:
-            ok &= rc.fn(data.table)
-        return pa.array(ok, pa.bool_())
 
-    return ppa.Check(fn, name="cross_field", error="cross-field row checks")
+def _all_true(data) -> pa.Array:
+    return pc.fill_null(data.table.column(ROW_OK), False)
 
 
 @lru_cache(maxsize=256)
 def _schema(
     stage: str, present: frozenset[str], n: int | None, vocab_size: int, max_p: int, max_r: int
 ) -> tuple[ppa.DataFrameSchema, tuple[_RowCheck, ...]]:
-    """The pandera schema of `stage`: pandera checks presence and dtypes; nulls (O(1) via Arrow's
-    null count) and all cross-field predicates run in one fused check. On failure every predicate is
-    re-run separately to name each failing column (only the failure path pays for that)."""
+    """The pandera schema of `stage` over the compact per-row frame (`ROW_OK`), and the row predicates that
+    frame is computed from: nulls (O(1) via Arrow's null count) and every cross-field predicate, AND-ed.
+    On failure every predicate is re-run separately to name each failing column (only the failure path
+    pays for that)."""
     null_checks = [
         _RowCheck(
             c,
@@ -435,12 +441,41 @@ def _schema(
     ]
     rcs = tuple(null_checks + _row_checks(stage, present, n, vocab_size, max_p, max_r))
     schema = ppa.DataFrameSchema(
-        _columns(stage, present),
-        checks=[_fused_check(rcs)],
-        strict=False,
+        {ROW_OK: ppa.Column(pa.bool_(), nullable=False, required=True)},
+        checks=[ppa.Check(_all_true, name="cross_field", error="cross-field row checks")],
+        strict=True,
         name=f"dapo.{stage}",
     )
     return schema, rcs
+
+
+def _type_failures(stage: str, present: frozenset[str], table: pa.Table) -> list[dict]:
+    """A failure for every stage column whose Arrow type is not `COLUMN_TYPES`' (found vs expected)."""
+    out: list[dict] = []
+    for c in _stage_cols(stage, present):
+        actual, expected = table.schema.field(c).type, COLUMN_TYPES[c]
+        if actual != expected:
+            out.append(
+                {
+                    "column": c,
+                    "what": f"wrong type {actual}, expected {expected}",
+                    "hint": f"cast '{c}' to {expected} when building the table",
+                    "rows": None,
+                    "uids": [],
+                }
+            )
+    return out
+
+
+def _row_ok(rcs: tuple[_RowCheck, ...], table: pa.Table) -> np.ndarray | None:
+    """The AND of every row predicate, or None when one cannot run (e.g. on a column of the wrong type)."""
+    ok = np.ones(table.num_rows, dtype=bool)
+    try:
+        for rc in rcs:
+            ok &= rc.fn(table)
+    except Exception:  # _explain_rows reports which predicate could not run
+        return None
+    return ok
 
 
 def _check_stage(stage: str) -> None:
@@ -493,23 +528,25 @@ def validate_stage(
             [{"column": c, "what": "missing"} for c in missing],
         )
     schema, rcs = _schema(stage, present, n, vocab_size, max_prompt_length, max_response_length)
-    try:
-        schema.validate(table, lazy=True)
+    failures = _type_failures(stage, present, table)
+    ok = _row_ok(rcs, table)
+    if ok is None:
+        failures += _explain_rows(rcs, table)
+    else:
+        try:
+            schema.validate(pa.table({ROW_OK: pa.array(ok, pa.bool_())}), lazy=True)
+        except pa_errors.SchemaErrors as errs:
+            failures += _collect(errs, table)
+            if any(
+                getattr(getattr(e, "check", None), "name", None) == "cross_field" for e in errs.schema_errors
+            ):
+                failures += _explain_rows(rcs, table)
+        except pa_errors.SchemaError as err:  # pragma: no cover - lazy=True always groups errors
+            failures.append(
+                {"column": "?", "what": str(err), "uids": [], "rows": None, "hint": "see pandera message"}
+            )
+    if not failures:
         return table
-    except pa_errors.SchemaErrors as errs:
-        failures = _collect(errs, table)
-        if any(getattr(getattr(e, "check", None), "name", None) == "cross_field" for e in errs.schema_errors):
-            failures += _explain_rows(rcs, table)
-    except pa_errors.SchemaError as err:  # pragma: no cover - lazy=True always groups errors
-        failures = [
-            {
-                "column": getattr(err, "column_name", None) or "?",
-                "what": str(err),
-                "uids": [],
-                "rows": None,
-                "hint": "see pandera message",
-            }
-        ]
     lines = [f"[{stage}] batch failed {len(failures)} schema check(s) ({table.num_rows} rows):"]
     for f in failures:
         uids = f["uids"]
@@ -526,7 +563,7 @@ def _explain_rows(rcs: tuple[_RowCheck, ...], table: pa.Table) -> list[dict]:
     for rc in rcs:
         try:
             ok = rc.fn(table)
-        except Exception as exc:  # noqa: BLE001 - a predicate crashing on bad data is itself a finding
+        except Exception as exc:  # a predicate crashing on bad data is itself a finding
             out.append(
                 {
                     "column": rc.column,
@@ -553,7 +590,8 @@ def _explain_rows(rcs: tuple[_RowCheck, ...], table: pa.Table) -> list[dict]:
 
 
 def _collect(errs: pa_errors.SchemaErrors, table: pa.Table) -> list[dict]:
-    """Describe pandera's column-level failures (missing dtype); the fused row check is `_explain_rows`'s."""
+    """Describe pandera's failures on the compact frame other than the cross-field check (which
+    `_explain_rows` details per column); the frame is built here, so these only show a bug of ours."""
     failures: list[dict] = []
     for err in errs.schema_errors:
         if getattr(getattr(err, "check", None), "name", None) == "cross_field":
