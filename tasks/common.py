@@ -122,7 +122,30 @@ def worker_stage(
     done = _committed_or_fault(rt, step, stage)
     if done is not None:
         return done
-    job = StageJob(
+    job = stage_job(rt, step, stage, input_uri=input_uri, schema=schema, n=n, meta=meta)
+    try:
+        uri, metrics = call(job)
+    except Exception as exc:
+        died = worker_died(exc, rt, step, stage)
+        if died is not None:
+            raise died from exc
+        raise
+    return uri, dict(metrics)
+
+
+def stage_job(
+    rt: Runtime,
+    step: int,
+    stage: str,
+    *,
+    input_uri: str,
+    schema: str | None = None,
+    n: int | None = None,
+    meta: dict | None = None,
+) -> StageJob:
+    """The `StageJob` of (step, stage) over `input_uri` with the run's validation limits (what `worker_stage`
+    hands a worker; the replay order submits one without waiting)."""
+    return StageJob(
         root=str(rt.store.root),
         step=step,
         stage=stage,
@@ -135,14 +158,6 @@ def worker_stage(
         max_response_length=rt.cfg.data.max_response_length,
         meta=dict(meta or {}),
     )
-    try:
-        uri, metrics = call(job)
-    except Exception as exc:
-        died = worker_died(exc, rt, step, stage)
-        if died is not None:
-            raise died from exc
-        raise
-    return uri, dict(metrics)
 
 
 def _committed_or_fault(rt: Runtime, step: int, stage: str) -> StageResult | None:

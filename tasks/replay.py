@@ -6,21 +6,27 @@ step:
 - `tasks.rollout.sample_prompts(..., replay=True)` (stage `prompts_<tag>`) draws prompts, commits them, then
   registers each group in the ledger as `pending` with its rows as payload (Arrow IPC), so a prompt re-issued
   after a crash can be regenerated.
-- `launch_generation` marks the groups `running` and *submits* generation to the rollout worker (a `Future`,
-  kept in `Runtime.launches`, never a task input/output); `collect_generation` resolves it, commits
-  `generate_<tag>` and `reward_<tag>` and adds the groups to the buffer (which stamps `min/max_global_steps`
-  from `weight_version`).
+- `launch_generation` marks the groups `running` and *submits* a `StageJob` to the rollout worker (a
+  `Future`, kept in `Runtime.launches`, never a task input/output): the worker reads the prompts from the
+  store and commits `generate_<tag>` itself while the driver goes on. `collect_generation` waits for it,
+  has the reward worker commit `reward_<tag>` and adds the groups to the buffer (`ReplayBuffer.add_stage`:
+  a `replay_add` row selection over `reward_<tag>`, stamped with `min/max_global_steps` from
+  `weight_version`).
 - `regenerate_reissued` regenerates prompts the ledger still holds as pending/running that no generation of
   this process owns (re-issued by `RunStore.reissue_inflight` at resume).
-- `sample_batch` (stage `batch`) samples `train_batch_size` groups oldest-first; `split_batch` (`batch_p<i>`)
-  cuts it into `parameter_sync_step` equal parts; each part goes through the ordinary stage tasks of
-  `tasks.compute` and `tasks.update` called with `part=i` (stage `<name>_p<i>`); `join_parts` commits the
-  step's `advantage` table.
+- `sample_batch` (stage `batch`) samples `train_batch_size` groups oldest-first and commits them as a row
+  selection over the `replay_add` files; `split_batch` (`batch_p<i>`) cuts it into `parameter_sync_step`
+  equal parts; each part goes through the ordinary stage tasks of `tasks.compute` and `tasks.update` called
+  with `part=i` (stage `<name>_p<i>`); `join_parts` commits the step's `advantage` selection.
 
-Every stage commits through `tasks.common.run_stage`, so a committed (step, stage) is skipped on retry or
-resume. Ledger writes come after the stage they describe is committed, and each is idempotent (only uids the
-ledger does not know are registered; only groups not yet finished are added), so a crash between the two
-duplicates nothing.
+What passes through the driver: URIs, metrics, and small columns read memory-mapped (uids, the filter metric,
+weight versions, list lengths); the prompts it draws itself (and their ledger payloads). No token-level column
+of a generation is read here, and none is written twice (`tests/integration/test_replay_store.py`).
+
+Every stage commits through `tasks.common` (`run_stage`, `worker_stage`, `select_stage`, or a submitted
+`stage_job`), so a committed (step, stage) is skipped on retry or resume. Ledger writes come after the stage
+they describe is committed, and each is idempotent (only uids the ledger does not know are registered; only
+groups not yet finished are added), so a crash between the two duplicates nothing.
 """
 
 from __future__ import annotations
@@ -38,18 +44,21 @@ from dapo_core.store.replay import ReplayBuffer
 from tasks import runtime
 from tasks.common import (
     STAGE_TASK_OPTS,
+    InjectedFault,
     balanced_order,
     check_whole_groups,
     committed,
     filter_metric,
     from_ipc,
-    generation_metrics,
+    injected_fault,
     lengths_of,
     precomputed,
     rows_of,
     run_stage,
     select_stage,
+    stage_job,
     uids_of,
+    worker_died,
     worker_stage,
 )
 
@@ -93,20 +102,29 @@ def _scalar_metrics(metrics: dict[str, Any], prefix: str = "training") -> dict[s
 def launch_generation(run_id: str, step: int, tag: str, gen_step: int, prompts_uri: str) -> int:
     """Submit generation of the groups of `prompts_uri` that are still in flight in the ledger
     (pending/running) to the rollout worker, without waiting; returns the number of groups submitted (0:
-    nothing left to do)."""
+    nothing left to do). The worker reads the prompts and commits `generate_<tag>` itself."""
     rt = runtime.get(run_id)
-    if rt.store.is_committed(step, f"generate_{tag}"):
+    stage = f"generate_{tag}"
+    if rt.store.is_committed(step, stage):
         return 0  # collect_generation reuses the committed output
-    table = rt.store.read_uri(prompts_uri)
-    uids = uids_of(table)
-    tags = rt.store.get_many(uids)
-    todo = [u for u in uids if tags.get(u, {}).get("status") in ("pending", "running")]
+    uids = rt.store.read_uri(prompts_uri, verify=False, columns=["uid"]).column("uid").to_pylist()
+    groups = list(dict.fromkeys(uids))
+    tags = rt.store.get_many(groups)
+    todo = [u for u in groups if tags.get(u, {}).get("status") in ("pending", "running")]
     if not todo:
         return 0
-    table = rows_of(table, todo) if len(todo) < len(uids) else table
+    input_uri = prompts_uri
+    if len(todo) < len(groups):  # only these rows are generated: a row selection of the prompts
+        wanted = set(todo)
+        rows = np.asarray([i for i, u in enumerate(uids) if u in wanted], dtype=np.int64)
+        input_uri, _ = select_stage(rt, step, f"prompts_{tag}_todo", [prompts_uri], lambda: (rows, {}))
+    fault = injected_fault(stage, step, run_id)
+    if fault is not None:
+        raise InjectedFault(fault)
     # the gen_step tag lets a re-issued prompt be regenerated with the same seeds (regenerate_reissued)
     rt.store.update_tags(todo, status="running", gen_step=gen_step)
-    rt.launches[(step, tag)] = runtime.Launch(submit(rt.rollout.generate, table, gen_step), todo)
+    job = stage_job(rt, step, stage, input_uri=input_uri, schema="generate", n=rt.n)
+    rt.launches[(step, tag)] = runtime.Launch(submit(rt.rollout.generate_stage, job, gen_step), todo)
     return len(todo)
 
 
@@ -117,38 +135,44 @@ def pending_launches(run_id: str) -> list[tuple[int, str]]:
 
 @task(name="replay_collect_generation", task_run_name="collect_generation-step{step}-{tag}", **_OPTS)
 def collect_generation(run_id: str, step: int, tag: str) -> dict[str, float]:
-    """Resolve the generation launched as (step, tag), commit `generate_<tag>` and `reward_<tag>`, and add the
-    groups that are not finished yet to the replay buffer (stamped with their `weight_version`)."""
+    """Wait for the generation launched as (step, tag) (the rollout worker commits `generate_<tag>`), have the
+    reward worker commit `reward_<tag>`, and add the groups that are not finished yet to the replay buffer
+    (stamped with their `weight_version`). Only uids and the filter metric are read here."""
     rt = runtime.get(run_id)
+    stage = f"generate_{tag}"
     launch = rt.launches.get((step, tag))
-    if launch is None and not rt.store.is_committed(step, f"generate_{tag}"):
+    if launch is None and not rt.store.is_committed(step, stage):
         return {}
-
-    def generate() -> tuple[pa.Table, dict[str, float]]:
-        assert launch is not None  # without a launch the stage is committed and not computed again
-        out = launch.future.result()
-        return out, generation_metrics(out)
-
-    prompts = f"prompts_{tag}"
-    base = rt.store.stage_uri(step, prompts) if rt.store.is_committed(step, prompts) else None
-    gen_uri, metrics = run_stage(rt, step, f"generate_{tag}", generate, schema="generate", n=rt.n, base=base)
-    rt.launches.pop((step, tag), None)
+    if launch is not None:
+        try:
+            gen_uri, metrics = launch.future.result()
+        except Exception as exc:
+            died = worker_died(exc, rt, step, stage)
+            if died is not None:
+                raise died from exc
+            raise
+        rt.launches.pop((step, tag), None)
+    else:
+        done = committed(rt, step, stage)
+        assert done is not None  # checked above
+        gen_uri, metrics = done
     reward_uri, m = worker_stage(
         rt, step, f"reward_{tag}", rt.reward.score_stage, input_uri=gen_uri, schema="reward", n=rt.n
     )
     metrics = {**metrics, **m}
-    table = rt.store.read_uri(reward_uri)
-    tags = rt.store.get_many(uids_of(table))
+    uids = uids_of(rt.store.read_uri(reward_uri, verify=False, columns=["uid"]))
+    tags = rt.store.get_many(uids)
     todo = [
         u
-        for u in uids_of(table)
+        for u in uids
         if tags.get(u, {}).get("status") != "finished" and tags.get(u, {}).get("consumed_step") is None
     ]
     if todo:
-        part = rows_of(table, todo)
-        buffer(rt).add_groups(part, step)
+        buffer(rt).add_stage(reward_uri, step, uids=todo)
         if rt.cfg.algorithm.filter_groups.enable:
-            outcome = apply_group_filter(part, filter_metric(rt))
+            metric = filter_metric(rt)
+            part = rt.store.read_uri(reward_uri, verify=False, columns=["uid", filter_column(metric)])
+            outcome = apply_group_filter(rows_of(part, todo), metric)
             metrics["train/num_groups"] = float(outcome.num_groups)
             metrics["train/num_kept_groups"] = float(outcome.num_kept_groups)
     metrics["train/added_groups"] = float(len(todo))
@@ -169,9 +193,9 @@ def regenerate_reissued(run_id: str, step: int, fallback_gen_step: int) -> int:
     ]
     if not items:
         return 0
-    for stage in rt.store.committed_stages(step):  # left by an earlier attempt at this step
-        if stage.startswith(("prompts_gr", "generate_gr", "reward_gr")):
-            rt.store.delete_stage(step, stage)
+    # Tags after those an earlier attempt at this step used (whose files stay: a replay_add selection or a
+    # batch may be built on them).
+    first = _next_regen_index(rt, step)
     by_gen_step: dict[int, list[pa.Table]] = {}
     for key, tags in items:
         _, payload = rt.store.get(key)
@@ -181,7 +205,7 @@ def regenerate_reissued(run_id: str, step: int, fallback_gen_step: int) -> int:
                 f"it from; draw replay-order prompts with tasks.rollout.sample_prompts(replay=True)"
             )
         by_gen_step.setdefault(int(tags.get("gen_step", fallback_gen_step)), []).append(from_ipc(payload))
-    for j, (gen_step, tables) in enumerate(sorted(by_gen_step.items())):
+    for j, (gen_step, tables) in enumerate(sorted(by_gen_step.items()), start=first):
         table = pa.concat_tables(tables, promote_options="default")
         uri, _ = run_stage(rt, step, f"prompts_gr{j}", precomputed(table))
         launch_generation.fn(run_id, step, f"gr{j}", gen_step, uri)
@@ -189,11 +213,26 @@ def regenerate_reissued(run_id: str, step: int, fallback_gen_step: int) -> int:
     return len(items)
 
 
+def _next_regen_index(rt: runtime.Runtime, step: int) -> int:
+    """The first `gr<j>` tag of `step` that no file of an earlier attempt uses (committed or not)."""
+    used = [-1]
+    d = rt.store.step_dir(step)
+    if d.is_dir():
+        for p in d.iterdir():
+            for prefix in ("prompts_gr", "generate_gr", "reward_gr"):
+                if p.name.startswith(prefix):
+                    digits = p.name[len(prefix) :].split(".")[0].split("_")[0]
+                    if digits.isdigit():
+                        used.append(int(digits))
+    return max(used) + 1
+
+
 # ---------------------------------------------------------------------------------------------- trainer side
 @task(name="replay_sample_batch", task_run_name="sample_batch-step{step}", **_OPTS)
 def sample_batch(run_id: str, step: int) -> tuple[str | None, dict[str, float]]:
     """Take `train_batch_size` groups oldest-first (evicting DAPO-filtered, stale and failed groups) as stage
-    `batch`; returns `(None, metrics)` with `refill_needed` (prompts) / `must_wait` when it is short."""
+    `batch` (a row selection over their `replay_add` files; nothing is read); returns `(None, metrics)` with
+    `refill_needed` (prompts) / `must_wait` when it is short."""
     rt = runtime.get(run_id)
     done = committed(rt, step, "batch")
     if done is not None:
@@ -202,13 +241,14 @@ def sample_batch(run_id: str, step: int) -> tuple[str | None, dict[str, float]]:
     latest = rt.store.checkpoints.latest_step()
     if latest is not None:
         buf.release(min(latest, step - 1))  # consumed groups a checkpoint covers are never replayed
-    table, raw = buf.sample(step)
+    selection, raw = buf.sample_selection(step)
     metrics = _scalar_metrics(raw)
-    if table is None:
+    if selection is None:
         metrics["must_wait"] = float(bool(raw.get("must_wait")))
         return None, metrics
     metrics.pop("refill_needed", None)
-    return run_stage(rt, step, "batch", precomputed(table, metrics), schema="reward", n=rt.n)
+    # rows of validated stages: committed as row ids and positions over the replay_add files
+    return select_stage(rt, step, "batch", selection.bases, lambda: (selection.positions, metrics))
 
 
 @task(name="replay_split_batch", task_run_name="split_batch-step{step}", **_OPTS)

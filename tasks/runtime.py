@@ -55,8 +55,8 @@ class ChunkSampler:
 class Launch:
     """A generation submitted to the rollout worker and not collected yet (replay-buffer order)."""
 
-    future: Future[pa.Table]
-    """The generated table, once the rollout worker has finished."""
+    future: Future[tuple[str, dict[str, float]]]
+    """The URI and metrics of the generation stage the rollout worker commits, once it has finished."""
     uids: list[str]
     """The prompt groups it generates."""
 

@@ -15,6 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from dapo_core.compute.cluster import chain
+from dapo_core.store.replay import referenced_steps
 from dapo_core.store.retention import apply_retention
 from tasks import runtime
 from tasks.common import StageResult, retry_unless_user_error, run_name, run_stage, stage_name
@@ -118,8 +119,7 @@ def replay_pins(rt: runtime.Runtime) -> set[int]:
     order."""
     if rt.cfg.trainer.step_order != "replay_buffer":
         return set()
-    uris = {t["uri"] for _, t in rt.store.items("train", is_prompt=False) if "uri" in t}
-    return {rt.store.ref_of(u)[0] for u in uris}
+    return referenced_steps(rt.store)
 
 
 def _span(steps: list[int]) -> str:

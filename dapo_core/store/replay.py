@@ -7,10 +7,18 @@ enough sampleable groups it returns ``None`` and says in ``metrics["refill_neede
 caller should generate next. ``sample`` also computes the staleness and eviction metrics
 (``{training,validation}/off_policy/*``, §7.7): the buffer is where the trajectories' weight versions are.
 
-Storage choice: each ``add_groups`` call commits its trajectory rows as ONE stage file
+Storage choice: each add commits its trajectory rows as ONE stage file
 (``step_<global_steps>/replay_add_<k>.arrow``, checksummed like every stage) and each trajectory key
-``{uid}_{sample_idx}`` records ``uri`` + ``row`` in its tags (plus ``min/max_global_steps`` and the filter
-metric). The ledger stays small; a sample reads each needed file once and takes the rows.
+``{uid}_{sample_idx}`` records ``uri`` + ``row`` (the row of that file's view) in its tags (plus
+``min/max_global_steps`` and the filter metric). :meth:`ReplayBuffer.add_stage` (what the flow uses) commits
+that file as a *row selection* over the committed reward stage the groups come from (row ids and positions
+only, :meth:`~dapo_core.store.stage_files.StageFiles.write_selection`) after reading only the few small
+columns it needs (uid, sample_idx, weight version, filter metric; memory-mapped): no token-level column is
+written again and none is read. :meth:`ReplayBuffer.add_groups` takes a table that is in no stage yet and
+writes it whole. :meth:`ReplayBuffer.sample_selection` answers with a :class:`Selection` (positions in the
+concatenated views of ``replay_add`` files), which the flow commits as the step's ``batch``, again a row
+selection; :meth:`ReplayBuffer.sample` reads it as a table. The ledger stays small (tags, and the prompt rows
+of groups in flight as payloads, deleted with the group).
 
 Semantics (docs/REFERENCE.md §9.3 / §7.7, simplified to a single driver):
 - Oldest first by the prompt's ``global_steps`` (ties: registration order).
@@ -35,14 +43,16 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dapo_core.store.run_store import RunStore, StoreError
 
-__all__ = ["ReplayBuffer", "ReplayError"]
+__all__ = ["ReplayBuffer", "ReplayError", "Selection", "referenced_steps"]
 
 _DAPO_COUNTS_KEY = "_dapo_filtered_reward_counts"
 
@@ -59,11 +69,31 @@ def _stats(prefix: str, values: Sequence[float], out: dict) -> None:
         out[f"{prefix}/min"] = float(arr.min())
 
 
+@dataclass(frozen=True)
+class Selection:
+    """Rows of committed stages, in order: ``concat(views of bases).take(positions)``. What a sample is
+    before anything is read; commit it with ``StageFiles.write_selection(step, stage, positions,
+    base=bases)``."""
+
+    bases: list[str]
+    """URIs of the ``replay_add`` stages the rows come from (order of first use)."""
+    positions: np.ndarray
+    """int64 positions of the rows in the concatenation of the bases' views."""
+
+
 def _is_filtered(values: list[float]) -> bool:
     """DAPO group filter: more than one trajectory and population std of the metric equal to 0."""
     if len(values) <= 1:
         return False
     return float(np.std(np.asarray(values, dtype=np.float64))) == 0.0
+
+
+def referenced_steps(store: RunStore, partition: str = "train") -> set[int]:
+    """The steps whose ``replay_add`` files the buffer's trajectories (in the ledger) still point at: the
+    ``pinned`` steps of :func:`dapo_core.store.retention.apply_retention` (the stages those files are
+    selections over are kept as their base chains)."""
+    uris = {t["uri"] for _, t in store.items(partition, is_prompt=False) if "uri" in t}
+    return {store.ref_of(u)[0] for u in uris}
 
 
 class ReplayBuffer:
@@ -118,30 +148,76 @@ class ReplayBuffer:
         ``table`` follows the batch contract (``uid``, ``sample_idx``, and ``weight_version`` or
         ``min_global_steps``/``max_global_steps``; the filter metric column when filtering is on). Every uid
         must have exactly ``n`` rows. Prompts already in the ledger keep their ``global_steps``; new ones get
-        ``global_steps``. The rows are committed as one stage file before the ledger transaction.
+        ``global_steps``. The rows are committed whole as one stage file before the ledger transaction (for a
+        table that is in no stage yet; rows of a committed stage go through :meth:`add_stage`).
         """
+        groups = self._check_groups(table)
+        if not groups:
+            return 0
+        uri = self.store.write_stage(
+            global_steps,
+            self._next_add_stage(global_steps),
+            table,
+            meta={"kind": "replay_add", "groups": len(groups)},
+        )
+        self._register(table, groups, uri, global_steps)
+        return len(groups)
+
+    def add_stage(self, uri: str, global_steps: int, uids: Sequence[str] | None = None) -> int:
+        """Register the complete groups of the committed stage at ``uri`` (all of them, or those of ``uids``);
+        returns the number of groups added.
+
+        Only ``uid``, ``sample_idx``, the weight-version columns and the filter metric are read
+        (memory-mapped); the ``replay_add`` file is a row selection over ``uri`` (row ids and positions), so
+        nothing token-level is read or written here. Contract and ledger as :meth:`add_groups`.
+        """
+        ref = self.store.ref_of(uri)
+        columns = self.store.manifest(*ref).get("columns")
+        if columns is None:  # a whole-table file of an older run folder: its schema, memory-mapped
+            columns = self.store.read_uri(uri, verify=False).column_names
+        wanted = ["uid", "sample_idx", "min_global_steps", "max_global_steps", "weight_version"]
+        if self.filter_groups_metric is not None:
+            wanted.append(self.filter_groups_metric)
+        ids = self.store.read_uri(
+            uri, verify=False, columns=[c for c in dict.fromkeys(wanted) if c in columns]
+        )
+        if uids is None:
+            positions = np.arange(ids.num_rows, dtype=np.int64)
+        else:
+            mask = pc.is_in(ids.column("uid"), value_set=pa.array(list(uids), pa.string()))
+            positions = np.flatnonzero(mask.to_numpy(zero_copy_only=False)).astype(np.int64)
+            ids = ids.take(pa.array(positions))
+        groups = self._check_groups(ids)
+        if not groups:
+            return 0
+        add_uri = self.store.write_selection(
+            global_steps,
+            self._next_add_stage(global_steps),
+            positions,
+            base=[uri],
+            meta={"kind": "replay_add", "groups": len(groups)},
+        )
+        self._register(ids, groups, add_uri, global_steps)
+        return len(groups)
+
+    def _check_groups(self, table: pa.Table) -> dict[str, list[int]]:
+        """The rows of each uid of ``table``, after checking the batch contract (module docstring)."""
         for col in ("uid", "sample_idx"):
             if col not in table.column_names:
                 raise ReplayError(f"add_groups: column {col!r} is missing (batch contract)")
-        if "min_global_steps" in table.column_names and "max_global_steps" in table.column_names:
-            vmin = table.column("min_global_steps").to_pylist()
-            vmax = table.column("max_global_steps").to_pylist()
-        elif "weight_version" in table.column_names:
-            vmin = vmax = table.column("weight_version").to_pylist()
-        else:
+        if not ("min_global_steps" in table.column_names and "max_global_steps" in table.column_names) and (
+            "weight_version" not in table.column_names
+        ):
             raise ReplayError(
                 "add_groups: need column 'weight_version' (or 'min_global_steps' and "
                 "'max_global_steps') to stamp trajectory staleness"
             )
         metric = self.filter_groups_metric
-        mvals = None
-        if metric is not None:
-            if metric not in table.column_names:
-                raise ReplayError(
-                    f"add_groups: filter_groups metric column {metric!r} is missing; add it "
-                    f"(reward stage) or set algorithm.filter_groups.metric to an existing column"
-                )
-            mvals = table.column(metric).to_pylist()
+        if metric is not None and metric not in table.column_names:
+            raise ReplayError(
+                f"add_groups: filter_groups metric column {metric!r} is missing; add it "
+                f"(reward stage) or set algorithm.filter_groups.metric to an existing column"
+            )
         uids = table.column("uid").to_pylist()
         sidx = table.column("sample_idx").to_pylist()
         groups: dict[str, list[int]] = defaultdict(list)
@@ -155,14 +231,18 @@ class ReplayBuffer:
                 )
             if len({sidx[i] for i in rows}) != len(rows):
                 raise ReplayError(f"add_groups: group uid={u!r} has duplicate sample_idx values")
-        if not groups:
-            return 0
-        uri = self.store.write_stage(
-            global_steps,
-            self._next_add_stage(global_steps),
-            table,
-            meta={"kind": "replay_add", "groups": len(groups)},
-        )
+        return groups
+
+    def _register(self, table: pa.Table, groups: dict[str, list[int]], uri: str, global_steps: int) -> None:
+        """The ledger transaction of an add: row ``i`` of ``table`` is row ``i`` of the view at ``uri``."""
+        if "min_global_steps" in table.column_names and "max_global_steps" in table.column_names:
+            vmin = table.column("min_global_steps").to_pylist()
+            vmax = table.column("max_global_steps").to_pylist()
+        else:
+            vmin = vmax = table.column("weight_version").to_pylist()
+        metric = self.filter_groups_metric
+        mvals = None if metric is None else table.column(metric).to_pylist()
+        sidx = table.column("sample_idx").to_pylist()
         existing = self.store.get_many(list(groups))
         puts, merges = [], {}
         for u, rows in groups.items():
@@ -198,7 +278,6 @@ class ReplayBuffer:
                 puts.append((f"{u}_{int(sidx[i])}", tags))
         # trajectories of a re-added group replace the old ones (same keys); prompts are merged
         self.store.apply(puts=puts, merges=merges, partition=self.partition)
-        return len(groups)
 
     # ------------------------------------------------------------------ consumer side
     def _trajectories(self, uids: Sequence[str]) -> dict[str, list[dict]]:
@@ -213,19 +292,23 @@ class ReplayBuffer:
             group.sort(key=lambda t: t.get("sample_idx", 0))
         return out
 
-    def _build_table(self, selected: Sequence[str], trajs: dict[str, list[dict]]) -> pa.Table:
+    def _selection(self, selected: Sequence[str], trajs: dict[str, list[dict]]) -> Selection:
+        """The rows of the ``selected`` groups (group order, then ``sample_idx``) as positions in the
+        concatenated views of the files that hold them (row counts from their manifests; nothing read)."""
         order: list[tuple[str, int]] = [(t["uri"], int(t["row"])) for u in selected for t in trajs[u]]
-        by_uri: dict[str, list[int]] = defaultdict(list)
-        for uri, row in order:
-            by_uri[uri].append(row)
-        parts, offset, position = [], 0, {}
-        for uri, rows in by_uri.items():
-            parts.append(self.store.read_uri(uri).take(pa.array(rows, pa.int64())))
-            for j, row in enumerate(rows):
-                position[(uri, row)] = offset + j
-            offset += len(rows)
-        table = pa.concat_tables(parts, promote_options="default") if len(parts) > 1 else parts[0]
-        return table.take(pa.array([position[o] for o in order], pa.int64()))
+        bases = list(dict.fromkeys(uri for uri, _ in order))
+        offsets, offset = {}, 0
+        for uri in bases:
+            offsets[uri] = offset
+            rows = self.store.manifest(*self.store.ref_of(uri)).get("rows")
+            offset += int(rows) if rows is not None else self.store.read_uri(uri, verify=False).num_rows
+        return Selection(bases, np.asarray([offsets[uri] + row for uri, row in order], dtype=np.int64))
+
+    def read(self, selection: Selection) -> pa.Table:
+        """The rows of ``selection`` as a table (what committing it as a stage and reading it back gives)."""
+        views = [self.store.read_uri(u) for u in selection.bases]
+        table = pa.concat_tables(views, promote_options="default") if len(views) > 1 else views[0]
+        return table.take(pa.array(selection.positions, pa.int64()))
 
     def _staleness_metrics(self, global_steps: int, trajs: Iterable[dict], metrics: dict) -> None:
         spans, stale, worst = [], [], []
@@ -242,12 +325,19 @@ class ReplayBuffer:
         _stats(f"{p}/trajectory_staleness_worst", worst, metrics)
 
     def sample(self, global_steps: int, batch_size: int | None = None) -> tuple[pa.Table | None, dict]:
-        """Take ``batch_size`` (default ``train_batch_size``) complete groups for ``global_steps``, oldest
-        first.
+        """:meth:`sample_selection`, with the rows read as a table (``(None, metrics)`` when short)."""
+        selection, metrics = self.sample_selection(global_steps, batch_size)
+        return (None if selection is None else self.read(selection)), metrics
 
-        Returns ``(table, metrics)``, or ``(None, metrics)`` when not enough groups are sampleable (generate
-        ``metrics["refill_needed"]`` more prompts) or when ``metrics["must_wait"]`` is True. Evictions are
-        committed in the same transaction that marks the selected groups consumed.
+    def sample_selection(
+        self, global_steps: int, batch_size: int | None = None
+    ) -> tuple[Selection | None, dict]:
+        """Take ``batch_size`` (default ``train_batch_size``) complete groups for ``global_steps``, oldest
+        first, from the ledger alone (no stage file is read).
+
+        Returns ``(selection, metrics)``, or ``(None, metrics)`` when not enough groups are sampleable
+        (generate ``metrics["refill_needed"]`` more prompts) or when ``metrics["must_wait"]`` is True.
+        Evictions are committed in the same transaction that marks the selected groups consumed.
         """
         batch_size = self.train_batch_size if batch_size is None else int(batch_size)
         if batch_size < 1:
@@ -263,7 +353,7 @@ class ReplayBuffer:
             trajs = self._trajectories(again)
             self._staleness_metrics(global_steps, (t for u in again for t in trajs[u]), metrics)
             metrics[f"{p}/replay/resampled"] = 1
-            return self._build_table(again, trajs), metrics
+            return self._selection(again, trajs), metrics
 
         live = [(k, t) for k, t in prompts if t.get("consumed_step") is None]
         finished = [(k, t) for k, t in live if t.get("status") in ("finished", "failure")]
@@ -339,7 +429,7 @@ class ReplayBuffer:
         metrics["refill_needed"] = max(0, batch_size - remaining - len(inflight))
         sel_trajs = [t for u in selected for t in trajs[u]]
         self._staleness_metrics(global_steps, sel_trajs, metrics)
-        return self._build_table(selected, trajs), metrics
+        return self._selection(selected, trajs), metrics
 
     @staticmethod
     def _group_keys(uids: Iterable[str], trajs: dict[str, list[dict]]) -> list[str]:

@@ -7,8 +7,9 @@ driver state; the ledger holds the prompts' states). So :func:`apply_retention` 
 
 - every ``keep_every``-th step (``trainer.keep_rollouts_every``; 0 keeps none), for audit and analysis;
 - steps a kept stage is built on (a column delta's base chain may reach into an older step);
-- ``pinned`` steps (the replay buffer's unconsumed groups live in the ``replay_add`` files of the steps that
-  generated them).
+- ``pinned`` steps (the replay buffer's groups live in the ``replay_add`` files of the steps that generated
+  them, :func:`dapo_core.store.replay.referenced_steps`; those files are row selections over the step's
+  reward stage, which the base chains below keep; a sampled ``batch`` is a selection over them in turn).
 
 Deleting is crash-safe: a doomed folder is first renamed to a hidden trash name (``.trash-step_<s>-<id>``,
 atomic on a POSIX filesystem, and the root directory is fsynced), which makes the step vanish from
