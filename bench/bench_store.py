@@ -9,21 +9,33 @@ trajectory key, ``update_tags`` of all prompts, ``list_keys`` by status, ``reiss
 Each number is the median of ``--repeats`` runs (default 5).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_store.py [--prompts 512 --n 16 --tokens 2048 --repeats 5]
+
+``--step``: instead, one DAPO step's stage chain as the flow writes and reads it, per stage and per column —
+``--gen-batches`` generation batches of prompts × n rows (prompts → generate → reward → kept: half the
+groups), the batch (a selection of the kept rows), old_log_prob, and the advantage stage computed by the real
+``compute_advantage_table`` (GRPO) — written with ``write_stage``/``write_selection`` as the workers do, then
+read back verified in the pattern of the workers' processes after the files have settled (2 s): the reward
+worker reads each generation view (score), the old_log_prob view (advantage) and the advantage view (step
+metrics); the actor reads the batch view (old log-probs) and the advantage view (update). ``--tree`` runs an
+older checkout's store (e.g. a ``git worktree`` of the commit before) with the same script:
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_store.py --step [--resp-len 512 --repeats 3 --tree DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-
-from dapo_core.store import RunStore
 
 
 def make_batch(prompts: int, n: int, tokens: int, prompt_tokens: int, seed: int = 0) -> pa.Table:
@@ -63,6 +75,144 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _step_tables(prompts: int, n: int, resp_len: int, prompt_len: int, seed: int):
+    """prompts, generate and reward tables of one generation batch; response lengths exponential with mean
+    resp_len / 2, clipped to [1, resp_len] (as bench_scale.py's synthetic step)."""
+    rng = np.random.default_rng(seed)
+    rows = prompts * n
+    lens = np.clip(rng.exponential(resp_len / 2, rows).astype(np.int64), 1, resp_len)
+
+    def lists(lengths, values: np.ndarray) -> pa.ListArray:
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+    tokens = int(lens.sum())
+    p = pa.table(
+        {
+            "uid": pa.array([f"{seed:08x}{g:024x}" for g in range(prompts) for _ in range(n)]),
+            "prompt_id": pa.array(np.repeat(np.arange(prompts), n), pa.int64()),
+            "sample_idx": pa.array(np.tile(np.arange(n), prompts), pa.int32()),
+            "data_source": pa.array(["synthetic_arith"] * rows),
+            "ground_truth": pa.array(["42"] * rows),
+            "prompt_ids": lists(
+                np.full(rows, prompt_len), rng.integers(3, 150_000, rows * prompt_len).astype(np.int32)
+            ),
+        }
+    )
+    g = p
+    for name, col in (
+        ("response_ids", lists(lens, rng.integers(3, 150_000, tokens).astype(np.int32))),
+        ("rollout_log_probs", lists(lens, -rng.exponential(0.3, tokens).astype(np.float32))),
+        ("weight_version", pa.array(np.zeros(rows, np.int64))),
+        ("gen_step", pa.array(np.ones(rows, np.int64))),
+        ("finish_reason", pa.array(["stop"] * rows)),
+    ):
+        g = g.append_column(name, col)
+    acc = np.repeat(rng.random(prompts) < 0.5, n) ^ (rng.random(rows) < 0.3)
+    r = g
+    for name, col in (
+        ("score", pa.array(np.where(acc, 1.0, -1.0).astype(np.float32))),
+        ("acc", pa.array(acc)),
+        ("pred", pa.array(["42"] * rows)),
+        ("overlong_reward", pa.array(np.zeros(rows, np.float32))),
+        ("reward", pa.array(np.where(acc, 1.0, -1.0).astype(np.float32))),
+    ):
+        r = r.append_column(name, col)
+    return p, g, r
+
+
+def step(args) -> dict:
+    """One DAPO step's stage chain through the store (module docstring)."""
+    if args.tree:
+        tree = Path(args.tree).resolve()
+        sys.path.insert(0, str(tree))
+        os.chdir(tree)
+    from dapo_core.stages import compute_advantage_table
+    from dapo_core.store import RunStore, stage_files
+
+    rng = np.random.default_rng(0)
+    batches = [
+        _step_tables(args.prompts, args.n, args.resp_len, args.prompt_tokens, 10 + g)
+        for g in range(args.gen_batches)
+    ]
+    keep = [np.sort(rng.permutation(args.prompts)[: args.prompts // 2]) for _ in batches]
+    kept_rows = [(k[:, None] * args.n + np.arange(args.n)).ravel() for k in keep]
+    olp = adv = None
+    per: dict[str, list] = {}
+    reads: dict[str, list] = {"reward_worker": [], "actor": []}
+    hashed: list[int] = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        store = RunStore(Path(tmp) / "run")
+        for rep in range(args.repeats):
+            s = rep + 1
+
+            def w(method: str, stage: str, *a, s=s, **kw) -> str:
+                t0 = time.perf_counter()
+                uri = getattr(store, method)(s, stage, *a, **kw)
+                per.setdefault(stage, []).append(
+                    (time.perf_counter() - t0, store.manifest(s, stage)["bytes"])
+                )
+                return uri
+
+            kept_uris, gen_uris = [], []
+            for g, (p, gen, r) in enumerate(batches):
+                u_p = w("write_stage", f"prompts_g{g}", p)
+                gen_uris.append(w("write_stage", f"generate_g{g}", gen, base=u_p))
+                u_r = w("write_stage", f"reward_g{g}", r, base=gen_uris[-1])
+                kept_uris.append(w("write_selection", f"kept_g{g}", kept_rows[g], base=u_r))
+            u_b = w("write_selection", "batch", np.arange(sum(len(k) for k in kept_rows)), base=kept_uris)
+            if olp is None:
+                b = store.read_uri(u_b)
+                lp = b.column("rollout_log_probs").combine_chunks()
+                noise = rng.normal(0, 0.01, len(lp.values)).astype(np.float32)
+                olp = b.append_column(
+                    "old_log_probs",
+                    pa.ListArray.from_arrays(lp.offsets, pa.array(lp.values.to_numpy() + noise)),
+                )
+                adv, _ = compute_advantage_table(olp, pad_token_id=0, adv_estimator="grpo")
+            u_o = w("write_stage", "old_log_prob", olp, base=u_b)
+            u_a = w("write_stage", "advantage", adv, base=u_o)
+            time.sleep(2.1)  # the files settle (at the recipe's shape a stage takes minutes)
+            trust = getattr(stage_files, "_VERIFIED", None)
+            for proc, uris in (("reward_worker", [*gen_uris, u_o, u_a]), ("actor", [u_b, u_a])):
+                if trust is not None:
+                    trust.clear()  # a fresh worker process
+                fresh = RunStore(store.root)  # no view cache: a worker opens the store from its root
+                stage_files.io_counters(reset=True)
+                t0 = time.perf_counter()
+                for u in uris:
+                    fresh.read_uri(u)
+                reads[proc].append(time.perf_counter() - t0)
+                hashed.append(stage_files.io_counters()["read_bytes"])
+                fresh.close()
+        store.close()
+    med = {k: (statistics.median(t for t, _ in v), v[0][1]) for k, v in per.items()}
+    written = sum(b for _, b in med.values())
+    write_s = sum(t for t, _ in med.values())
+    read_s = sum(statistics.median(v) for v in reads.values())
+    tokens = sum(
+        int(pa.compute.sum(pa.compute.list_value_length(gen.column("response_ids"))).as_py())
+        for _, gen, _ in batches
+    )
+    return {
+        "tree": args.tree or "this checkout",
+        "rows_per_gen_batch": args.prompts * args.n,
+        "gen_batches": args.gen_batches,
+        "response_tokens_generated": tokens,
+        "trained_rows": len(olp) if olp is not None else 0,
+        "stages": {k: {"MB": round(b / 1e6, 2), "write_s": round(t, 3)} for k, (t, b) in med.items()},
+        "written_MB_per_step": round(written / 1e6, 1),
+        "write_s_per_step": round(write_s, 3),
+        "write_MB_per_s": round(written / 1e6 / write_s, 1),
+        "verified_read_s_per_step": {k: round(statistics.median(v), 3) for k, v in reads.items()},
+        "hashed_MB_per_step": round(
+            statistics.median(hashed[0::2]) / 1e6 + statistics.median(hashed[1::2]) / 1e6, 1
+        ),
+        "storage_s_per_step": round(write_s + read_s, 3),
+        "repeats": args.repeats,
+    }
+
+
 def main() -> None:
     """Run the benchmark and print one JSON object with the medians."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,7 +222,15 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where to create the run store (default: a temp dir)")
+    ap.add_argument("--step", action="store_true", help="a DAPO step's stage chain (module docstring)")
+    ap.add_argument("--resp-len", type=int, default=512, help="--step: the longest response")
+    ap.add_argument("--gen-batches", type=int, default=3, help="--step: generation batches a step")
+    ap.add_argument("--tree", default=None, help="--step: run this checkout's store instead")
     args = ap.parse_args()
+    if args.step:
+        print(json.dumps(step(args), indent=1))
+        return
+    from dapo_core.store import RunStore
 
     table = make_batch(args.prompts, args.n, args.tokens, args.prompt_tokens)
     rows = table.num_rows

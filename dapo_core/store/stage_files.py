@@ -855,7 +855,11 @@ class StageFiles:
             idx = ft.column(SRC_COLUMN)
             if table.num_rows and pc.max(idx).as_py() is not None and pc.max(idx).as_py() >= table.num_rows:
                 raise StoreCorruption(f"{where}: selects rows beyond its base's {table.num_rows}")
-            table, keys = table.take(idx), keys.take(idx)
+            run = _contiguous(idx)
+            if run is None:
+                table, keys = table.take(idx), keys.take(idx)
+            else:  # rows a..a+k in order (the whole base, or a prefix): a zero-copy slice, no take
+                table, keys = table.slice(*run), keys.slice(*run)
         if not keys.equals(_concat_keys([ft.column(KEY_COLUMN)])):
             raise StoreCorruption(
                 f"{where}: its row ids do not match the rows of its base {base} (the base was rewritten "
@@ -1061,6 +1065,20 @@ class StageFiles:
                     except FileNotFoundError:
                         pass
         return n
+
+
+def _contiguous(idx: pa.ChunkedArray | pa.Array) -> tuple[int, int] | None:
+    """``(start, length)`` when the positions ``idx`` are ``start, start + 1, …`` (else None)."""
+    pos = np.concatenate(
+        [
+            c.to_numpy(zero_copy_only=False)
+            for c in (idx.chunks if isinstance(idx, pa.ChunkedArray) else [idx])
+        ]
+        or [np.zeros(0, np.int64)]
+    )
+    if not len(pos) or pos[0] < 0 or not np.array_equal(pos, np.arange(pos[0], pos[0] + len(pos))):
+        return None
+    return int(pos[0]), len(pos)
 
 
 def _key_array(file_table: pa.Table) -> pa.ChunkedArray | None:

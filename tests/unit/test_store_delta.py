@@ -204,3 +204,22 @@ def test_write_selection_reads_only_row_ids(store):
     assert lengths.column("uid").equals(want.column("uid"))
     with pytest.raises(Exception, match="positions must lie"):
         store.write_selection(3, "bad", [48], base=[u0, u1])
+
+
+def test_contiguous_selections_read_as_slices_and_equal_a_take(store):
+    from dapo_core.store.stage_files import _contiguous
+
+    r0 = _add(_prompts(6, seed=1), "response_ids", 3)
+    r1 = _add(_prompts(6, seed=2), "response_ids", 4)
+    u0 = store.write_stage(3, "kept_g0", r0)
+    u1 = store.write_stage(3, "kept_g1", r1)
+    both = pa.concat_tables([r0, r1])
+    for name, positions in (("whole", np.arange(48)), ("middle", np.arange(5, 30)), ("one", [47])):
+        store.write_selection(3, f"batch_{name}", positions, base=[u0, u1])
+        back = StageFiles(store.root).read_stage(3, f"batch_{name}")
+        assert back.equals(both.take(pa.array(positions))), name
+    store.write_selection(3, "batch_gap", [0, 1, 3], base=[u0, u1])
+    assert StageFiles(store.root).read_stage(3, "batch_gap").equals(both.take(pa.array([0, 1, 3])))
+    assert _contiguous(pa.chunked_array([[5, 6], [7]])) == (5, 3)
+    assert _contiguous(pa.array([0, 1, 3])) is None and _contiguous(pa.array([2, 1])) is None
+    assert _contiguous(pa.array([], pa.int64())) is None
