@@ -6,6 +6,11 @@ read, never written), once per variant, and prints each variant's median step ti
 `timing_s/<stage>` and the median of what no stage timer covers (sampling prompts, filtering, weight sync,
 Prefect task and store bookkeeping, the driver). Steps 1 (warm-up) is left out of the medians.
 
+Two more rows cover what `timing_s/step` does not: `loop` — the driver's wall time from one step's start to
+the next one's (timestamps of `StepProgress.begin_step`, recorded by this script), and `tail` = loop − step:
+the step's metrics on the reward worker, `metrics.jsonl`, the progress display and the Prefect UI artifacts.
+`--profile FILE` writes a cProfile of the driver process (with `--in-process`, the whole step).
+
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_step_anatomy.py --steps 8 --variant default= \
         --variant onpolicy=actor_rollout_ref.actor.ppo_mini_batch_size=16 \
         --variant separate=actor_rollout_ref.actor.ppo_mini_batch_size=16,SKIP_OFF
@@ -23,6 +28,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,13 +48,38 @@ def stage_times(row: dict) -> dict[str, float]:
 
 
 def anatomy(rows: list[dict]) -> dict[str, float]:
-    """Medians over `rows` (metrics.jsonl step rows): step, each stage, orchestration (step − Σ stages)."""
+    """Medians over `rows` (metrics.jsonl step rows): step, each stage, orchestration (step − Σ stages), and
+    `loop` / `tail` where the rows carry this script's `_loop_s`."""
     stages = sorted({k for r in rows for k in stage_times(r)})
     out = {"step": statistics.median(r["timing_s/step"] for r in rows)}
     for s in stages:
         out[s] = statistics.median(stage_times(r).get(s, 0.0) for r in rows)
     out["orchestration"] = statistics.median(r["timing_s/step"] - sum(stage_times(r).values()) for r in rows)
+    looped = [r for r in rows if "_loop_s" in r]
+    if looped:
+        out["loop"] = statistics.median(r["_loop_s"] for r in looped)
+        out["tail"] = statistics.median(r["_loop_s"] - r["timing_s/step"] for r in looped)
     return out
+
+
+STEP_STARTS: list[float] = []
+"""`time.perf_counter()` at every `StepProgress.begin_step` of the current variant run."""
+
+
+def _record_step_starts() -> None:
+    """Timestamp every step start of the driver (wraps `StepProgress.begin_step` in this process)."""
+    from flows.progress import StepProgress
+
+    if getattr(StepProgress.begin_step, "_timed", False):
+        return
+    inner = StepProgress.begin_step
+
+    def begin_step(self, step: int, total: int) -> None:
+        STEP_STARTS.append(time.perf_counter())
+        inner(self, step, total)
+
+    begin_step._timed = True  # type: ignore[attr-defined]
+    StepProgress.begin_step = begin_step  # type: ignore[method-assign]
 
 
 def run_variant(name: str, overrides: list[str], steps: int, runs_dir: Path, in_process: bool) -> list[dict]:
@@ -76,10 +107,17 @@ def run_variant(name: str, overrides: list[str], steps: int, runs_dir: Path, in_
             *overrides,
         ],
     )
+    _record_step_starts()
+    STEP_STARTS.clear()
     dapo_train(to_yaml(cfg), run_id)
     lines = (runs_dir / run_id / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(x) for x in lines]
-    return [r for r in rows if "timing_s/step" in r and r.get("step", 0) >= 2]
+    rows = [r for r in rows if "timing_s/step" in r]
+    for r in rows:  # step k's loop: from its start to step k+1's (the last step has none)
+        k = int(r.get("step", 0))
+        if 1 <= k < len(STEP_STARTS):
+            r["_loop_s"] = STEP_STARTS[k] - STEP_STARTS[k - 1]
+    return [r for r in rows if r.get("step", 0) >= 2]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,7 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variant", action="append", default=[], help="name=key=value,key=value (empty: as is)")
     ap.add_argument("--in-process", action="store_true", help="trainer.use_ray=false")
     ap.add_argument("--json", default="", help="also write the medians here")
+    ap.add_argument("--profile", default="", help="write a cProfile of this process here (pstats format)")
     args = ap.parse_args(argv)
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     variants = {}
     for v in args.variant or ["default="]:
         name, _, ov = v.partition("=")
@@ -104,13 +149,18 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.rounds):
         for name, ov in variants.items():
             rows[name] += run_variant(name, ov, args.steps, tmp / "runs", args.in_process)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
     result = {name: anatomy(r) for name, r in rows.items()}
+    last = ["orchestration", "loop", "tail"]
     keys = [
         "step",
-        *sorted({k for r in result.values() for k in r} - {"step", "orchestration"}),
-        "orchestration",
+        *sorted({k for r in result.values() for k in r} - {"step", *last}),
+        *[k for k in last if any(k in r for r in result.values())],
     ]
     print(f"steps per variant (after warm-up): {', '.join(f'{n} {len(r)}' for n, r in rows.items())}")
+    print(f"/proc/loadavg at the end: {Path('/proc/loadavg').read_text().strip()}")
     print("| seconds (median) | " + " | ".join(result) + " |")
     print("|---|" + "---|" * len(result))
     for k in keys:

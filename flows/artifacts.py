@@ -13,16 +13,20 @@ Per training run `<run_id>` (keys are the run id made lowercase, other character
 Evaluation (`flows/evaluate.py`) publishes `dapo-eval-<model>` (table) and `dapo-eval-<model>-summary`.
 
 Artifacts are a view: a failure to publish one is logged as a warning and never fails the run (the run store
-and `metrics.jsonl` stay the source of truth). Outside a Prefect flow run nothing is published.
+and `metrics.jsonl` stay the source of truth). Outside a Prefect flow run nothing is published. They are
+published off the step loop, in order, by one background thread running in the flow run's context (each is
+an API call, ~0.1 s on the loaded 2-core machine); the final summary waits until every earlier one is out.
 """
 
 from __future__ import annotations
 
 import base64
+import contextvars
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from uuid import UUID
 
@@ -109,9 +113,11 @@ class RunArtifacts:
         self.first_val: tuple[int, float] | None = None
         self.last_val: tuple[int, float] | None = None
         self._progress_id: UUID | None = None
+        self._publisher: ThreadPoolExecutor | None = None
         self._read_history(self.run_dir / "metrics.jsonl")
         if not self.enabled:
             return
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dapo-artifacts")
         try:
             from prefect.artifacts import create_progress_artifact
 
@@ -150,14 +156,27 @@ class RunArtifacts:
             self.first_val = (step, acc)
         self.last_val = (step, acc)
 
+    def _submit(self, publish: Callable[[], None]) -> None:
+        """Publish in the background thread (in order), in the current (flow run) context."""
+        if self._publisher is None:
+            publish()
+            return
+        self._publisher.submit(contextvars.copy_context().run, publish)
+
     def step(self, step: int, metrics: Mapping[str, float]) -> None:
         """A step finished: update the progress, add a version of the step table, and the summary after a
-        validation."""
+        validation (published in the background; returns at once)."""
         if not self.enabled:
             return
+        row = step_row(step, metrics)
+        self._submit(lambda: self._publish_step(step, row))
+        if "val_acc" in row:
+            self.validation(step, metrics)
+            self.summary(step, final=False)
+
+    def _publish_step(self, step: int, row: dict) -> None:
         from prefect.artifacts import create_table_artifact, update_progress_artifact
 
-        row = step_row(step, metrics)
         try:
             if self._progress_id is not None:
                 update_progress_artifact(
@@ -171,12 +190,10 @@ class RunArtifacts:
             )
         except Exception as exc:
             _warn(self.steps_key, exc)
-        if "val_acc" in row:
-            self.validation(step, metrics)
-            self.summary(step, final=False)
 
     def summary(self, step: int, final: bool) -> None:
-        """Publish the markdown summary (after a validation, and with `final=True` at the end of the run)."""
+        """Publish the markdown summary (after a validation, and with `final=True` at the end of the run:
+        returns once it and every earlier artifact are published)."""
         if not self.enabled:
             return
         first, last = self.first_val, self.last_val
@@ -201,14 +218,22 @@ class RunArtifacts:
             "",
             _image_markdown(self.run_dir / "curves.png"),
         ]
-        try:
-            from prefect.artifacts import create_markdown_artifact
+        markdown = "\n".join(lines)
 
-            create_markdown_artifact(
-                markdown="\n".join(lines), key=self.summary_key, description=f"DAPO run {self.run_id}"
-            )
-        except Exception as exc:
-            _warn(self.summary_key, exc)
+        def publish() -> None:
+            try:
+                from prefect.artifacts import create_markdown_artifact
+
+                create_markdown_artifact(
+                    markdown=markdown, key=self.summary_key, description=f"DAPO run {self.run_id}"
+                )
+            except Exception as exc:
+                _warn(self.summary_key, exc)
+
+        self._submit(publish)
+        if final and self._publisher is not None:
+            self._publisher.shutdown(wait=True)
+            self._publisher = None
 
 
 def publish_eval(model_dir: str, output: str, metrics: Mapping[str, float]) -> None:
