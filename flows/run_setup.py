@@ -196,7 +196,13 @@ def _ref_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, de
 def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, device: str) -> CriticWorker:
     critic_cfg = asdict(cfg.critic)
     actor_cfg = asdict(cfg.actor_rollout_ref.actor)
-    for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "shuffle"):
+    for key in (
+        "ppo_mini_batch_size",
+        "ppo_micro_batch_size_per_gpu",
+        "ppo_epochs",
+        "shuffle",
+        "use_dynamic_bsz",
+    ):
         if critic_cfg.get(key) is None:  # verl: unset critic batch settings follow the actor's
             critic_cfg[key] = actor_cfg.get(key)
     factory = functools.partial(
@@ -208,6 +214,7 @@ def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int,
         device=device,
         seed=cfg.trainer.seed,
         gradient_checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
+        total_steps=_scheduler_steps(cfg),
     )
     where = cfg.trainer.ray_resources.critic
     return proxy(cluster.create("critic", factory, num_gpus=_gpus(device), resources=where), CriticWorker)

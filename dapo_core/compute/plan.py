@@ -558,18 +558,44 @@ def make_plan(
     if use_critic(cfg):
         c = RolePlan("critic", budget=gpu_mem)
         crit = cfg.critic
+        cckpt = (
+            ckpt
+            if crit.model.enable_gradient_checkpointing is None
+            else bool(crit.model.enable_gradient_checkpointing)
+        )
+        cpacked = bool(crit.model.use_remove_padding)
+        cdyn = bool(actor.use_dynamic_bsz if crit.use_dynamic_bsz is None else crit.use_dynamic_bsz)
+        cbudget = int(crit.ppo_max_token_len_per_gpu)
         cp = s.num_params - (0 if s.tie_word_embeddings else s.embedding_params)  # no LM head; + value head
         c.rows.append(
             Row("weights+grads+optim", cp * 16, f"P_backbone·(4+4+8) B = {cp:,}·16 (torch AdamW fp32)")
         )
         cmicro = int(crit.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu or mini_rows)
-        ct, csq, chow = _micro_tokens(dynamic=False, budget=0, micro_rows=cmicro, width=width, packed=False)
-        cact, cf = activation_bytes(s, ct, 4, ckpt, csq if scores_on else 0)
-        c.rows.append(Row("activations" + (" (ckpt)" if ckpt else ""), cact, f"{cf}; N: {chow}"))
-        c.rows.append(Row("values", ct * s.hidden_size * 4, "N·h·4 B (value head input)"))
+        ct, csq, chow = _micro_tokens(
+            dynamic=cdyn, budget=cbudget, micro_rows=cmicro, width=width, packed=cpacked
+        )
+        cact, cf = activation_bytes(s, ct, 4, cckpt, csq if scores_on else 0)
+        c.rows.append(Row("activations" + (" (ckpt)" if cckpt else ""), cact, f"{cf}; N: {chow}", "update"))
+        if cpacked:
+            c.rows.append(Row("packed mask", ct * ct, f"N²·1 B (block-diagonal bool mask) = {ct}²", "update"))
+        c.rows.append(Row("values", ct * s.hidden_size * 4, "N·h·4 B (value head input)", "update"))
+        vt, vsq, vhow = _micro_tokens(
+            dynamic=cdyn,
+            budget=int(crit.forward_max_token_len_per_gpu or cbudget),
+            micro_rows=int(cfg.data.train_batch_size) * n,
+            width=width,
+            packed=cpacked,
+        )
+        c.rows.append(_no_grad_row(s, vt, 4, vsq if scores_on else 0, vhow, "values"))
+        if cpacked:
+            c.rows.append(Row("packed mask", vt * vt, f"N²·1 B = {vt}²", "values"))
         c.knobs = [
-            "set actor_rollout_ref.model.enable_gradient_checkpointing=true" if not ckpt else "",
-            "lower critic.ppo_micro_batch_size_per_gpu",
+            "" if cckpt else "set critic.model.enable_gradient_checkpointing=true",
+            "" if cpacked else "set critic.model.use_remove_padding=true",
+            f"lower critic.ppo_max_token_len_per_gpu (now {cbudget}) and critic.forward_max_token_len_per_gpu"
+            if cdyn
+            else "set critic.use_dynamic_bsz=true with a ppo_max_token_len_per_gpu, or lower "
+            "critic.ppo_micro_batch_size_per_gpu",
         ]
         c.knobs = [k for k in c.knobs if k]
         roles.append(c)

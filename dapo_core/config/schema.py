@@ -35,6 +35,7 @@ __all__ = [
     "AlgorithmConfig",
     "CheckpointConfig",
     "CriticConfig",
+    "CriticModelConfig",
     "DapoConfig",
     "DataConfig",
     "DeepSpeedConfig",
@@ -419,17 +420,35 @@ class ActorRolloutRefConfig:
 
 # ------------------------------------------------------------------------------------------- critic
 @dataclass
+class CriticModelConfig:
+    """Memory switches of the value model (the backbone of `actor_rollout_ref.model` plus a value head)."""
+
+    enable_gradient_checkpointing: bool | None = None
+    """Recompute activations in backward (same gradients); null = the policy model's switch (verl: true)."""
+    use_remove_padding: bool = False
+    """Packed, padding-free value forwards and updates (same values as padded within float error)."""
+
+
+@dataclass
 class CriticConfig:
     """The value model (used by GAE only)."""
 
     enable: bool | None = None
     """Build a critic; null = only when `algorithm.adv_estimator` is gae."""
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    """Gradient checkpointing and packed forwards of the value model."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    """Critic optimizer: constant lr with AdamW's default betas (schedule keys and betas: default only)."""
+    """Critic optimizer: AdamW, the actor's warm-up then constant or cosine schedule (a step per update)."""
     ppo_mini_batch_size: int | None = None
     """Prompts per critic step; null = actor's."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Trajectories per critic forward/backward; null = whole mini-batch."""
+    use_dynamic_bsz: bool | None = None
+    """Form critic micro-batches by a token budget (loss normalisation unchanged); null = the actor's."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """Token budget of a critic update micro-batch when `use_dynamic_bsz` (verl: 32768, twice the actor's)."""
+    forward_max_token_len_per_gpu: int | None = None
+    """Token budget of a value forward when `use_dynamic_bsz`; null = `ppo_max_token_len_per_gpu`."""
     ppo_epochs: int | None = None
     """Passes per batch; null = actor's."""
     cliprange_value: float = 0.5

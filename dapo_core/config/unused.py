@@ -22,7 +22,6 @@ from dapo_core.config.schema import DapoConfig
 __all__ = ["NOT_IMPLEMENTED", "NO_OPS", "default_value", "not_implemented_problems"]
 
 _VLLM = "not passed to vLLM yet: vLLM's own default applies"
-_CRITIC_LR = "the critic's learning rate is constant (no warm-up or decay schedule)"
 
 NOT_IMPLEMENTED: dict[str, str] = {
     "data.prompt_key": "prompts are read from the `prompt` column",
@@ -34,11 +33,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "actor_rollout_ref.rollout.enable_chunked_prefill": _VLLM,
     "actor_rollout_ref.rollout.max_num_batched_tokens": _VLLM,
     "actor_rollout_ref.rollout.max_num_seqs": _VLLM,
-    "critic.optim.lr_warmup_steps": _CRITIC_LR,
-    "critic.optim.lr_warmup_steps_ratio": _CRITIC_LR,
-    "critic.optim.warmup_style": _CRITIC_LR,
-    "critic.optim.min_lr_ratio": _CRITIC_LR,
-    "critic.optim.betas": "the critic's AdamW uses the default betas (0.9, 0.999)",
     "reward_model.reward_manager": (
         "the one reward manager is verl's dapo manager; with overlong_buffer.enable=false it scores as "
         "verl's naive one"

@@ -169,27 +169,26 @@ def enable_gradient_checkpointing(model: Any) -> None:
 
 
 # --------------------------------------------------------------------------- LR schedule
-def lr_lambda_for(optim_cfg: Mapping[str, Any], total_steps: int) -> Callable[[int], float]:
+def lr_lambda_for(
+    optim_cfg: Mapping[str, Any], total_steps: int, key: str = "actor_rollout_ref.actor.optim"
+) -> Callable[[int], float]:
     """LR multiplier per TRAIN step: linear warmup from 0, then constant or cosine down to `min_lr_ratio`.
 
-    Warmup steps = `lr_warmup_steps` when > 0, else `int(lr_warmup_steps_ratio · total_steps)`.
+    Warmup steps = `lr_warmup_steps` when > 0, else `int(lr_warmup_steps_ratio · total_steps)`. `key` is
+    the config section errors name (the critic passes `critic.optim`).
     """
     style = str(optim_cfg.get("warmup_style", "constant"))
     if style not in ("constant", "cosine"):
-        raise OptimConfigError(
-            f"actor_rollout_ref.actor.optim.warmup_style={style!r} is unknown; use 'constant' or 'cosine'."
-        )
+        raise OptimConfigError(f"{key}.warmup_style={style!r} is unknown; use 'constant' or 'cosine'.")
     steps = optim_cfg.get("lr_warmup_steps", -1)
     steps = -1 if steps is None else int(steps)
     ratio = float(optim_cfg.get("lr_warmup_steps_ratio", 0.0) or 0.0)
     if not 0.0 <= ratio <= 1.0:
-        raise OptimConfigError(
-            f"actor_rollout_ref.actor.optim.lr_warmup_steps_ratio={ratio} must be in [0, 1]."
-        )
+        raise OptimConfigError(f"{key}.lr_warmup_steps_ratio={ratio} must be in [0, 1].")
     warmup = steps if steps > 0 else int(ratio * total_steps)
     min_ratio = float(optim_cfg.get("min_lr_ratio", 0.0) or 0.0)
     if not 0.0 <= min_ratio <= 1.0:
-        raise OptimConfigError(f"actor_rollout_ref.actor.optim.min_lr_ratio={min_ratio} must be in [0, 1].")
+        raise OptimConfigError(f"{key}.min_lr_ratio={min_ratio} must be in [0, 1].")
 
     def constant(step: int) -> float:
         return step / max(1, warmup) if step < warmup else 1.0
@@ -204,16 +203,16 @@ def lr_lambda_for(optim_cfg: Mapping[str, Any], total_steps: int) -> Callable[[i
     return constant if style == "constant" else cosine
 
 
-def adamw_kwargs(optim_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """AdamW arguments (lr, betas, weight_decay, eps) from `optim_cfg`, validated."""
+def adamw_kwargs(optim_cfg: Mapping[str, Any], key: str = "actor_rollout_ref.actor.optim") -> dict[str, Any]:
+    """AdamW arguments (lr, betas, weight_decay, eps) from `optim_cfg`, validated (errors name `key`)."""
     if "lr" not in optim_cfg:
-        raise OptimConfigError("actor_rollout_ref.actor.optim.lr is missing; set it (e.g. 1e-6).")
+        raise OptimConfigError(f"{key}.lr is missing; set it (e.g. 1e-6).")
     lr = float(optim_cfg["lr"])
     if lr < 0:
-        raise OptimConfigError(f"actor_rollout_ref.actor.optim.lr={lr} must be >= 0.")
+        raise OptimConfigError(f"{key}.lr={lr} must be >= 0.")
     betas = tuple(float(b) for b in optim_cfg.get("betas", (0.9, 0.999)))
     if len(betas) != 2:
-        raise OptimConfigError(f"actor_rollout_ref.actor.optim.betas={list(betas)} must have two values.")
+        raise OptimConfigError(f"{key}.betas={list(betas)} must have two values.")
     return {
         "lr": lr,
         "betas": betas,

@@ -3,9 +3,14 @@
 Values follow verl's convention: the value of response token t is read from the hidden state of the position
 before it (`values[:, P-1 : P+L-1]`), so V_t estimates the return from the state in which token t is chosen.
 `update_critic` minimises the clipped value loss of docs/REFERENCE.md §2.3 with the same global token
-normalisation as the actor (micro-batch split invariant). Gradient checkpointing follows the policy model's
-switch; token-budget micro-batches and packed forwards are actor/reference features only (the critic's schema
-section has no such keys).
+normalisation as the actor (micro-batch split invariant).
+
+The critic has the actor's memory features and schedule, all off by default (verl's `critic.*` keys):
+gradient checkpointing (`critic.model.enable_gradient_checkpointing`, null = the policy model's switch),
+token-budget micro-batches for updates and value forwards (`critic.use_dynamic_bsz` with
+`ppo_max_token_len_per_gpu` / `forward_max_token_len_per_gpu`, via `dapo_core.compute.microbatch`), packed
+forwards (`critic.model.use_remove_padding`) and the actor's AdamW arguments and warm-up / constant / cosine
+lr schedule (`critic.optim`, stepped once per `update_critic` like the actor's once per update).
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ import torch
 from torch import nn
 
 from dapo_core.algo.losses import compute_value_loss
-from dapo_core.compute.engines.train import enable_gradient_checkpointing, minibatch_update
+from dapo_core.compute.engines.train import (
+    adamw_kwargs,
+    enable_gradient_checkpointing,
+    lr_lambda_for,
+    minibatch_update,
+)
+from dapo_core.compute.microbatch import pack_rows, row_token_costs, token_budget_split
 from dapo_core.compute.models import load_model
 from dapo_core.data import batch as B
 from dapo_core.store.jobs import StageJob, run_job, stage_files
@@ -42,6 +53,20 @@ class _ValueModel(nn.Module):
         v = self.v_head(h).squeeze(-1)
         return v[:, -response_length - 1 : -1]
 
+    def forward_packed(self, input_ids, attention_mask, response_length: int) -> torch.Tensor:
+        """The values of `forward` from one packed, padding-free pass over the valid tokens
+        (`microbatch.pack_rows`): (B, L), 0 at padded response positions."""
+        packed = pack_rows(input_ids, attention_mask, response_length)
+        dev = self.v_head.weight.device
+        h = self.backbone(
+            input_ids=packed.input_ids.to(dev),
+            position_ids=packed.position_ids.to(dev),
+            attention_mask=None,
+            use_cache=False,
+        ).last_hidden_state[0]
+        v = self.v_head(h[packed.logit_index.to(dev)]).squeeze(-1)
+        return packed.scatter(v)
+
 
 class CriticWorker:
     """Holds the value model and its optimizer. `critic_cfg` is the `critic` config section as a dict."""
@@ -56,24 +81,48 @@ class CriticWorker:
         device: str = "cpu",
         seed: int = 0,
         gradient_checkpointing: bool = False,
+        total_steps: int = 1,
     ):
-        """`gradient_checkpointing`: `actor_rollout_ref.model.enable_gradient_checkpointing` (the critic is
-        the policy's backbone with a value head; our schema has no separate critic model section)."""
+        """`gradient_checkpointing`: the policy model's switch
+        (`actor_rollout_ref.model.enable_gradient_checkpointing`), used when
+        `critic.model.enable_gradient_checkpointing` is null. `total_steps`: lr-schedule length (one step per
+        `update_critic`; the flow passes the actor's). Null `use_dynamic_bsz` (the actor's, resolved by the
+        flow) counts as off here."""
         torch.manual_seed(seed)
         self.cfg = dict(critic_cfg)
+        model_cfg = dict(self.cfg.get("model") or {})
+        ckpt = model_cfg.get("enable_gradient_checkpointing")
+        self.gradient_checkpointing = bool(gradient_checkpointing if ckpt is None else ckpt)
+        self.remove_padding = bool(model_cfg.get("use_remove_padding", False))
         self.pad_token_id = int(pad_token_id)
         self.n = int(rollout_n)
         self.seed = seed
         self.device = device
-        self.model = _ValueModel(model_path, gradient_checkpointing).to(device)
-        optim = dict(self.cfg.get("optim") or {})
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=float(optim.get("lr", 1e-5)),
-            weight_decay=float(optim.get("weight_decay", 0.01)),
+        self.model = _ValueModel(model_path, self.gradient_checkpointing).to(device)
+        optim = {"lr": 1e-5, **dict(self.cfg.get("optim") or {})}
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(optim, "critic.optim"))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda_for(optim, int(total_steps), "critic.optim")
         )
 
+    @property
+    def update_max_token_len(self) -> int | None:
+        """The update's micro-batch token budget (`ppo_max_token_len_per_gpu` when `use_dynamic_bsz`)."""
+        if not self.cfg.get("use_dynamic_bsz"):
+            return None
+        return int(self.cfg.get("ppo_max_token_len_per_gpu") or 32768)
+
+    @property
+    def forward_max_token_len(self) -> int | None:
+        """The value forward's token budget (`forward_max_token_len_per_gpu`, null = the update's)."""
+        if not self.cfg.get("use_dynamic_bsz"):
+            return None
+        fwd = self.cfg.get("forward_max_token_len_per_gpu")
+        return int(fwd) if fwd is not None else self.update_max_token_len
+
     def _forward(self, t: dict) -> torch.Tensor:
+        if self.remove_padding:
+            return self.model.forward_packed(t["input_ids"], t["attention_mask"], t["responses"].shape[1])
         return self.model(
             t["input_ids"].to(self.device),
             t["attention_mask"].to(self.device),
@@ -82,12 +131,34 @@ class CriticWorker:
         )
 
     def compute_values(self, table: pa.Table) -> pa.Table:
-        """Add `values` (one per response token)."""
+        """Add `values` (one per response token).
+
+        One forward over the batch, or, with a token budget (`forward_max_token_len`), micro-batches from
+        `token_budget_split` over what each row costs the forward (`row_token_costs`), each padded to its own
+        longest row (or packed); the rows come back in the table's order."""
         self.model.eval()
+        budget = self.forward_max_token_len
+        if budget is None:
+            with torch.no_grad():
+                t = B.to_padded(table, self.pad_token_id)
+                v = self._forward(t) * t["response_mask"].to(self.device)
+            return B.add_token_column(table, "values", v, "float32")
+        prompt_lens = B.prompt_lengths(table).astype("int64")
+        response_lens = B.response_lengths(table).astype("int64")
+        if self.remove_padding:
+            costs = [int(x) for x in prompt_lens + response_lens]
+        else:  # the padded width of the batch
+            costs = [int(prompt_lens.max(initial=0) + response_lens.max(initial=0))] * table.num_rows
+        chunks, order = [], []
         with torch.no_grad():
-            t = B.to_padded(table, self.pad_token_id)
-            v = self._forward(t) * t["response_mask"].to(self.device)
-        return B.add_token_column(table, "values", v, "float32")
+            for group in token_budget_split(costs, budget):
+                part = table.take(pa.array(group, type=pa.int64()))
+                t = B.to_padded(part, self.pad_token_id)
+                v = self._forward(t) * t["response_mask"].to(self.device)
+                chunks.append(B.from_padded(v, B.response_lengths(part), dtype="float32"))
+                order.extend(group)
+        col = pa.concat_arrays(chunks).take(pa.array(torch.argsort(torch.tensor(order)).numpy()))
+        return B.set_column(table, "values", col)
 
     def values_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
         """`compute_values` on the view at `job.input_uri`, committed by this worker."""
@@ -98,10 +169,12 @@ class CriticWorker:
         return self.update_critic(stage_files(root).read_uri(uri), global_steps)
 
     def update_critic(self, table: pa.Table, global_steps: int) -> dict[str, float]:
-        """PPO value updates; returns `critic/vf_loss`, `critic/vf_clipfrac`, `critic/grad_norm`, `critic/lr`.
+        """PPO value updates; returns `critic/vf_loss`, `critic/vf_clipfrac`, `critic/grad_norm`, `critic/lr`
+        (the lr of this update) and steps the lr schedule once.
 
         The same mini-batch / micro-batch loop as the actor (`minibatch_update`); `critic/vf_loss` is summed
-        over the micro-batches of a mini-batch (each is normalised by the mini-batch), then averaged.
+        over the micro-batches of a mini-batch (each is normalised by the mini-batch), then averaged. With a
+        token budget the micro-batches are `token_budget_split` groups; the normalisation is the same.
         """
         self.model.train()
         t = B.to_padded(table, self.pad_token_id, columns=["values", "returns"])
@@ -111,6 +184,7 @@ class CriticWorker:
         mode = self.cfg.get("loss_agg_mode") or "token-mean"
         clip = float(self.cfg.get("cliprange_value") or 0.5)
         grad_clip = float(self.cfg.get("grad_clip") or 1.0)
+        budget = self.update_max_token_len
 
         def micro_loss(mb: dict, info: dict) -> tuple[torch.Tensor, dict]:
             vpreds = self._forward(mb)
@@ -127,6 +201,7 @@ class CriticWorker:
             return {"critic/grad_norm": float(norm)}
 
         self.optimizer.zero_grad(set_to_none=True)
+        lr = float(self.optimizer.param_groups[0]["lr"])
         metrics = minibatch_update(
             t,
             micro_loss=micro_loss,
@@ -139,18 +214,32 @@ class CriticWorker:
             shuffle=bool(self.cfg.get("shuffle")),
             seed=self.seed + int(global_steps),
             sum_keys=("critic/vf_loss",),
+            token_budget=budget,
+            row_tokens=row_token_costs(t["attention_mask"], self.remove_padding)
+            if budget is not None
+            else None,
         )
-        metrics["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["critic/lr"] = lr
+        self.scheduler.step()
         return metrics
 
     def save_checkpoint(self, path: str) -> None:
-        """Value model and optimizer state, as `critic.{json,tensors}` (safetensors + JSON, no pickle)."""
+        """Value model, optimizer and lr-schedule state, as `critic.{json,tensors}` (safetensors + JSON, no
+        pickle)."""
         import os
 
         from dapo_core.store.state_files import save_state
 
         os.makedirs(path, exist_ok=True)
-        save_state(path, "critic", {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()})
+        save_state(
+            path,
+            "critic",
+            {
+                "model": self.model.state_dict(),
+                "optim": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            },
+        )
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what `save_checkpoint` wrote (nothing read is executed; an older pickled `critic.pt` is
@@ -161,3 +250,5 @@ class CriticWorker:
         state = load_state(path, "critic", device=str(self.device))
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
+        if "scheduler" in state:  # checkpoints before the critic had a schedule: its lr was constant
+            self.scheduler.load_state_dict(state["scheduler"])
