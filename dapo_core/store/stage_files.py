@@ -59,6 +59,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -330,8 +331,26 @@ def _decode_file_table(table: pa.Table, man: dict, path: Path) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=pa.schema(fields, metadata=table.schema.metadata))
 
 
+_HASHER: ThreadPoolExecutor | None = None
+_HASHER_LOCK = threading.Lock()
+_OVERLAP_MIN = 1 << 20
+"""Buffers at least this large are hashed on a helper thread while the same buffer is written."""
+
+
+def _hasher() -> ThreadPoolExecutor:
+    global _HASHER
+    with _HASHER_LOCK:
+        if _HASHER is None:
+            _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dapo-store-sha256")
+        return _HASHER
+
+
 class _HashingSink:
-    """A minimal writable file object that hashes and counts everything written to the real file."""
+    """A minimal writable file object that hashes and counts everything written to the real file.
+
+    A large buffer is hashed on a helper thread while the calling thread writes it (both release the GIL),
+    and the write returns only when both are done: the hash is still of exactly the bytes written, in order,
+    and the buffer is not used after the call."""
 
     def __init__(self, f):
         self._f = f
@@ -341,8 +360,15 @@ class _HashingSink:
 
     def write(self, data) -> int:
         mv = memoryview(data)
-        self.sha.update(mv)
-        self._f.write(mv)
+        if mv.nbytes < _OVERLAP_MIN:
+            self.sha.update(mv)
+            self._f.write(mv)
+        else:
+            hashed = _hasher().submit(self.sha.update, mv)
+            try:
+                self._f.write(mv)
+            finally:
+                hashed.result()
         self.nbytes += mv.nbytes
         return mv.nbytes
 

@@ -231,3 +231,33 @@ def test_a_settled_file_is_hashed_once_per_process_and_any_change_is_hashed_agai
     assert reader.read_stage(5, "generate_g0").equals(batch)
     assert io_counters()["trusted_bytes"] == 0
     assert reader.read_stage(5, "generate_g0", verify=False).equals(batch)
+
+
+def test_large_buffers_hashed_beside_the_write_give_the_files_sha256(store):
+    import hashlib
+
+    rng = np.random.default_rng(4)
+    rows, width = 256, 2048  # 2 MiB per-token columns: each buffer is hashed on the helper thread
+    offsets = np.arange(0, rows * width + 1, width, dtype=np.int32)
+    table = pa.table(
+        {
+            "x": pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.random(rows * width, np.float32))),
+            "y": pa.ListArray.from_arrays(
+                pa.array(offsets), pa.array(rng.integers(0, 9, rows * width, np.int32))
+            ),
+        }
+    )
+    assert table.column("x").nbytes > 2 * stage_files._OVERLAP_MIN
+    store.write_stage(0, "big", table)
+    data = (store.step_dir(0) / "big.arrow").read_bytes()
+    assert store.manifest(0, "big")["sha256"] == hashlib.sha256(data).hexdigest()
+    assert StageFiles(store.root).read_stage(0, "big").equals(table)
+
+    class Full:
+        def write(self, mv):
+            raise OSError(28, "No space left on device")
+
+    sink = stage_files._HashingSink(Full())
+    with pytest.raises(OSError, match="No space"):
+        sink.write(bytearray(4 * stage_files._OVERLAP_MIN))
+    assert sink.nbytes == 0
