@@ -14,12 +14,22 @@ commit before the column-delta store), so the before/after figures come from the
     .venv/bin/python bench/bench_scale.py synthetic --rows 8192 --resp-len 512 --steps 4 \
         --tree /work/tmp/wt_before
 
+    # the replay-buffer step order (trainer.step_order=replay_buffer, parameter_sync_step=2): driver bytes
+    # per step as above, plus bytes written per step / unique bytes per step of the run folder's stage files
+    .venv/bin/python bench/bench_scale.py driver --order replay_buffer --steps 3
+    .venv/bin/python bench/bench_scale.py driver --order replay_buffer --steps 3 --tree /work/wtA-before
+
 `driver` counts, in the driver process, the Arrow bytes of every table the tasks read from or write to the run
 store and of every table handed to or returned by a worker call (Ray serialises those through the driver).
 `synthetic` prints JSON: bytes written per step, unique bytes per step (each value once), driver seconds per
 step (store reads/writes and the batch transfer the driver does: all of them before, the prompts it draws and
 the filter/assemble selections after, the rest being the workers'), and the run folder's size after N steps
 (with retention where the tree has it: a checkpoint every step).
+`driver --order replay_buffer` keeps every step folder (`trainer.keep_rollouts_every=1`) and adds
+`store_accounting` of the run folder: the data bytes of every stage file (each cell's values plus the row ids
+`_key`/`_src`; Arrow IPC framing left out, so tiny files compare fairly) against the unique bytes (each
+distinct row/column/value counted once, in the step that first wrote it), per step, and the number of
+token-level (list) cells written again with a value an earlier file already holds.
 """
 
 from __future__ import annotations
@@ -53,8 +63,81 @@ def _nbytes(x) -> int:
     return 0
 
 
+def _cell_bytes(arrow_type, value) -> float:
+    """The data bytes of one cell: list and string values plus their 4-byte offset, fixed widths by width."""
+    import pyarrow as pa
+
+    if value is None:
+        return 0.125
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        return 4 + sum(_cell_bytes(arrow_type.value_type, v) for v in value)
+    if pa.types.is_string(arrow_type) or pa.types.is_binary(arrow_type):
+        return 4 + len(value.encode() if isinstance(value, str) else value)
+    if pa.types.is_boolean(arrow_type):
+        return 0.125
+    if pa.types.is_struct(arrow_type):
+        return sum(_cell_bytes(f.type, value.get(f.name)) for f in arrow_type)
+    try:
+        return arrow_type.bit_width / 8
+    except ValueError:  # another variable-width type (map, union, ...): its values as text
+        return 4 + len(repr(value).encode())
+
+
+def store_accounting(root: str | Path) -> dict:
+    """Data bytes written per step vs unique bytes per step of the stage files under the run folder `root`
+    (module docstring): `{"per_step": {step: {"written", "unique", "token_cells_again"}}, "written",
+    "unique", "written_over_unique", "token_cells_again"}`. Reads every file whole (a benchmark and test
+    helper, not for large runs)."""
+    import hashlib
+
+    import pyarrow as pa
+    from pyarrow import ipc
+
+    seen: set[tuple] = set()
+    per_step: dict[int, dict[str, float]] = {}
+    for step_dir in sorted(Path(root).glob("step_*")):
+        step = int(step_dir.name.split("_")[1])
+        acc = {"written": 0.0, "unique": 0.0, "token_cells_again": 0}
+        for path in sorted(step_dir.glob("*.arrow")):
+            if path.name.startswith(".") or not path.with_name(path.stem + ".manifest.json").exists():
+                continue
+            with pa.memory_map(str(path)) as f:
+                table = ipc.open_file(f).read_all()
+            ids = ["_key", "_src"]
+            keys = (
+                table.column("_key").to_pylist()
+                if "_key" in table.column_names
+                else [(path.name, i) for i in range(table.num_rows)]
+            )
+            acc["written"] += 8 * table.num_rows * sum(c in table.column_names for c in ids)
+            for field in table.schema:
+                if field.name in ids:
+                    continue
+                listed = pa.types.is_list(field.type) or pa.types.is_large_list(field.type)
+                for key, value in zip(keys, table.column(field.name).to_pylist(), strict=True):
+                    size = _cell_bytes(field.type, value)
+                    acc["written"] += size
+                    ident = (key, field.name, hashlib.blake2b(repr(value).encode(), digest_size=16).digest())
+                    if ident in seen:
+                        acc["token_cells_again"] += int(listed)
+                    else:
+                        seen.add(ident)
+                        acc["unique"] += size
+        per_step[step] = acc
+    written = sum(a["written"] for a in per_step.values())
+    unique = sum(a["unique"] for a in per_step.values())
+    return {
+        "per_step": per_step,
+        "written": written,
+        "unique": unique,
+        "written_over_unique": round(written / unique, 3) if unique else None,
+        "token_cells_again": sum(a["token_cells_again"] for a in per_step.values()),
+    }
+
+
 def driver(args) -> dict:
-    """Run the tiny default for `--steps` steps and count the table bytes through the driver."""
+    """Run the tiny default for `--steps` steps and count the table bytes through the driver (and, for the
+    replay-buffer order, the run folder's bytes written / unique bytes)."""
     tree = _tree(args)
     import numpy as np
 
@@ -101,6 +184,15 @@ def driver(args) -> dict:
             "trainer.val_before_train=false",
             "trainer.logger=[jsonl]",
             "trainer.experiment_name=bench-driver",
+            *(
+                [
+                    "trainer.step_order=replay_buffer",
+                    "trainer.parameter_sync_step=2",
+                    "trainer.keep_rollouts_every=1",
+                ]
+                if args.order == "replay_buffer"
+                else []
+            ),
         ],
     )
     from flows.dapo_train import dapo_train
@@ -116,6 +208,18 @@ def driver(args) -> dict:
         **{f"{k}_per_step": round(v / args.steps) for k, v in counts.items()},
         "wall_s": round(wall, 1),
     }
+    if args.order == "replay_buffer":
+        acct = store_accounting(runs / "bench-driver")
+        steps = max(len(acct["per_step"]), 1)
+        out = {
+            "order": args.order,
+            **out,
+            "written_bytes_per_step": round(acct["written"] / steps),
+            "unique_bytes_per_step": round(acct["unique"] / steps),
+            "written_over_unique": acct["written_over_unique"],
+            "token_cells_written_again": acct["token_cells_again"],
+            "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+        }
     shutil.rmtree(runs, ignore_errors=True)
     return out
 
@@ -293,6 +397,7 @@ def main() -> None:
     d = sub.add_parser("driver")
     d.add_argument("--steps", type=int, default=2)
     d.add_argument("--tree", default=None)
+    d.add_argument("--order", choices=["sync", "replay_buffer"], default="sync")
     s = sub.add_parser("synthetic")
     s.add_argument("--rows", type=int, default=8192)
     s.add_argument("--n", type=int, default=16)

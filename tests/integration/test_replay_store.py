@@ -1,0 +1,140 @@
+"""The replay-buffer step order over the column-delta run store, end to end (real Prefect, in-process
+workers):
+
+- no token-level column is written twice: over a few real tiny steps every list cell of the run folder is
+  written once, and the data bytes written are <= 1.3x the unique bytes (`bench/bench_scale.py`'s
+  `store_accounting`); the `replay_add` files and the sampled `batch` are row selections;
+- the driver process reads no token-level column (only uids, metrics, weight versions, list lengths);
+- a run SIGKILLed in the middle of a step, with default retention, resumes to final weights bitwise equal to
+  the uninterrupted run's, and keeps exactly the step folders the replay buffer still references.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from safetensors.torch import load_file
+
+from dapo_core.store import RunStore
+from dapo_core.store.replay import referenced_steps
+from tests.integration.conftest import CONFIG, tiny_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 3
+COMMON = {
+    "trainer.step_order": "replay_buffer",
+    "trainer.parameter_sync_step": 2,
+    "trainer.total_training_steps": STEPS,
+    "trainer.save_freq": 1,
+    "trainer.test_freq": -1,
+    "trainer.val_before_train": "false",
+    "trainer.use_ray": "false",
+    "algorithm.filter_groups.enable": "false",  # the briefly warmed-up model may keep no group
+}
+
+
+def _store_accounting():
+    spec = importlib.util.spec_from_file_location("bench_scale", REPO / "bench" / "bench_scale.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.store_accounting
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_assets):
+    """The uninterrupted run (every step folder kept), with the list columns of every stage view the driver
+    process read recorded (in-process workers read through their own `StageFiles`, not the `RunStore`)."""
+    import flows.dapo_train as dt
+    from dapo_core.config import load_config, to_yaml
+
+    reads: list[tuple[int, str, list[str]]] = []
+    original = RunStore.read_stage
+
+    def recording(self, step, stage, verify=True, columns=None):
+        table = original(self, step, stage, verify, columns)
+        lists = [f.name for f in table.schema if pa.types.is_list(f.type) or pa.types.is_large_list(f.type)]
+        reads.append((step, stage, lists))
+        return table
+
+    extra = {**COMMON, "trainer.experiment_name": "replay-ref", "trainer.keep_rollouts_every": 1}
+    cfg = load_config(CONFIG, tiny_overrides(tiny_assets, **extra))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RunStore, "read_stage", recording)
+        out = dt.dapo_train(to_yaml(cfg), "replay-ref")
+    assert out["train_step"] == STEPS
+    return Path(out["run_dir"]), reads
+
+
+def test_no_token_column_written_twice_nor_read_in_the_driver(reference):
+    run, reads = reference
+    acct = _store_accounting()(run)
+    assert sorted(acct["per_step"]) == list(range(1, STEPS + 1))
+    assert acct["token_cells_again"] == 0, acct["per_step"]
+    assert acct["written_over_unique"] <= 1.3, acct
+    with RunStore(run) as store:
+        for step in range(1, STEPS + 1):
+            stages = store.committed_stages(step)
+            assert "batch" in stages
+            for stage in stages:
+                if stage == "batch" or stage.startswith("replay_add_"):
+                    man = store.manifest(step, stage)
+                    assert man["selection"] and man["file_columns"] == [], (step, stage)
+    assert reads, "the recording saw no driver read at all"
+    token_reads = [(step, stage, lists) for step, stage, lists in reads if lists]
+    assert token_reads == []
+
+
+def _weights(run: Path) -> dict:
+    return load_file(str(run / "ckpt" / f"step_{STEPS}" / "actor" / "model.safetensors"))
+
+
+@pytest.mark.timeout(900)
+def test_killed_mid_step_with_default_retention_resumes_bitwise(reference, tiny_assets):
+    name = "replay-killed"
+    extra = {**COMMON, "trainer.experiment_name": name, "trainer.keep_rollouts_every": 0}
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--flow-only",
+        "--config",
+        str(CONFIG),
+        *tiny_overrides(tiny_assets, **extra),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    victim = subprocess.Popen(
+        cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    run = tiny_assets / "runs" / name
+    marker = run / "step_000002" / "update_actor_p0.manifest.json"  # between step 2's two local updates
+    deadline = time.time() + 600
+    while not marker.exists():
+        assert victim.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    with RunStore(run) as store:
+        assert store.checkpoints.latest_step() == 1
+        assert store.is_committed(2, "batch")
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = _weights(reference[0]), _weights(run)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert (a[key] == b[key]).all(), key
+    with RunStore(run) as store:
+        pinned = referenced_steps(store)
+        assert pinned and set(store.steps()) == pinned  # what the buffer still holds, nothing else
+        for _, tags in store.items("train", is_prompt=False):
+            store.read_uri(tags["uri"])
