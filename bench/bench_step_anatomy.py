@@ -11,6 +11,10 @@ the next one's (timestamps of `StepProgress.begin_step`, recorded by this script
 the step's metrics on the reward worker, `metrics.jsonl`, the progress display and the Prefect UI artifacts.
 `--profile FILE` writes a cProfile of the driver process (with `--in-process`, the whole step).
 
+`--task-floor N` instead measures the floor: N calls of an empty Prefect task inside one flow, per set of task
+options (none; `NO_CACHE`; a `task_run_name` template or callable; the stage tasks' options; those with
+`log_prints=False` or `persist_result=False`), interleaved over `--rounds`, wall and process-CPU ms per call.
+
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_step_anatomy.py --steps 8 --variant default= \
         --variant onpolicy=actor_rollout_ref.actor.ppo_mini_batch_size=16 \
         --variant separate=actor_rollout_ref.actor.ppo_mini_batch_size=16,SKIP_OFF
@@ -120,6 +124,50 @@ def run_variant(name: str, overrides: list[str], steps: int, runs_dir: Path, in_
     return [r for r in rows if r.get("step", 0) >= 2]
 
 
+def task_floor(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """Median wall and process-CPU seconds per call of an empty Prefect task, per set of task options."""
+    from prefect import flow, task
+    from prefect.cache_policies import NO_CACHE
+
+    from tasks.common import STAGE_TASK_OPTS, run_name
+
+    def empty(run_id: str, step: int) -> None:
+        return None
+
+    stage = {**STAGE_TASK_OPTS, "task_run_name": "t-step{step}"}
+    variants = {
+        "no options": task(name="bare")(empty),
+        "NO_CACHE": task(name="nc", cache_policy=NO_CACHE)(empty),
+        "NO_CACHE + name template": task(name="nt", cache_policy=NO_CACHE, task_run_name="nt-step{step}")(
+            empty
+        ),
+        "NO_CACHE + name callable": task(name="nf", cache_policy=NO_CACHE, task_run_name=run_name("nf"))(
+            empty
+        ),
+        "stage task options": task(name="so", **stage)(empty),
+        "stage options, log_prints=False": task(name="sl", log_prints=False, **stage)(empty),
+        "stage options, persist_result=False": task(name="sp", persist_result=False, **stage)(empty),
+    }
+
+    @flow(name="task-floor", log_prints=True)
+    def floor() -> dict[str, list[tuple[float, float]]]:
+        out: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+        for t in variants.values():
+            t("r", 0)  # warm-up
+        for _ in range(rounds):
+            for name, t in variants.items():
+                w0, c0 = time.perf_counter(), time.process_time()
+                for i in range(calls):
+                    t("r", i)
+                out[name].append(((time.perf_counter() - w0) / calls, (time.process_time() - c0) / calls))
+        return out
+
+    res = floor()
+    return {
+        k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in res.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the variants and print one table (seconds, medians)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -129,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--in-process", action="store_true", help="trainer.use_ray=false")
     ap.add_argument("--json", default="", help="also write the medians here")
     ap.add_argument("--profile", default="", help="write a cProfile of this process here (pstats format)")
+    ap.add_argument("--task-floor", type=int, default=0, help="measure N empty Prefect task calls instead")
     args = ap.parse_args(argv)
     profiler = None
     if args.profile:
@@ -145,6 +194,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    if args.task_floor:
+        floor = task_floor(args.task_floor, args.rounds)
+        print(f"/proc/loadavg: {Path('/proc/loadavg').read_text().strip()}")
+        print("| empty Prefect task | wall ms per call | process CPU ms per call |\n|---|---|---|")
+        for name, (wall, cpu) in floor.items():
+            print(f"| {name} | {1000 * wall:.1f} | {1000 * cpu:.1f} |")
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     rows: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, ov in variants.items():
