@@ -449,12 +449,22 @@ def _schema(
     return schema, rcs
 
 
+def _type_key(t: pa.DataType) -> object:
+    """What a column type is compared by — as pandera's narwhals backend did: string and large_string alike,
+    list and large_list alike, a list's item field name and nullability ignored."""
+    if pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return ("list", _type_key(t.value_type))
+    return t
+
+
 def _type_failures(stage: str, present: frozenset[str], table: pa.Table) -> list[dict]:
     """A failure for every stage column whose Arrow type is not `COLUMN_TYPES`' (found vs expected)."""
     out: list[dict] = []
     for c in _stage_cols(stage, present):
         actual, expected = table.schema.field(c).type, COLUMN_TYPES[c]
-        if actual != expected:
+        if _type_key(actual) != _type_key(expected):
             out.append(
                 {
                     "column": c,

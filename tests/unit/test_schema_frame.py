@@ -41,6 +41,23 @@ def test_extra_columns_pass_and_optional_columns_are_typed():
     assert "column 'rollout_is_weights': wrong type list<item: double>, expected list<item: float>" in msg
 
 
+def test_types_compare_as_pandera_did():
+    """string/large_string and list/large_list are alike; a list's item name and nullability do not count."""
+    t = valid_table("generate")
+    ids = t.column("response_ids")
+    for table in (
+        replace(t, "uid", t.column("uid").cast(pa.large_string())),
+        replace(t, "response_ids", ids.cast(pa.large_list(pa.int32()))),
+        replace(t, "response_ids", ids.cast(pa.list_(pa.field("element", pa.int32(), nullable=False)))),
+    ):
+        S.validate_stage("generate", table, **KW)
+    for col, typ in (("gen_step", pa.int32()), ("response_ids", pa.list_(pa.int64()))):
+        assert f"column '{col}': wrong type" in _err("generate", replace(t, col, t.column(col).cast(typ)))
+    assert "column 'uid': wrong type dictionary" in _err(
+        "generate", replace(t, "uid", t.column("uid").dictionary_encode())
+    )
+
+
 def test_type_and_row_failures_in_one_paragraph():
     t = replace(valid_table("old_log_prob"), "weight_version", pa.array([0] * 4, pa.int32()))
     t = replace(t, "entropy", pa.array([[0.1, 0.2, 0.0], [-1.0], [0.5, 0.5], []], LF32))
