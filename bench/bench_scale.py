@@ -29,7 +29,8 @@ the filter/assemble selections after, the rest being the workers'), and the run 
 `store_accounting` of the run folder: the data bytes of every stage file (each cell's values plus the row ids
 `_key`/`_src`; Arrow IPC framing left out, so tiny files compare fairly) against the unique bytes (each
 distinct row/column/value counted once, in the step that first wrote it), per step, and the number of
-token-level (list) cells written again with a value an earlier file already holds.
+token-level cells (lists, or the store's compact struct form of them) written again with a value an earlier
+file already holds.
 """
 
 from __future__ import annotations
@@ -113,13 +114,14 @@ def store_accounting(root: str | Path) -> dict:
             for field in table.schema:
                 if field.name in ids:
                     continue
-                listed = pa.types.is_list(field.type) or pa.types.is_large_list(field.type)
+                # token-level: a list per row, or the store's compact struct form of one
+                nested = pa.types.is_nested(field.type)
                 for key, value in zip(keys, table.column(field.name).to_pylist(), strict=True):
                     size = _cell_bytes(field.type, value)
                     acc["written"] += size
                     ident = (key, field.name, hashlib.blake2b(repr(value).encode(), digest_size=16).digest())
                     if ident in seen:
-                        acc["token_cells_again"] += int(listed)
+                        acc["token_cells_again"] += int(nested)
                     else:
                         seen.add(ident)
                         acc["unique"] += size
