@@ -191,6 +191,13 @@ class RunArtifacts:
         except Exception as exc:
             _warn(self.steps_key, exc)
 
+    def close(self) -> None:
+        """Wait until every artifact handed to the background thread is published, and stop the thread (a
+        flow run that fails still shows the steps it finished); later ones are published directly."""
+        if self._publisher is not None:
+            self._publisher.shutdown(wait=True)
+            self._publisher = None
+
     def summary(self, step: int, final: bool) -> None:
         """Publish the markdown summary (after a validation, and with `final=True` at the end of the run:
         returns once it and every earlier artifact are published)."""
@@ -231,9 +238,8 @@ class RunArtifacts:
                 _warn(self.summary_key, exc)
 
         self._submit(publish)
-        if final and self._publisher is not None:
-            self._publisher.shutdown(wait=True)
-            self._publisher = None
+        if final:
+            self.close()
 
 
 def publish_eval(model_dir: str, output: str, metrics: Mapping[str, float]) -> None:

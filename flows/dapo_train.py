@@ -156,6 +156,7 @@ def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] 
     logger = get_run_logger()
     preflight(cfg, phase="train")  # data rows, model folder, store, disk: before any worker starts
     rt = open_run(cfg, run_id)
+    ui: RunArtifacts | None = None
     try:
         state = restore(rt)
         total = state.total_steps
@@ -199,6 +200,9 @@ def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] 
             logger.info("step %d (gen_step %d) done in %.1fs", step, state.gen_step, metrics["timing_s/step"])
     finally:
         close_run(rt)  # draws curves.png
+        if ui is not None:
+            ui.close()  # what was queued for the UI is published, also when the run failed
+    assert ui is not None
     ui.summary(state.train_step, final=True)
     return {
         "run_id": run_id,
