@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,18 @@ def prefect_home(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def kill_at(victim: subprocess.Popen, marker: Path, timeout_s: float = 600) -> None:
+    """SIGKILL ``victim``'s whole process group (it must run with ``start_new_session=True``) as soon as
+    ``marker`` exists; fail if the run ends first or the marker does not appear within ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while not marker.exists():
+        assert victim.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline, f"{marker} did not appear within {timeout_s:.0f} s"
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
 
 
 def tiny_overrides(root: Path, **extra) -> list[str]:

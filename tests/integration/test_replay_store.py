@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -25,7 +23,7 @@ from safetensors.torch import load_file
 
 from dapo_core.store import RunStore
 from dapo_core.store.replay import referenced_steps
-from tests.integration.conftest import CONFIG, tiny_overrides
+from tests.integration.conftest import CONFIG, kill_at, tiny_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -117,13 +115,7 @@ def test_killed_mid_step_with_default_retention_resumes_bitwise(reference, tiny_
     )
     run = tiny_assets / "runs" / name
     marker = run / "step_000002" / "update_actor_p0.manifest.json"  # between step 2's two local updates
-    deadline = time.time() + 600
-    while not marker.exists():
-        assert victim.poll() is None, "the run ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    kill_at(victim, marker)
     with RunStore(run) as store:
         assert store.checkpoints.latest_step() == 1
         assert store.is_committed(2, "batch")

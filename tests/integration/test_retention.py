@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +85,7 @@ def test_default_retention_in_a_killed_run_and_resume_stays_bitwise(tiny_assets)
     SIGKILLed inside step 3 and resumed ends bitwise equal to an uninterrupted run that kept everything."""
     from safetensors.torch import load_file
 
-    from tests.integration.conftest import CONFIG, tiny_overrides
+    from tests.integration.conftest import CONFIG, kill_at, tiny_overrides
 
     common = {
         "trainer.total_training_steps": 3,
@@ -115,13 +114,7 @@ def test_default_retention_in_a_killed_run_and_resume_stays_bitwise(tiny_assets)
     )
     run = tiny_assets / "runs" / "bounded"
     marker = run / "step_000003" / "generate_g0.manifest.json"
-    deadline = time.time() + 600
-    while not marker.exists():
-        assert victim.poll() is None, "the run ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    kill_at(victim, marker)
     with RunStore(run) as store:
         assert store.steps() == [3]  # steps 1 and 2 went after checkpoints 1 and 2
     done = subprocess.run(cmd("bounded", 0), env=env, cwd=repo, capture_output=True, text=True, check=False)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from safetensors.torch import load_file
 
 from dapo_core.config import load_config, to_yaml, typed
 from dapo_core.stages import DynamicSamplingExhausted
-from tests.integration.conftest import CONFIG, tiny_overrides
+from tests.integration.conftest import CONFIG, kill_at, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -137,13 +135,7 @@ def test_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
         start_new_session=True,
     )
     marker = tiny_assets / "runs" / "resumed" / "step_000003" / "generate_g0.manifest.json"
-    deadline = time.time() + 600
-    while not marker.exists():
-        assert victim.poll() is None, "the run ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    kill_at(victim, marker)
     run = tiny_assets / "runs" / "resumed"
     assert (run / "ckpt" / "latest").read_text().strip() == "2"
     done = subprocess.run(cmd("resumed"), env=env, cwd=root, capture_output=True, text=True, check=False)
