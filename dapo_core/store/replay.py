@@ -1,7 +1,7 @@
 """Replay buffer over the run store, for the replay-buffer step order.
 
 Rollout work registers prompts in the ledger (``RunStore.register_prompts``; the generation task then tags
-them ``status="running"``) and hands finished groups to :meth:`ReplayBuffer.add_groups`; the
+them ``status="running"``) and hands finished groups to :meth:`ReplayBuffer.add_stage`; the
 trainer calls :meth:`ReplayBuffer.sample` once per global step. ``sample`` never blocks: when there are not
 enough sampleable groups it returns ``None`` and says in ``metrics["refill_needed"]`` how many prompts the
 caller should generate next. ``sample`` also computes the staleness and eviction metrics
@@ -10,15 +10,14 @@ caller should generate next. ``sample`` also computes the staleness and eviction
 Storage choice: each add commits its trajectory rows as ONE stage file
 (``step_<global_steps>/replay_add_<k>.arrow``, checksummed like every stage) and each trajectory key
 ``{uid}_{sample_idx}`` records ``uri`` + ``row`` (the row of that file's view) in its tags (plus
-``min/max_global_steps`` and the filter metric). :meth:`ReplayBuffer.add_stage` (what the flow uses) commits
+``min/max_global_steps`` and the filter metric). :meth:`ReplayBuffer.add_stage` commits
 that file as a *row selection* over the committed reward stage the groups come from (row ids and positions
 only, :meth:`~dapo_core.store.stage_files.StageFiles.write_selection`) after reading only the few small
 columns it needs (uid, sample_idx, weight version, filter metric; memory-mapped): no token-level column is
-written again and none is read. :meth:`ReplayBuffer.add_groups` takes a table that is in no stage yet and
-writes it whole. :meth:`ReplayBuffer.sample_selection` answers with a :class:`Selection` (positions in the
-concatenated views of ``replay_add`` files), which the flow commits as the step's ``batch``, again a row
-selection; :meth:`ReplayBuffer.sample` reads it as a table. The ledger stays small (tags, and the prompt rows
-of groups in flight as payloads, deleted with the group).
+written again and none is read. :meth:`ReplayBuffer.sample_selection` answers with a :class:`Selection`
+(positions in the concatenated views of ``replay_add`` files), which the flow commits as the step's
+``batch``, again a row selection; :meth:`ReplayBuffer.sample` reads it as a table. The ledger stays small
+(tags, and the prompt rows of groups in flight as payloads, deleted with the group).
 
 Semantics (docs/REFERENCE.md §9.3 / §7.7, simplified to a single driver):
 - Oldest first by the prompt's ``global_steps`` (ties: registration order).
@@ -142,34 +141,16 @@ class ReplayBuffer:
                         k = max(k, int(digits) + 1)
         return f"replay_add_{k:05d}"
 
-    def add_groups(self, table: pa.Table, global_steps: int) -> int:
-        """Register the finished trajectories of complete groups; returns the number of groups added.
-
-        ``table`` follows the batch contract (``uid``, ``sample_idx``, and ``weight_version`` or
-        ``min_global_steps``/``max_global_steps``; the filter metric column when filtering is on). Every uid
-        must have exactly ``n`` rows. Prompts already in the ledger keep their ``global_steps``; new ones get
-        ``global_steps``. The rows are committed whole as one stage file before the ledger transaction (for a
-        table that is in no stage yet; rows of a committed stage go through :meth:`add_stage`).
-        """
-        groups = self._check_groups(table)
-        if not groups:
-            return 0
-        uri = self.store.write_stage(
-            global_steps,
-            self._next_add_stage(global_steps),
-            table,
-            meta={"kind": "replay_add", "groups": len(groups)},
-        )
-        self._register(table, groups, uri, global_steps)
-        return len(groups)
-
     def add_stage(self, uri: str, global_steps: int, uids: Sequence[str] | None = None) -> int:
         """Register the complete groups of the committed stage at ``uri`` (all of them, or those of ``uids``);
         returns the number of groups added.
 
         Only ``uid``, ``sample_idx``, the weight-version columns and the filter metric are read
         (memory-mapped); the ``replay_add`` file is a row selection over ``uri`` (row ids and positions), so
-        nothing token-level is read or written here. Contract and ledger as :meth:`add_groups`.
+        nothing token-level is read or written here. ``uri``'s rows follow the batch contract (``uid``,
+        ``sample_idx``, and ``weight_version`` or ``min_global_steps``/``max_global_steps``; the filter metric
+        column when filtering is on); every uid must have exactly ``n`` rows. Prompts already in the ledger
+        keep their ``global_steps``; new ones get ``global_steps``.
         """
         ref = self.store.ref_of(uri)
         columns = self.store.manifest(*ref).get("columns")
@@ -204,18 +185,18 @@ class ReplayBuffer:
         """The rows of each uid of ``table``, after checking the batch contract (module docstring)."""
         for col in ("uid", "sample_idx"):
             if col not in table.column_names:
-                raise ReplayError(f"add_groups: column {col!r} is missing (batch contract)")
+                raise ReplayError(f"replay add: column {col!r} is missing (batch contract)")
         if not ("min_global_steps" in table.column_names and "max_global_steps" in table.column_names) and (
             "weight_version" not in table.column_names
         ):
             raise ReplayError(
-                "add_groups: need column 'weight_version' (or 'min_global_steps' and "
+                "replay add: need column 'weight_version' (or 'min_global_steps' and "
                 "'max_global_steps') to stamp trajectory staleness"
             )
         metric = self.filter_groups_metric
         if metric is not None and metric not in table.column_names:
             raise ReplayError(
-                f"add_groups: filter_groups metric column {metric!r} is missing; add it "
+                f"replay add: filter_groups metric column {metric!r} is missing; add it "
                 f"(reward stage) or set algorithm.filter_groups.metric to an existing column"
             )
         uids = table.column("uid").to_pylist()
@@ -226,11 +207,11 @@ class ReplayBuffer:
         for u, rows in groups.items():
             if len(rows) != self.n:
                 raise ReplayError(
-                    f"add_groups: group uid={u!r} has {len(rows)} trajectories, expected n={self.n}; "
+                    f"replay add: group uid={u!r} has {len(rows)} trajectories, expected n={self.n}; "
                     f"pass only complete groups (or tag the uid status='failure')"
                 )
             if len({sidx[i] for i in rows}) != len(rows):
-                raise ReplayError(f"add_groups: group uid={u!r} has duplicate sample_idx values")
+                raise ReplayError(f"replay add: group uid={u!r} has duplicate sample_idx values")
         return groups
 
     def _register(self, table: pa.Table, groups: dict[str, list[int]], uri: str, global_steps: int) -> None:

@@ -1,6 +1,7 @@
 """Unit tests for dapo_core.store.replay.ReplayBuffer (oldest-first, DAPO filter, staleness drop/wait,
 metrics)."""
 
+import itertools
 import uuid
 
 import pyarrow as pa
@@ -37,6 +38,15 @@ def _groups(uids, accs, weight_version=0, n=N):
     )
 
 
+_TAGS = itertools.count()
+
+
+def _add(rb: ReplayBuffer, table: pa.Table, global_steps: int) -> int:
+    """Commit ``table`` as a reward stage, as the workers do, and register it as the flow does (add_stage)."""
+    uri = rb.store.write_stage(global_steps, f"reward_g{next(_TAGS)}", table)
+    return rb.add_stage(uri, global_steps)
+
+
 MIXED = [1, 0, 1, 0]
 
 
@@ -51,8 +61,8 @@ def test_oldest_first_and_group_rows(store):
     rb = ReplayBuffer(store, train_batch_size=2, n=N)
     old = [_uid(), _uid()]
     new = [_uid(), _uid()]
-    rb.add_groups(_groups(new, [MIXED] * 2, weight_version=2), global_steps=3)
-    rb.add_groups(_groups(old, [MIXED] * 2, weight_version=0), global_steps=1)
+    _add(rb, _groups(new, [MIXED] * 2, weight_version=2), 3)
+    _add(rb, _groups(old, [MIXED] * 2, weight_version=0), 1)
     table, m = rb.sample(global_steps=4)
     assert table is not None and table.num_rows == 2 * N
     assert table.column("uid").to_pylist() == [old[0]] * N + [old[1]] * N
@@ -71,9 +81,9 @@ def test_oldest_first_and_group_rows(store):
 
 def test_not_enough_returns_none_with_refill(store):
     rb = ReplayBuffer(store, train_batch_size=3, n=N)
-    rb.add_groups(_groups([_uid()], [MIXED]), global_steps=1)
+    _add(rb, _groups([_uid()], [MIXED]), 1)
     inflight = [_uid()]
-    store.register_prompts(inflight, global_steps=1)
+    store.register_prompts(inflight, 1)
     store.update_tags(inflight, status="running")  # what the generation task does
     table, m = rb.sample(global_steps=1)
     assert table is None
@@ -85,14 +95,14 @@ def test_not_enough_returns_none_with_refill(store):
 def test_dapo_filter_evicts_zero_std_groups(store):
     rb = ReplayBuffer(store, train_batch_size=2, n=N, filter_groups_metric="acc")
     all_right, all_wrong, mixed1, mixed2 = _uid(), _uid(), _uid(), _uid()
-    rb.add_groups(_groups([all_right, all_wrong, mixed1], [[1] * 4, [0] * 4, MIXED]), global_steps=1)
+    _add(rb, _groups([all_right, all_wrong, mixed1], [[1] * 4, [0] * 4, MIXED]), 1)
     table, m = rb.sample(global_steps=1)
     assert table is None
     assert m["training/filter_groups/evicted_samples"] == 2
     assert m["_dapo_filtered_reward_counts"] == {1.0: 1, 0.0: 1}
     assert m["refill_needed"] == 1
     assert store.count(uid=all_right) == 0 and store.count(uid=all_wrong) == 0  # evicted from ledger
-    rb.add_groups(_groups([mixed2], [[0, 0, 0, 1]]), global_steps=1)
+    _add(rb, _groups([mixed2], [[0, 0, 0, 1]]), 1)
     table, m = rb.sample(global_steps=1)
     assert set(table.column("uid").to_pylist()) == {mixed1, mixed2}
     assert m["training/filter_groups/evicted_samples"] == 0
@@ -100,7 +110,7 @@ def test_dapo_filter_evicts_zero_std_groups(store):
 
 def test_singleton_groups_are_kept_by_filter(store):
     rb = ReplayBuffer(store, train_batch_size=1, n=1, filter_groups_metric="acc")
-    rb.add_groups(_groups([_uid()], [[1]], n=1), global_steps=1)
+    _add(rb, _groups([_uid()], [[1]], n=1), 1)
     table, _ = rb.sample(1)
     assert table is not None and table.num_rows == 1
 
@@ -108,8 +118,8 @@ def test_singleton_groups_are_kept_by_filter(store):
 def test_drop_stale_groups(store):
     rb = ReplayBuffer(store, train_batch_size=1, n=N, max_off_policy_threshold=2)
     stale, fresh = _uid(), _uid()
-    rb.add_groups(_groups([stale], [MIXED]), global_steps=1)
-    rb.add_groups(_groups([fresh], [MIXED], weight_version=3), global_steps=4)
+    _add(rb, _groups([stale], [MIXED]), 1)
+    _add(rb, _groups([fresh], [MIXED], weight_version=3), 4)
     table, m = rb.sample(global_steps=4)  # span of stale = 4 - 1 + 1 = 4 > 2
     assert table.column("uid").unique().to_pylist() == [fresh]
     assert m["training/off_policy/evicted_samples"] == 1
@@ -124,13 +134,13 @@ def test_wait_strategy_reports_must_wait(store):
         store, train_batch_size=1, n=N, max_off_policy_threshold=2, max_off_policy_strategy="wait"
     )
     stale = _uid()
-    rb.add_groups(_groups([stale], [MIXED]), global_steps=1)
+    _add(rb, _groups([stale], [MIXED]), 1)
     late = _uid()
     store.register_prompts([late], global_steps=2, status="running")
     table, m = rb.sample(global_steps=3)  # in-flight span 2 >= threshold
     assert table is None and m["must_wait"] is True
     assert store.count(uid=stale) == N + 1  # nothing evicted
-    rb.add_groups(_groups([late], [MIXED]), global_steps=2)
+    _add(rb, _groups([late], [MIXED]), 2)
     table, m = rb.sample(global_steps=3)
     assert m["must_wait"] is False and m["training/off_policy/evicted_samples"] == 0
     assert table.column("uid").unique().to_pylist() == [stale]  # stale one kept, oldest first
@@ -139,7 +149,7 @@ def test_wait_strategy_reports_must_wait(store):
 def test_discard_surplus(store):
     rb = ReplayBuffer(store, train_batch_size=1, n=N, discard_surplus=True)
     a, b, c = _uid(), _uid(), _uid()
-    rb.add_groups(_groups([a, b, c], [MIXED] * 3), global_steps=1)
+    _add(rb, _groups([a, b, c], [MIXED] * 3), 1)
     table, m = rb.sample(global_steps=1)
     assert table.column("uid").unique().to_pylist() == [a]
     assert m["training/filter_groups/discarded_surplus_samples"] == 2
@@ -150,7 +160,7 @@ def test_discard_surplus(store):
 def test_resample_same_step_returns_same_batch(store):
     rb = ReplayBuffer(store, train_batch_size=2, n=N)
     uids = [_uid() for _ in range(3)]
-    rb.add_groups(_groups(uids, [MIXED] * 3), global_steps=1)
+    _add(rb, _groups(uids, [MIXED] * 3), 1)
     t1, _ = rb.sample(global_steps=1)
     t2, m2 = rb.sample(global_steps=1)
     assert t1.equals(t2) and m2["training/replay/resampled"] == 1
@@ -166,7 +176,7 @@ def test_existing_prompt_keeps_its_global_steps_and_payload(store):
     u = _uid()
     store.register_prompts([u], global_steps=2, payloads=[b"prompt-row"])
     store.update_tags([u], status="running")
-    rb.add_groups(_groups([u], [MIXED]), global_steps=5)
+    _add(rb, _groups([u], [MIXED]), 5)
     tags, payload = store.get(u)
     assert tags["status"] == "finished" and tags["global_steps"] == 2 and payload == b"prompt-row"
     assert store.get(f"{u}_3")[0]["global_steps"] == 2
@@ -175,7 +185,7 @@ def test_existing_prompt_keeps_its_global_steps_and_payload(store):
 def test_failed_groups_evicted(store):
     rb = ReplayBuffer(store, train_batch_size=1, n=N)
     bad = _uid()
-    store.register_prompts([bad], global_steps=1)
+    store.register_prompts([bad], 1)
     store.update_tags([bad], status="failure")
     table, m = rb.sample(1)
     assert table is None and m["training/rollout_failure/evicted_samples"] == 1
@@ -192,24 +202,24 @@ def test_validation_partition_never_evicts(store):
         partition="val",
     )
     u = _uid()
-    rb.add_groups(_groups([u], [[1] * 4]), global_steps=1)
+    _add(rb, _groups([u], [[1] * 4]), 1)
     table, m = rb.sample(global_steps=9)
     assert table is not None and m["validation/off_policy/evicted_samples"] == 0
     assert "validation/global_step" in m
 
 
-def test_add_groups_validation(store):
+def test_add_stage_validation(store):
     rb = ReplayBuffer(store, train_batch_size=1, n=N, filter_groups_metric="score")
     t = _groups([_uid()], [MIXED])
     with pytest.raises(ReplayError, match="'score' is missing"):
-        rb.add_groups(t, 1)
+        _add(rb, t, 1)
     rb2 = ReplayBuffer(store, train_batch_size=1, n=N)
     with pytest.raises(ReplayError, match="expected n=4"):
-        rb2.add_groups(t.slice(0, 3), 1)
+        _add(rb2, t.slice(0, 3), 1)
     with pytest.raises(ReplayError, match="weight_version"):
-        rb2.add_groups(t.drop_columns(["weight_version"]), 1)
+        _add(rb2, t.drop_columns(["weight_version"]), 1)
     with pytest.raises(ValueError, match="must not contain '_'"):
-        rb2.add_groups(_groups(["bad_uid"], [MIXED]), 1)
+        _add(rb2, _groups(["bad_uid"], [MIXED]), 1)
     with pytest.raises(ReplayError, match="max_off_policy_strategy"):
         ReplayBuffer(store, train_batch_size=1, n=N, max_off_policy_strategy="block")
 
@@ -218,7 +228,7 @@ def test_rows_come_from_many_files_in_order(store):
     rb = ReplayBuffer(store, train_batch_size=6, n=N)
     uids = [_uid() for _ in range(6)]
     for step, chunk in ((1, uids[:2]), (1, uids[2:4]), (2, uids[4:])):
-        rb.add_groups(_groups(chunk, [MIXED] * len(chunk), weight_version=step - 1), global_steps=step)
+        _add(rb, _groups(chunk, [MIXED] * len(chunk), weight_version=step - 1), step)
     table, m = rb.sample(global_steps=3)
     assert table.column("uid").to_pylist() == [u for u in uids for _ in range(N)]
     assert [r[0] for r in table.column("response_ids").to_pylist()] == table.column("sample_idx").to_pylist()
