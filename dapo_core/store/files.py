@@ -106,11 +106,19 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | Path, fill: Callable[[BinaryIO], object], *, fsync_parent: bool = True) -> None:
+def atomic_write(
+    path: str | Path,
+    fill: Callable[[BinaryIO], object],
+    *,
+    fsync_parent: bool = True,
+    durable: bool = True,
+) -> None:
     """Write `path` atomically: `fill(f)` writes into a temp file in the same directory, which is fsynced
     and renamed over `path` (removed if `fill` fails); then the directory is fsynced unless
     `fsync_parent=False` (for a caller that commits with a later atomic write in the same directory, as the
-    run store's manifests do). A full disk raises :class:`DiskFull` naming `path`."""
+    run store's manifests do). ``durable=False`` skips both fsyncs: readers still see the old or the new
+    content, never a mix, but after a power cut the file may be missing or empty (for caches such as the
+    store's trust records, which check themselves). A full disk raises :class:`DiskFull` naming `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
@@ -119,7 +127,8 @@ def atomic_write(path: str | Path, fill: Callable[[BinaryIO], object], *, fsync_
             _inject_fault(path)
             fill(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
         unlink_missing_ok(tmp)
@@ -127,13 +136,14 @@ def atomic_write(path: str | Path, fill: Callable[[BinaryIO], object], *, fsync_
         if full is not None and full is not exc:
             raise full from exc
         raise
-    if fsync_parent:
+    if fsync_parent and durable:
         fsync_dir(path.parent)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (`atomic_write`: temp file, fsync, rename, fsync dir)."""
-    atomic_write(path, lambda f: f.write(data))
+def atomic_write_bytes(path: str | Path, data: bytes, *, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically (`atomic_write`: temp file, fsync, rename, fsync dir; no fsyncs
+    with ``durable=False``)."""
+    atomic_write(path, lambda f: f.write(data), durable=durable)
 
 
 def unlink_missing_ok(path: Path) -> None:

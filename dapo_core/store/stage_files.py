@@ -37,13 +37,17 @@ tables: they are read as they are, and new stages may be written on top of them 
 on read). A manifest of a newer format than :data:`FORMAT` is refused, naming the file and the fix.
 
 A verified read memory-maps the file and hashes the mapping (no copy into a ``bytes``; the table is then
-zero-copy over the checked pages). **Verified once per process**: a file this process has hashed is taken on
-trust by its later verified reads while its (device, inode, size, mtime, ctime) are unchanged — and only if
-it had been unchanged for :data:`TRUST_AFTER_S` when it was hashed, so that any later write to it, a flipped
-byte included, necessarily moves its ctime (file timestamps tick at most every second, even on coarse
-filesystems) and is hashed again. A worker reads the generation files of a step in several views (the reward
-worker scores them, computes the advantage and the step's metrics; the actor computes old log-probs and
-updates): each is hashed once there instead of at every view.
+zero-copy over the checked pages). **Hashed once, across processes** (:mod:`dapo_core.store.trust`): the
+writer of a stage file records, in a small trust record beside it, the file's stat identity (device, inode,
+size, mtime, ctime) with the sha256 it computed while writing; a reader whose stat of the file equals a
+record's identity, and whose manifest names the record's sha256, takes the file on trust. The record counts
+only where the identity provably changes with any later write: on a filesystem with fine ctimes (probed once
+per process) or, elsewhere, once the file had been unchanged for :data:`.trust.TRUST_AFTER_S` when it was
+identified — then the first reader that hashes the file records it for the others. A byte flipped or a file
+rewritten through the filesystem is hashed again and refused; bit-rot of the medium after the hash is not
+caught — ``DAPO_STORE_VERIFY=always`` (:data:`.trust.VERIFY_ENV`) hashes at every verified read. A worker
+reads the generation files of a step in several views (the reward worker scores them, computes the advantage
+and the step's metrics; the actor computes old log-probs and updates): none of them hashes them again.
 
 Byte counters (:func:`io_counters`) count the stage-file bytes this process read and wrote, for the
 benchmarks that measure what passes through the driver.
@@ -70,6 +74,7 @@ import pyarrow.compute as pc
 from pyarrow import ipc
 
 from dapo_core.errors import DapoUserError
+from dapo_core.store import trust
 from dapo_core.store.files import atomic_write, atomic_write_bytes, fsync_dir, unlink_missing_ok
 
 __all__ = [
@@ -108,13 +113,14 @@ _COUNTERS = {
     "written_bytes": 0,
     "files_read": 0,
     "files_written": 0,
+    "files_hashed": 0,
+    "files_trusted": 0,
+    "trust_records_written": 0,
 }
 _COUNTER_LOCK = threading.Lock()
-TRUST_AFTER_S = 2.0
-"""A hashed file is trusted by later verified reads of this process only if it was this old (since its last
-change) when it was hashed (module docstring)."""
 _VERIFIED: OrderedDict[str, tuple[tuple[int, ...], str]] = OrderedDict()
-"""path -> (stat key when hashed, sha256) of the files this process verified and may take on trust."""
+"""path -> (stat identity, sha256) of the files this process verified or trusted (the same rules as a trust
+record, :mod:`.trust`): later reads here need not even read the record."""
 _VERIFIED_MAX = 4096
 
 
@@ -138,9 +144,12 @@ def io_counters(reset: bool = False) -> dict[str, int]:
     """Stage-file bytes and files read and written by this process so far (``reset``: zero them after).
 
     ``read_bytes``: files read whole and hashed (verified reads); ``trusted_bytes``: files a verified read
-    took on trust (hashed before by this process, unchanged since); ``mapped_bytes``: the columns an
-    unverified read returned from memory-mapped files (only those pages are touched); ``written_bytes``: files
-    written; ``files_read`` counts the hashed and the trusted files."""
+    took on trust (hashed before by this process, or named by a trust record — :mod:`.trust` — with the
+    file's identity unchanged); ``mapped_bytes``: the columns an unverified read returned from memory-mapped
+    files (only those pages are touched); ``written_bytes``: files written; ``files_read`` counts the hashed
+    and the trusted files, ``files_hashed`` and ``files_trusted`` each kind (``files_hashed`` counts every
+    sha256 of a whole file a read computed, matching or not); ``trust_records_written``: the records this
+    process's readers wrote (a writer's records are not counted)."""
     with _COUNTER_LOCK:
         out = dict(_COUNTERS)
         if reset:
@@ -154,6 +163,8 @@ def _count(kind: str, nbytes: int) -> None:
         _COUNTERS[f"{kind}_bytes"] += int(nbytes)
         if kind != "mapped":
             _COUNTERS["files_read" if kind == "trusted" else f"files_{kind}"] += 1
+        if kind == "trusted":
+            _COUNTERS["files_trusted"] += 1
 
 
 def schema_hash(schema: pa.Schema) -> str:
@@ -181,29 +192,53 @@ def row_keys(table: pa.Table) -> pa.Array | None:
     return pa.array(keys, type=pa.int64())
 
 
-def _stat_key(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _sha256_mapped(path: Path, expect: str) -> tuple[str, int, pa.Buffer, bool]:
+def _sha256_mapped(path: Path, expect: str, fine: bool) -> tuple[str, int, pa.Buffer, bool]:
     """Memory-map a whole file; return its sha256, its size, the mapped buffer (hashed in place: no copy) and
-    whether it was taken on trust (this process hashed it before to ``expect``, and it is unchanged since)."""
-    st = os.stat(path)
-    key, name = _stat_key(st), str(path)
+    whether it was taken on trust instead of hashed: this process hashed it before, or a trust record (its
+    writer's, or another reader's) names ``expect`` for the file's unchanged identity (:mod:`.trust`).
+    ``fine``: this store root's filesystem gives fine ctimes (:func:`.trust.fine_ctime`)."""
+    name = str(path)
+    always = trust.verify_always()
+    taken_ns = time.time_ns()
+    key = trust.stat_key(os.stat(path))
     buf = pa.memory_map(name).read_buffer()
-    with _COUNTER_LOCK:
-        if _VERIFIED.get(name) == (key, expect):
-            _VERIFIED.move_to_end(name)
-            return expect, buf.size, buf, True
+    if not always:
+        after = trust.stat_key(os.stat(path))
+        if after == key and buf.size == key[2]:
+            with _COUNTER_LOCK:
+                if _VERIFIED.get(name) == (key, expect):
+                    _VERIFIED.move_to_end(name)
+                    return expect, buf.size, buf, True
+            if trust.trusts(trust.read_record(path), key, expect, fine):
+                _remember_verified(name, key, expect)
+                return expect, buf.size, buf, True
     digest = hashlib.sha256(memoryview(buf)).hexdigest()
-    settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) >= TRUST_AFTER_S * 1e9
-    if digest == expect and settled and buf.size == st.st_size:
-        with _COUNTER_LOCK:
-            _VERIFIED[name] = (key, digest)
-            _VERIFIED.move_to_end(name)
-            while len(_VERIFIED) > _VERIFIED_MAX:
-                _VERIFIED.popitem(last=False)
+    _count_hash()
+    if always or digest != expect or buf.size != key[2]:
+        return digest, buf.size, buf, False
+    if trust.stat_key(os.stat(path)) == key and trust.trustworthy(key, taken_ns, fine):
+        _remember_verified(name, key, digest)
+        trust.write_record(path, key, digest, taken_ns, fine, "read")
+        _count_record()
     return digest, buf.size, buf, False
+
+
+def _remember_verified(name: str, key: tuple[int, ...], digest: str) -> None:
+    with _COUNTER_LOCK:
+        _VERIFIED[name] = (key, digest)
+        _VERIFIED.move_to_end(name)
+        while len(_VERIFIED) > _VERIFIED_MAX:
+            _VERIFIED.popitem(last=False)
+
+
+def _count_hash() -> None:
+    with _COUNTER_LOCK:
+        _COUNTERS["files_hashed"] += 1
+
+
+def _count_record() -> None:
+    with _COUNTER_LOCK:
+        _COUNTERS["trust_records_written"] += 1
 
 
 # ------------------------------------------------------------------------------------- run-length ends
@@ -468,6 +503,10 @@ class StageFiles:
         self._views: OrderedDict[tuple[int, str, str], _View] = OrderedDict()
         self._views_lock = threading.Lock()
 
+    def _fine(self) -> bool:
+        """Whether this root's filesystem gives fine ctimes (:func:`.trust.fine_ctime`, probed once)."""
+        return trust.fine_ctime(self.root)
+
     def __getstate__(self) -> dict:
         return {"root": str(self.root)}
 
@@ -648,6 +687,8 @@ class StageFiles:
                 writer.write_table(file_table)
 
         atomic_write(data_path, write_ipc, fsync_parent=False)  # the manifest's write syncs the directory
+        taken_ns = time.time_ns()
+        written_key = trust.stat_key(os.stat(data_path))  # after the rename: the committed file's identity
         sink = sinks[-1]
         _count("written", sink.nbytes)
         manifest: dict[str, Any] = {
@@ -667,6 +708,9 @@ class StageFiles:
         if base_json:
             manifest["base"] = base_json
         atomic_write_bytes(man_path, json.dumps(manifest, sort_keys=True, indent=1).encode())
+        fine = self._fine()
+        if trust.trustworthy(written_key, taken_ns, fine) and written_key[2] == sink.nbytes:
+            trust.write_record(data_path, written_key, manifest["sha256"], taken_ns, fine, "write")
         if table is not None:
             self._remember((step, stage, manifest["sha256"]), _View(table, _key_array(file_table)))
         return data_path.as_uri()
@@ -788,7 +832,7 @@ class StageFiles:
         try:
             data: pa.Buffer | pa.MemoryMappedFile
             if verify:  # mapped and hashed in place; the table is zero-copy over the checked pages
-                digest, size, data, trusted = _sha256_mapped(path, str(man["sha256"]))
+                digest, size, data, trusted = _sha256_mapped(path, str(man["sha256"]), self._fine())
                 _count("trusted" if trusted else "read", size)
             else:  # memory-mapped: only the pages of the columns used are ever read
                 data = pa.memory_map(str(path))
@@ -1069,6 +1113,7 @@ class StageFiles:
             unlink_missing_ok(man_path)
             fsync_dir(man_path.parent)
         unlink_missing_ok(data_path)
+        unlink_missing_ok(trust.record_path(data_path))
         return existed
 
     def delete_stage(self, step: int, stage: str) -> bool:

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 
 from dapo_core.stages import compute_advantage_table
-from dapo_core.store import RunStore, StoreCorruption, StoreError, stage_files
+from dapo_core.store import RunStore, StoreCorruption, StoreError, stage_files, trust
 from dapo_core.store.stage_files import ENDS, FORMAT, StageFiles, io_counters
 
 
@@ -194,8 +194,11 @@ def test_format_2_manifests_are_read_and_newer_formats_refused(store):
 
 
 def test_a_settled_file_is_hashed_once_per_process_and_any_change_is_hashed_again(store, monkeypatch):
+    """On a filesystem with coarse timestamps (the fine-ctime probe's cached result set to False, as on a
+    kernel without multigrain timestamps) only a file settled when hashed is trusted afterwards."""
     monkeypatch.setattr(stage_files, "_VERIFIED", type(stage_files._VERIFIED)())
-    monkeypatch.setattr(stage_files, "TRUST_AFTER_S", 60.0)
+    monkeypatch.setitem(trust._FINE, str(store.root), False)
+    monkeypatch.setattr(trust, "TRUST_AFTER_S", 60.0)
     batch = _batch(groups=10)
     u = store.write_stage(5, "generate_g0", batch)
     store.write_stage(5, "reward_g0", batch.append_column("acc", pa.array([True] * batch.num_rows)), base=u)
@@ -206,7 +209,7 @@ def test_a_settled_file_is_hashed_once_per_process_and_any_change_is_hashed_agai
     reader.read_stage(5, "generate_g0")  # written just now: hashed, and not trusted later
     reader.read_stage(5, "generate_g0")
     assert io_counters()["read_bytes"] == 2 * size and io_counters()["trusted_bytes"] == 0
-    monkeypatch.setattr(stage_files, "TRUST_AFTER_S", 0.05)
+    monkeypatch.setattr(trust, "TRUST_AFTER_S", 0.05)
     time.sleep(0.1)
     io_counters(reset=True)
     reader.read_stage(5, "generate_g0")  # settled: hashed once more, then trusted
