@@ -196,7 +196,7 @@ def _sha256_mapped(path: Path, expect: str, fine: bool) -> tuple[str, int, pa.Bu
     """Memory-map a whole file; return its sha256, its size, the mapped buffer (hashed in place: no copy) and
     whether it was taken on trust instead of hashed: this process hashed it before, or a trust record (its
     writer's, or another reader's) names ``expect`` for the file's unchanged identity (:mod:`.trust`).
-    ``fine``: this store root's filesystem gives fine ctimes (:func:`.trust.fine_ctime`)."""
+    ``fine``: the file's filesystem gives fine ctimes (:func:`.trust.fine_ctime`)."""
     name = str(path)
     always = trust.verify_always()
     taken_ns = time.time_ns()
@@ -503,10 +503,6 @@ class StageFiles:
         self._views: OrderedDict[tuple[int, str, str], _View] = OrderedDict()
         self._views_lock = threading.Lock()
 
-    def _fine(self) -> bool:
-        """Whether this root's filesystem gives fine ctimes (:func:`.trust.fine_ctime`, probed once)."""
-        return trust.fine_ctime(self.root)
-
     def __getstate__(self) -> dict:
         return {"root": str(self.root)}
 
@@ -708,7 +704,7 @@ class StageFiles:
         if base_json:
             manifest["base"] = base_json
         atomic_write_bytes(man_path, json.dumps(manifest, sort_keys=True, indent=1).encode())
-        fine = self._fine()
+        fine = trust.fine_ctime(data_path.parent)
         if trust.trustworthy(written_key, taken_ns, fine) and written_key[2] == sink.nbytes:
             trust.write_record(data_path, written_key, manifest["sha256"], taken_ns, fine, "write")
         if table is not None:
@@ -832,7 +828,9 @@ class StageFiles:
         try:
             data: pa.Buffer | pa.MemoryMappedFile
             if verify:  # mapped and hashed in place; the table is zero-copy over the checked pages
-                digest, size, data, trusted = _sha256_mapped(path, str(man["sha256"]), self._fine())
+                digest, size, data, trusted = _sha256_mapped(
+                    path, str(man["sha256"]), trust.fine_ctime(path.parent)
+                )
                 _count("trusted" if trusted else "read", size)
             else:  # memory-mapped: only the pages of the columns used are ever read
                 data = pa.memory_map(str(path))

@@ -49,7 +49,6 @@ matching identity and hashes (sound, just slower).
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -88,7 +87,8 @@ _VERSION = 1
 StatKey = tuple[int, int, int, int, int]
 """(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) of a file."""
 
-_FINE: dict[str, bool] = {}
+_FINE: dict[int, bool] = {}
+"""st_dev -> the :func:`fine_ctime` probe's result in this process."""
 _FINE_LOCK = threading.Lock()
 
 
@@ -120,14 +120,17 @@ def settled(key: StatKey, taken_ns: int) -> bool:
 
 def fine_ctime(folder: str | Path) -> bool:
     """Whether the filesystem of ``folder`` gives a file a new ctime at every change that follows a ``stat``
-    of it (module docstring). Probed once per process and folder: a hidden temp file is created, then three
-    times stat / one-byte write / stat; every write must move the ctime. False when the probe cannot run
-    (read-only folder)."""
-    name = str(Path(folder).absolute())
+    of it (module docstring). Probed once per process and device: a hidden temp file is created in
+    ``folder``, then three times stat / one-byte write / stat; every write must move the ctime. False when the
+    probe cannot run (a read-only or full filesystem): then only settled files are trusted."""
+    try:
+        dev = os.stat(folder).st_dev
+    except OSError:
+        return False
     with _FINE_LOCK:
-        if name in _FINE:
-            return _FINE[name]
-    probe = Path(name) / f".ctime-probe.tmp-{uuid.uuid4().hex[:12]}"
+        if dev in _FINE:
+            return _FINE[dev]
+    probe = Path(folder) / f".ctime-probe.tmp-{uuid.uuid4().hex[:12]}"
     fine = False
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -142,14 +145,12 @@ def fine_ctime(folder: str | Path) -> bool:
                     break
         finally:
             os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 os.unlink(probe)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT, errno.ENOSPC):
-            raise
+    except OSError:
         fine = False
     with _FINE_LOCK:
-        _FINE[name] = fine
+        _FINE[dev] = fine
     return fine
 
 

@@ -26,12 +26,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 _READER = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     from dapo_core.store import trust
     from dapo_core.store.stage_files import StageFiles, StoreCorruption, io_counters
     root, coarse, settle = sys.argv[1], sys.argv[2] == "1", float(sys.argv[3])
     if coarse:  # a filesystem whose timestamps tick coarsely (the probe's cached result, as such a kernel's)
-        trust._FINE[root] = False
+        trust._FINE[os.stat(root).st_dev] = False
     trust.TRUST_AFTER_S = settle
     files, out = StageFiles(root), {}
     for ref in sys.argv[4:]:
