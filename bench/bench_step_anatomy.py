@@ -63,11 +63,13 @@ def anatomy(rows: list[dict]) -> dict[str, float]:
     if looped:
         out["loop"] = statistics.median(r["_loop_s"] for r in looped)
         out["tail"] = statistics.median(r["_loop_s"] - r["timing_s/step"] for r in looped)
+        out["driver_cpu"] = statistics.median(r["_driver_cpu_s"] for r in looped)
     return out
 
 
-STEP_STARTS: list[float] = []
-"""`time.perf_counter()` at every `StepProgress.begin_step` of the current variant run."""
+STEP_STARTS: list[tuple[float, float]] = []
+"""`(time.perf_counter(), time.process_time())` at every `StepProgress.begin_step` of the current variant run:
+the driver's wall clock and its process CPU time (all of its threads)."""
 
 
 def _record_step_starts() -> None:
@@ -79,14 +81,16 @@ def _record_step_starts() -> None:
     inner = StepProgress.begin_step
 
     def begin_step(self, step: int, total: int) -> None:
-        STEP_STARTS.append(time.perf_counter())
+        STEP_STARTS.append((time.perf_counter(), time.process_time()))
         inner(self, step, total)
 
     begin_step._timed = True  # type: ignore[attr-defined]
     StepProgress.begin_step = begin_step  # type: ignore[method-assign]
 
 
-def run_variant(name: str, overrides: list[str], steps: int, runs_dir: Path, in_process: bool) -> list[dict]:
+def run_variant(
+    name: str, overrides: list[str], steps: int, runs_dir: Path, in_process: bool, models_dir: Path
+) -> list[dict]:
     """Train `steps` steps of the CPU default with `overrides`; return the step rows of metrics.jsonl."""
     from dapo_core.config import load_config, to_yaml
     from flows.dapo_train import dapo_train
@@ -98,7 +102,7 @@ def run_variant(name: str, overrides: list[str], steps: int, runs_dir: Path, in_
         [
             f"data.train_files=[{ROOT / 'data' / 'train.parquet'}]",
             f"data.val_files=[{ROOT / 'data' / 'val.parquet'}]",
-            f"trainer.models_dir={ROOT / 'models'}",
+            f"trainer.models_dir={models_dir}",
             f"trainer.runs_dir={runs_dir}",
             f"trainer.use_ray={'false' if in_process else 'true'}",
             "trainer.val_before_train=false",
@@ -120,7 +124,8 @@ def run_variant(name: str, overrides: list[str], steps: int, runs_dir: Path, in_
     for r in rows:  # step k's loop: from its start to step k+1's (the last step has none)
         k = int(r.get("step", 0))
         if 1 <= k < len(STEP_STARTS):
-            r["_loop_s"] = STEP_STARTS[k] - STEP_STARTS[k - 1]
+            r["_loop_s"] = STEP_STARTS[k][0] - STEP_STARTS[k - 1][0]
+            r["_driver_cpu_s"] = STEP_STARTS[k][1] - STEP_STARTS[k - 1][1]
     return [r for r in rows if r.get("step", 0) >= 2]
 
 
@@ -176,14 +181,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variant", action="append", default=[], help="name=key=value,key=value (empty: as is)")
     ap.add_argument("--in-process", action="store_true", help="trainer.use_ray=false")
     ap.add_argument("--json", default="", help="also write the medians here")
+    ap.add_argument("--models-dir", default=str(ROOT / "models"), help="where tiny_base is (read only)")
     ap.add_argument("--profile", default="", help="write a cProfile of this process here (pstats format)")
+    ap.add_argument(
+        "--profile-cpu", action="store_true", help="--profile counts process CPU time, not wall time"
+    )
     ap.add_argument("--task-floor", type=int, default=0, help="measure N empty Prefect task calls instead")
     args = ap.parse_args(argv)
     profiler = None
     if args.profile:
         import cProfile
 
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(time.process_time) if args.profile_cpu else cProfile.Profile()
         profiler.enable()
     variants = {}
     for v in args.variant or ["default="]:
@@ -205,12 +214,14 @@ def main(argv: list[str] | None = None) -> None:
     rows: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, ov in variants.items():
-            rows[name] += run_variant(name, ov, args.steps, tmp / "runs", args.in_process)
+            rows[name] += run_variant(
+                name, ov, args.steps, tmp / "runs", args.in_process, Path(args.models_dir)
+            )
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile)
     result = {name: anatomy(r) for name, r in rows.items()}
-    last = ["orchestration", "loop", "tail"]
+    last = ["orchestration", "loop", "tail", "driver_cpu"]
     keys = [
         "step",
         *sorted({k for r in result.values() for k in r} - {"step", *last}),

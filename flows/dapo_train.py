@@ -49,7 +49,7 @@ from flows.run_setup import (
     restore,
     step_metrics,
 )
-from tasks.rollout import assemble_batch, filter_groups, generate, reward, sample_prompts
+from tasks.rollout import assemble_batch, filter_groups, generate, reward
 from tasks.update import checkpoint, sync_weights
 from tasks.validate import validate
 
@@ -66,9 +66,8 @@ def collect_batch(rt: TrainRun, step: int, state: DriverState) -> tuple[str, dic
         # gen_batch_size prompts (refill=adaptive: sized to the deficit and the run-wide keep rate)
         size = refill_size(rt.cfg, keep_rate, need - kept_groups, fixed=gen_batch_size(rt.cfg))
         rt.progress.stage(f"generate g{k} ({size} prompts)")
-        prompts_uri, _ = sample_prompts(run_id, step, f"g{k}", size)
         state.gen_step += 1
-        gen_uri, m = generate(run_id, step, k, state.gen_step, prompts_uri)
+        gen_uri, m = generate(run_id, step, k, state.gen_step, size)  # draws its prompts (stage prompts_g<k>)
         add_metrics(metrics, m)
         rt.progress.stage(f"reward g{k}")
         reward_uri, m = reward(run_id, step, k, gen_uri)

@@ -30,41 +30,57 @@ from tasks.common import (
 _OPTS = STAGE_TASK_OPTS
 
 
-@task(name="sample_prompts", task_run_name="sample_prompts-step{step}-{tag}", **_OPTS)
-def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: bool = False) -> StageResult:
-    """Draw `num_prompts` prompts as stage `prompts_<tag>`, each repeated n times with a fresh uid, and
-    register their groups `pending` in the ledger. Both step orders draw their prompts here.
+def draw_prompts(
+    rt: runtime.Runtime, step: int, tag: str, num_prompts: int, replay: bool = False
+) -> tuple[str, dict[str, float], pa.Table]:
+    """Draw `num_prompts` prompts as stage `prompts_<tag>`, each repeated n times with a fresh uid; returns
+    the stage's URI, metrics and table. Nothing is written to the ledger here (the callers register the
+    groups).
 
     The sampler position after the draw is stored in the stage's manifest: a committed stage is reused and the
-    position restored, so a retried or resumed step draws the same prompts and skips none. The ledger write
-    follows the commit and registers only uids the ledger does not know, so a crash between the two duplicates
-    nothing. The replay-buffer order (`replay=True`) keeps each group's rows as its ledger payload, from which
-    a prompt re-issued after a crash is regenerated (`tasks.replay.regenerate_reissued`).
-    """
-    rt = runtime.get(run_id)
+    position restored, so a retried or resumed step draws the same prompts and skips none."""
     sampler = rt.sampler
     stage = f"prompts_{tag}"
     done = committed(rt, step, stage)
     if done is not None:
         sampler.load_state_dict((rt.store.meta(step, stage) or {})["sampler_state"])
         uri, metrics = done
-        table = rt.store.read_uri(uri)
-    else:
-        # uids are seeded by (seed, step, generation batch) — the batch's index in the sync order ("g3" → 3),
-        # its tag in the replay order — so a re-run samples the same tokens (sampling seeds derive from uids)
-        uid_fn = uid_factory(rt.cfg.trainer.seed, "train", step, tag if replay else int(tag[1:]))
-        before = sampler.state_dict()
-        try:
-            table = B.repeat_interleave_prompts(sampler.next_batch(num_prompts), rt.n, uid_fn=uid_fn)
-            metrics = {"train/epoch": float(sampler.epoch)}
-            meta = {"sampler_state": sampler.state_dict()}
-            uri, metrics = run_stage(rt, step, stage, precomputed(table, metrics), meta=meta)
-        except BaseException:
-            sampler.load_state_dict(before)  # a retry draws the same prompts (none skipped)
-            raise
+        return uri, metrics, rt.store.read_uri(uri)
+    # uids are seeded by (seed, step, generation batch) — the batch's index in the sync order ("g3" → 3),
+    # its tag in the replay order — so a re-run samples the same tokens (sampling seeds derive from uids)
+    uid_fn = uid_factory(rt.cfg.trainer.seed, "train", step, tag if replay else int(tag[1:]))
+    before = sampler.state_dict()
+    try:
+        table = B.repeat_interleave_prompts(sampler.next_batch(num_prompts), rt.n, uid_fn=uid_fn)
+        metrics = {"train/epoch": float(sampler.epoch)}
+        meta = {"sampler_state": sampler.state_dict()}
+        uri, metrics = run_stage(rt, step, stage, precomputed(table, metrics), meta=meta)
+    except BaseException:
+        sampler.load_state_dict(before)  # a retry draws the same prompts (none skipped)
+        raise
+    return uri, metrics, table
+
+
+def _new_uids(rt: runtime.Runtime, table: pa.Table) -> tuple[list[str], list[str]]:
+    """The group uids of a prompt table, split into (known to the ledger, new), each in table order."""
     uids = uids_of(table)
     known = rt.store.get_many(uids)
-    new = [u for u in uids if u not in known]
+    return [u for u in uids if u in known], [u for u in uids if u not in known]
+
+
+@task(name="sample_prompts", task_run_name="sample_prompts-step{step}-{tag}", **_OPTS)
+def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: bool = False) -> StageResult:
+    """Draw `num_prompts` prompts as stage `prompts_<tag>` (`draw_prompts`) and register their groups
+    `pending` in the ledger. The replay-buffer order draws its prompts here; the synchronous order draws them
+    inside its `generate` task.
+
+    The ledger write follows the commit and registers only uids the ledger does not know, so a crash between
+    the two duplicates nothing. The replay-buffer order (`replay=True`) keeps each group's rows as its ledger
+    payload, from which a prompt re-issued after a crash is regenerated (`tasks.replay.regenerate_reissued`).
+    """
+    rt = runtime.get(run_id)
+    uri, metrics, table = draw_prompts(rt, step, tag, num_prompts, replay)
+    _, new = _new_uids(rt, table)
     if new:
         payloads = [to_ipc(rows_of(table, [u])) for u in new] if replay else None
         rt.store.register_prompts(new, step, payloads)
@@ -72,14 +88,24 @@ def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: b
 
 
 @task(name="generate", task_run_name="generate-step{step}-g{gen_idx}", **_OPTS)
-def generate(run_id: str, step: int, gen_idx: int, gen_step: int, prompts_uri: str) -> StageResult:
-    """Sample n responses per prompt on the rollout worker (seeded by gen_step, uid, sample_idx)."""
+def generate(run_id: str, step: int, gen_idx: int, gen_step: int, num_prompts: int) -> StageResult:
+    """Draw `num_prompts` prompts (stage `prompts_g<gen_idx>`, `draw_prompts`) and sample n responses per
+    prompt on the rollout worker (seeded by gen_step, uid, sample_idx).
+
+    Drawing is part of this task (no task of its own: it is plumbing, and idempotent, so a retry of this task
+    redraws nothing). The groups enter the ledger `running` in one transaction just before the generation
+    starts (new uids are inserted, known ones re-tagged); when the generation is committed already (a
+    replayed step), new uids are only registered `pending`, as a separate draw would have left them."""
     rt = runtime.get(run_id)
     stage = f"generate_g{gen_idx}"
+    prompts_uri, _, table = draw_prompts(rt, step, f"g{gen_idx}", num_prompts)
+    known, new = _new_uids(rt, table)
+    if new and rt.store.is_committed(step, stage):
+        rt.store.register_prompts(new, step)
 
     def call(job):
-        uids = rt.store.read_uri(prompts_uri, verify=False, columns=["uid"]).column("uid")
-        rt.store.update_tags(sorted(set(uids.to_pylist())), status="running")
+        running = {"is_prompt": True, "status": "running", "global_steps": int(step)}
+        rt.store.apply(puts=[(u, running) for u in new], merges={u: {"status": "running"} for u in known})
         return rt.rollout.generate_stage(job, gen_step)
 
     return worker_stage(rt, step, stage, call, input_uri=prompts_uri, schema="generate", n=rt.n)
@@ -87,7 +113,8 @@ def generate(run_id: str, step: int, gen_idx: int, gen_step: int, prompts_uri: s
 
 @task(name="reward", task_run_name="reward-step{step}-g{gen_idx}", **_OPTS)
 def reward(run_id: str, step: int, gen_idx: int, gen_uri: str) -> StageResult:
-    """Score every trajectory (math_dapo + overlong shaping); finished prompts are marked in the ledger."""
+    """Score every trajectory (math_dapo + overlong shaping); the trajectories are recorded and their prompts
+    marked finished in the ledger in one transaction."""
     rt = runtime.get(run_id)
 
     def call(job):
@@ -95,13 +122,13 @@ def reward(run_id: str, step: int, gen_idx: int, gen_uri: str) -> StageResult:
         ids = rt.store.read_uri(gen_uri, verify=False, columns=["uid", "sample_idx"])
         uids = ids.column("uid").to_pylist()
         samples = ids.column("sample_idx").to_pylist()
-        rt.store.put_many(
-            [
+        rt.store.apply(
+            puts=[
                 (f"{u}_{s}", {"is_prompt": False, "status": "finished", "global_steps": step})
                 for u, s in zip(uids, samples, strict=True)
-            ]
+            ],
+            merges={u: {"status": "finished"} for u in sorted(set(uids))},
         )
-        rt.store.update_tags(sorted(set(uids)), status="finished")
         return out
 
     return worker_stage(rt, step, f"reward_g{gen_idx}", call, input_uri=gen_uri, schema="reward", n=rt.n)

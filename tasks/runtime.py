@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import numpy as np
 import pyarrow as pa
 
 from dapo_core.algo.kl import AdaptiveKLController, FixedKLController
@@ -34,8 +35,13 @@ class ChunkSampler:
         self.sampler = sampler
 
     def next_batch(self, size: int) -> pa.Table:
-        """The next `size` prompts (crossing epoch boundaries as needed)."""
-        return pa.concat_tables([self.sampler.next_batch() for _ in range(size)])
+        """The next `size` prompts (crossing epoch boundaries as needed), drawn one by one and built as one
+        table (the rows not tokenised yet in one tokenizer call): the same table as concatenating `size`
+        `next_batch()` calls of the sampler."""
+        if size < 1:
+            raise ValueError(f"ChunkSampler.next_batch: size must be >= 1, got {size}")
+        rows = np.concatenate([self.sampler.next_rows() for _ in range(size)])
+        return self.sampler.batch_of(rows)
 
     @property
     def epoch(self) -> int:

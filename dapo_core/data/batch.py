@@ -418,6 +418,8 @@ def balance_partitions(workloads: Sequence[int] | np.ndarray, k: int) -> list[li
         )
     if len(w) < k:
         raise BatchError(f"balance_partitions: {len(w)} rows for {k} partitions (each needs ≥ 1 row)")
+    if k == 1:  # every merge joins the one set: Karmarkar–Karp's answer is all rows (no heap needed)
+        return [list(range(len(w)))]
     order = sorted((wl, i) for i, wl in enumerate(w))
     heap = [_KKState([(i, wl) for wl, i in order[off : off + k]], k) for off in range(0, len(order), k)]
     heapq.heapify(heap)

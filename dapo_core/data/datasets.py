@@ -357,6 +357,7 @@ class PromptSampler:
         self.shuffle = shuffle
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
+        self._token_cache: dict[int, np.ndarray] = {}
         self._epoch = 0
         self._position = 0
         self._order = self._permutation(0)
@@ -377,9 +378,8 @@ class PromptSampler:
             return np.arange(n, dtype=np.int64)
         return np.random.default_rng([self.seed, epoch]).permutation(n).astype(np.int64)
 
-    def _encode(self, row: int) -> list[int]:
-        """Token ids of table row ``row`` after truncation."""
-        ids = tokenize_prompt(self.tokenizer, self._prompts[row].as_py())
+    def _truncate(self, row: int, ids: list[int]) -> list[int]:
+        """Token ids of table row ``row`` after truncation (or a DataError with ``truncation="error"``)."""
         if len(ids) > self.max_prompt_length:
             if self.truncation == "error":
                 raise DataError(
@@ -391,8 +391,26 @@ class PromptSampler:
             )
         return ids
 
-    def next_batch(self) -> pa.Table:
-        """The next ``batch_size`` prompts; moves to a fresh permutation at the end of an epoch."""
+    def _encode(self, row: int) -> list[int]:
+        """Token ids of table row ``row`` after truncation (tokenised on first use, then cached)."""
+        return self.encode_rows([row])[0]
+
+    def encode_rows(self, rows: Sequence[int] | np.ndarray) -> list[list[int]]:
+        """Token ids of the table rows ``rows`` after truncation, in order. A row is tokenised once per
+        sampler, the first time it is drawn (the rows not seen yet are chat-templated and tokenised in one
+        batched call, the same ids as :func:`tokenize_prompt` row by row), and kept for later epochs."""
+        rows = [int(r) for r in rows]
+        todo = list(dict.fromkeys(r for r in rows if r not in self._token_cache))
+        if todo:
+            messages = [self._prompts[r].as_py() for r in todo]
+            texts = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            encoded = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+            for r, ids in zip(todo, encoded, strict=True):
+                self._token_cache[r] = np.asarray(self._truncate(r, list(ids)), dtype=np.int32)
+        return [self._token_cache[r].tolist() for r in rows]
+
+    def next_rows(self) -> np.ndarray:
+        """Advance by one batch and return its table rows (a fresh permutation at the end of an epoch)."""
         if self._position >= len(self):
             self._epoch += 1
             self._position = 0
@@ -400,15 +418,25 @@ class PromptSampler:
         start = self._position * self.batch_size
         rows = self._order[start : start + self.batch_size]
         self._position += 1
+        return rows
+
+    def batch_of(self, rows: Sequence[int] | np.ndarray) -> pa.Table:
+        """The prompt table (``prompt_id``, ``data_source``, ``ground_truth``, ``prompt_ids``) of ``rows``,
+        in order: what :meth:`next_batch` returns for the rows it drew."""
+        rows = np.asarray(rows, dtype=np.int64)
         take = pa.array(rows)
         return pa.table(
             {
                 "prompt_id": pa.array(rows, pa.int64()),
                 "data_source": self._sources.take(take).combine_chunks().cast(pa.string()),
                 "ground_truth": self._gts.take(take).cast(pa.string()),
-                "prompt_ids": pa.array([self._encode(int(r)) for r in rows], pa.list_(pa.int32())),
+                "prompt_ids": pa.array(self.encode_rows(rows), pa.list_(pa.int32())),
             }
         )
+
+    def next_batch(self) -> pa.Table:
+        """The next ``batch_size`` prompts; moves to a fresh permutation at the end of an epoch."""
+        return self.batch_of(self.next_rows())
 
     def state_dict(self) -> dict[str, int | bool]:
         """Resume state: ``epoch``, ``position`` (batches already taken in that epoch) and identity checks."""

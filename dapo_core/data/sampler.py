@@ -77,8 +77,9 @@ class HistorySampler(PromptSampler):
         coin = np.random.default_rng([self.seed, _COIN_STREAM, self._epoch, self._position]).random()
         return bool(coin < self.explore_prob)
 
-    def next_batch(self) -> pa.Table:
-        """The next prompt that is not passed over (after at most one epoch of passing over, the next one)."""
+    def next_rows(self) -> np.ndarray:
+        """The next prompt's row that is not passed over (after at most one epoch of passing over, the next
+        one); `next_batch` returns its table."""
         for _ in range(len(self)):
             if self._position >= len(self):
                 self._epoch += 1
@@ -90,7 +91,7 @@ class HistorySampler(PromptSampler):
             self._position += 1
             self.passed_over += 1
         self.drawn += 1
-        return super().next_batch()
+        return super().next_rows()
 
     def state_dict(self) -> dict[str, Any]:
         """`PromptSampler`'s position plus the history and counters (JSON-serialisable)."""
