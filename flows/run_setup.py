@@ -158,6 +158,7 @@ def _actor_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, 
         ),
         gradient_checkpointing=arr.model.enable_gradient_checkpointing,
         use_remove_padding=arr.model.use_remove_padding,
+        use_shared_prompt=arr.model.use_shared_prompt,
     )
     where = cfg.trainer.ray_resources.actor
     return proxy(cluster.create("actor", factory, num_gpus=_gpus(device), resources=where), ActorWorker)
@@ -188,6 +189,7 @@ def _ref_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, de
         micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
         max_token_len=arr.ref.log_prob_max_token_len_per_gpu if arr.ref.log_prob_use_dynamic_bsz else None,
         use_remove_padding=arr.model.use_remove_padding,
+        use_shared_prompt=arr.model.use_shared_prompt,
     )
     where = cfg.trainer.ray_resources.ref
     return proxy(cluster.create("ref", factory, num_gpus=_gpus(device), resources=where), RefWorker)

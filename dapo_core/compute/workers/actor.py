@@ -34,13 +34,15 @@ def _log_prob_table(
     calculate_entropy: bool,
     max_token_len: int | None = None,
     remove_padding: bool = False,
+    share_prompt: bool = False,
 ) -> tuple[pa.Array, pa.Array | None]:
     """Teacher-forced log-probs (and entropy) of every row's response as list<float32> columns.
 
     Micro-batches hold `micro_batch_size` rows (null = all), or, with `max_token_len` (a `*_use_dynamic_bsz`
     budget), rows grouped by `token_budget_split` over what each costs the forward (`row_token_costs`);
-    each micro-batch is padded to its own longest row, or packed with `remove_padding`. The output rows are
-    in the table's order whatever the grouping.
+    each micro-batch is padded to its own longest row, or packed with `remove_padding`; with `share_prompt`
+    each distinct prompt of a micro-batch runs once (`TrainEngine.forward`). The output rows are in the
+    table's order whatever the grouping.
     """
     engine.eval()
     lengths = torch.tensor(B.response_lengths(table), dtype=torch.long)
@@ -72,6 +74,7 @@ def _log_prob_table(
                 temperature=temperature,
                 calculate_entropy=calculate_entropy,
                 remove_padding=remove_padding,
+                share_prompt=share_prompt,
             )
             logps.append(lp)
             if calculate_entropy:
@@ -115,14 +118,16 @@ class ActorWorker:
         log_prob_max_token_len: int | None = None,
         gradient_checkpointing: bool = False,
         use_remove_padding: bool = False,
+        use_shared_prompt: bool = False,
     ):
         """`log_prob_max_token_len`: the token budget of old-log-prob micro-batches (rollout's
         `log_prob_max_token_len_per_gpu` when `log_prob_use_dynamic_bsz`, else None); the update's budget is
-        `actor_cfg`'s `ppo_max_token_len_per_gpu` when its `use_dynamic_bsz`. `gradient_checkpointing` and
-        `use_remove_padding` are `actor_rollout_ref.model`'s switches."""
+        `actor_cfg`'s `ppo_max_token_len_per_gpu` when its `use_dynamic_bsz`. `gradient_checkpointing`,
+        `use_remove_padding` and `use_shared_prompt` are `actor_rollout_ref.model`'s switches."""
         self.cfg = dict(actor_cfg)
         self.log_prob_max_token_len = log_prob_max_token_len
         self.remove_padding = bool(use_remove_padding)
+        self.shared_prompt = bool(use_shared_prompt)
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.n = int(rollout_n)
@@ -173,6 +178,7 @@ class ActorWorker:
             calculate_entropy=calculate_entropy,
             max_token_len=self.log_prob_max_token_len,
             remove_padding=self.remove_padding,
+            share_prompt=self.shared_prompt,
         )
         table = B.set_column(table, "old_log_probs", logps)
         if ents is not None:
@@ -275,6 +281,7 @@ class ActorWorker:
                 int(self.cfg["ppo_max_token_len_per_gpu"]) if self.cfg.get("use_dynamic_bsz") else None
             ),
             remove_padding=self.remove_padding,
+            share_prompt=self.shared_prompt,
         )
         self.engine.lr_step()
         return metrics
@@ -314,6 +321,7 @@ class RefWorker:
         micro_batch_size: int | None = None,
         max_token_len: int | None = None,
         use_remove_padding: bool = False,
+        use_shared_prompt: bool = False,
     ):
         """`max_token_len`: `ref.log_prob_max_token_len_per_gpu` when `ref.log_prob_use_dynamic_bsz`, else
         None. The reference never runs backward, so gradient checkpointing does not apply to it."""
@@ -322,6 +330,7 @@ class RefWorker:
         )
         self.max_token_len = max_token_len
         self.remove_padding = bool(use_remove_padding)
+        self.shared_prompt = bool(use_shared_prompt)
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.mbs = micro_batch_size
@@ -337,6 +346,7 @@ class RefWorker:
             calculate_entropy=False,
             max_token_len=self.max_token_len,
             remove_padding=self.remove_padding,
+            share_prompt=self.shared_prompt,
         )
         return B.set_column(table, "ref_log_probs", logps)
 

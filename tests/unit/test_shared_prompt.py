@@ -1,0 +1,157 @@
+"""Shared-prompt forwards (`use_shared_prompt`): each distinct prompt of a micro-batch runs once and its
+responses run on its KV cache. The numbers must not move: log-probs, entropy and gradients equal the per-row
+padded forward's (float64 to 1e-10), whatever the order of the rows, and a whole PPO update through the actor
+worker lands on the same weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pyarrow as pa
+import pytest
+import torch
+
+from dapo_core.compute.engines.train import make_train_engine
+from dapo_core.compute.microbatch import shared_prompts
+from dapo_core.compute.models import build_tiny_model
+from dapo_core.compute.workers.actor import ActorWorker
+from dapo_core.config.schema import ActorConfig
+from tests.helpers import tiny_model_cfg
+
+torch.set_num_threads(1)
+
+TINY = tiny_model_cfg(hidden_size=32, intermediate_size=64, max_position_embeddings=128)
+P, L = 7, 9
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), TINY, seed=4)
+
+
+def grouped_batch(groups=3, n=4, seed=0, shuffle=False):
+    """`groups` prompts of different lengths (left-padded to P), each with `n` responses of 1..L tokens
+    (right-padded); one response fills the whole width, so the trimmed response pass is not always shorter."""
+    g = torch.Generator().manual_seed(seed)
+    rows = groups * n
+    ids = torch.zeros(rows, P + L, dtype=torch.long)
+    mask = torch.zeros(rows, P + L, dtype=torch.long)
+    for gi in range(groups):
+        plen = 2 + (3 * gi) % (P - 1)
+        prompt = torch.randint(4, 99, (plen,), generator=g)
+        for j in range(n):
+            r = gi * n + j
+            ids[r, P - plen : P] = prompt
+            mask[r, P - plen : P] = 1
+            rlen = L if r == 1 else 1 + int(torch.randint(0, L, (1,), generator=g))
+            ids[r, P : P + rlen] = torch.randint(4, 99, (rlen,), generator=g)
+            mask[r, P : P + rlen] = 1
+    if shuffle:
+        perm = torch.randperm(rows, generator=g)
+        ids, mask = ids[perm], mask[perm]
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def test_shared_prompts_groups_rows_by_prompt_tokens_and_mask():
+    ids, mask, _ = grouped_batch(groups=3, n=4, shuffle=True, seed=2)
+    groups = shared_prompts(ids, mask, L)
+    assert groups is not None and groups.first.numel() == 3
+    for r in range(ids.shape[0]):
+        f = int(groups.first[groups.inverse[r]])
+        assert torch.equal(ids[r, :P], ids[f, :P]) and torch.equal(mask[r, :P], mask[f, :P])
+    assert groups.first.tolist() == sorted(groups.first.tolist())  # numbered in order of first appearance
+    assert int(groups.inverse[0]) == 0
+    # Same tokens under the mask but one more padding column: a different prompt.
+    ids2, mask2 = ids[:2].clone(), mask[:2].clone()
+    ids2[1, :P], mask2[1, :P] = ids2[0, :P], mask2[0, :P]
+    first_valid = int(mask2[1, :P].nonzero()[0])
+    mask2[1, first_valid] = 0
+    assert shared_prompts(ids2, mask2, L) is None
+    # Every prompt different: nothing to share.
+    ids3, mask3, _ = grouped_batch(groups=4, n=1)
+    assert shared_prompts(ids3, mask3, L) is None
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 3e-5), (torch.float64, 1e-10)])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_shared_prompt_forward_equals_the_padded_forward_with_gradients(tiny_dir, dtype, tol, shuffle):
+    ids, mask, pos = grouped_batch(shuffle=shuffle, seed=1)
+    m = mask[:, P:].bool()
+    weights = torch.randn(m.shape, generator=torch.Generator().manual_seed(9), dtype=dtype)
+    out = {}
+    for share in (False, True):
+        eng = make_train_engine("torch", tiny_dir, {"lr": 0.0}, total_steps=1, grad_clip=1.0, dtype=dtype)
+        eng.train()
+        lp, ent = eng.forward(ids, mask, pos, L, temperature=0.7, calculate_entropy=True, share_prompt=share)
+        ((lp * weights)[m].sum() + (ent * weights)[m].sum()).backward()
+        grads = {k: p.grad.detach().clone() for k, p in eng.model.named_parameters()}
+        out[share] = (lp.detach(), ent.detach(), grads)
+    (lp0, ent0, g0), (lp1, ent1, g1) = out[False], out[True]
+    assert float((lp0 - lp1)[m].abs().max()) < tol
+    assert float((ent0 - ent1)[m].abs().max()) < tol
+    assert float(lp1[~m].abs().max()) == 0.0 and float(ent1[~m].abs().max()) == 0.0
+    # Gradients sum the n responses' shares of a prompt in another order than the per-row forward, and
+    # Qwen2's RMSNorm computes in float32 even in a float64 model, so they agree to float32 precision.
+    for k in g0:
+        assert float((g0[k] - g1[k]).abs().max()) < 1e-5 * max(1.0, float(g0[k].abs().max())), k
+    # The gradient through the shared prompt is not zero: the prompt's activations get every response's share.
+    assert float(g1["model.embed_tokens.weight"].abs().sum()) > 0
+
+
+def test_shared_prompt_falls_back_under_gradient_checkpointing(tiny_dir):
+    ids, mask, pos = grouped_batch(seed=3)
+    m = mask[:, P:].bool()
+    eng = make_train_engine(
+        "torch",
+        tiny_dir,
+        {"lr": 0.0},
+        total_steps=1,
+        grad_clip=1.0,
+        dtype=torch.float64,
+        gradient_checkpointing=True,
+    )
+    eng.train()
+    lp_shared, _ = eng.forward(ids, mask, pos, L, share_prompt=True)
+    lp_plain, _ = eng.forward(ids, mask, pos, L)
+    assert torch.equal(lp_shared[m], lp_plain[m])  # the same (per-row) path ran
+    eng.eval()  # no backward in eval mode: the shared path applies again, within float error
+    lp_eval, _ = eng.forward(ids, mask, pos, L, share_prompt=True)
+    assert float((lp_eval - lp_plain.detach())[m].abs().max()) < 1e-10
+
+
+def test_actor_update_with_shared_prompts_lands_on_the_same_weights(tiny_dir):
+    ids, mask, _ = grouped_batch(groups=4, n=4, seed=5)
+    prompt_ids = [ids[r, :P][mask[r, :P].bool()].tolist() for r in range(ids.shape[0])]
+    response_ids = [ids[r, P:][mask[r, P:].bool()].tolist() for r in range(ids.shape[0])]
+    g = torch.Generator().manual_seed(6)
+    adv = torch.randn(4, generator=g).repeat_interleave(4).tolist()
+    table = pa.table(
+        {
+            "prompt_ids": prompt_ids,
+            "response_ids": response_ids,
+            "advantages": [[a] * len(r) for a, r in zip(adv, response_ids, strict=True)],
+        }
+    )
+    cfg = ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4)
+    actor_cfg = dataclasses.asdict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1e-2)))
+    results = {}
+    for share in (False, True):
+        w = ActorWorker(
+            str(tiny_dir),
+            actor_cfg,
+            pad_token_id=0,
+            temperature=1.0,
+            rollout_n=4,
+            total_steps=2,
+            use_shared_prompt=share,
+        )
+        old = w.compute_log_prob(table)
+        metrics = w.update_actor(old, global_steps=1)
+        results[share] = (old.column("old_log_probs").to_pylist(), metrics, w.weights())
+    (lp0, m0, w0), (lp1, m1, w1) = results[False], results[True]
+    assert max(abs(x - y) for a, b in zip(lp0, lp1, strict=True) for x, y in zip(a, b, strict=True)) < 3e-5
+    assert abs(m0["actor/pg_loss"] - m1["actor/pg_loss"]) < 1e-5
+    assert abs(m0["actor/grad_norm"] - m1["actor/grad_norm"]) < 1e-4 * max(1.0, m0["actor/grad_norm"])
+    # Adam's first step moves each weight by about lr = 1e-2; the two paths agree to 1 % of that (a wrong
+    # gradient would move many weights the other way).
+    assert max(float((w0[k] - w1[k]).abs().max()) for k in w0) < 1e-4
