@@ -6,7 +6,12 @@ back with ``read_stage`` (sha256 verified; MB/s of the file and of the table it 
 where the store encodes columns: the batch's all-ones ``response_mask`` is stored as run-length ends), then
 times the ledger: ``put_many`` of every prompt and
 trajectory key, ``update_tags`` of all prompts, ``list_keys`` by status, ``reissue_inflight``.
-Each number is the median of ``--repeats`` runs (default 5).
+Each number is the median of ``--repeats`` runs (default 5). ``read_stage_verified`` reads each written
+file as a fresh process would (the per-process trust cache cleared): it hashes the file, or takes it on trust
+from its writer's trust record (``dapo_core/store/trust.py``) where the tree has them; ``files_hashed`` /
+``files_trusted`` say which. ``model_32b`` applies the measured write and verified-read rates to the modelled
+32B step (bench/README.md, "Extrapolation to DAPO-32B": 1.17 GB written and 2.35 GB read verified by the
+workers per ~600 s step) and gives the storage share of the step. ``--tree`` runs an older checkout's store.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_store.py [--prompts 512 --n 16 --tokens 2048 --repeats 5]
 
@@ -20,6 +25,10 @@ metrics); the actor reads the batch view (old log-probs) and the advantage view 
 older checkout's store (e.g. a ``git worktree`` of the commit before) with the same script:
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_store.py --step [--resp-len 512 --repeats 3 --tree DIR]
+
+``--hashes``: whole-buffer checksum speeds on this CPU (sha256, blake2b, crc32; xxh3, crc32c if importable):
+
+    OMP_NUM_THREADS=1 PYTHONPATH=<xxhash, google-crc32c> .venv/bin/python bench/bench_store.py --hashes
 """
 
 from __future__ import annotations
@@ -36,6 +45,38 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+
+MODEL_32B = {"written_GB": 1.17, "verified_read_GB": 2.35, "step_s": 600.0}
+"""Bytes a modelled DAPO-32B step writes and its workers read verified (store format 3), and its length in
+seconds (bench/README.md, "Extrapolation to DAPO-32B")."""
+
+
+def _use_tree(tree: str | None) -> None:
+    """Import the store of the checkout ``tree`` (or of this one)."""
+    if tree:
+        path = Path(tree).resolve()
+        sys.path.insert(0, str(path))
+        os.chdir(path)
+
+
+def _fresh_process(stage_files) -> None:
+    """Forget what this process verified, as a worker process that has not read the file yet."""
+    cache = getattr(stage_files, "_VERIFIED", None)
+    if cache is not None:
+        cache.clear()
+
+
+def model_32b(write_mb_s: float, read_mb_s: float) -> dict:
+    """The modelled 32B step's storage seconds and share at these rates (MB/s of file)."""
+    w = MODEL_32B["written_GB"] * 1e3 / write_mb_s
+    r = MODEL_32B["verified_read_GB"] * 1e3 / read_mb_s
+    return {
+        **MODEL_32B,
+        "write_s": round(w, 2),
+        "verified_read_s": round(r, 2),
+        "storage_s": round(w + r, 2),
+        "storage_share_pct": round(100 * (w + r) / MODEL_32B["step_s"], 2),
+    }
 
 
 def make_batch(prompts: int, n: int, tokens: int, prompt_tokens: int, seed: int = 0) -> pa.Table:
@@ -123,10 +164,7 @@ def _step_tables(prompts: int, n: int, resp_len: int, prompt_len: int, seed: int
 
 def step(args) -> dict:
     """One DAPO step's stage chain through the store (module docstring)."""
-    if args.tree:
-        tree = Path(args.tree).resolve()
-        sys.path.insert(0, str(tree))
-        os.chdir(tree)
+    _use_tree(args.tree)
     from dapo_core.stages import compute_advantage_table
     from dapo_core.store import RunStore, stage_files
 
@@ -141,6 +179,7 @@ def step(args) -> dict:
     per: dict[str, list] = {}
     reads: dict[str, list] = {"reward_worker": [], "actor": []}
     hashed: list[int] = []
+    trusted: list[int] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         store = RunStore(Path(tmp) / "run")
         for rep in range(args.repeats):
@@ -173,17 +212,17 @@ def step(args) -> dict:
             u_o = w("write_stage", "old_log_prob", olp, base=u_b)
             u_a = w("write_stage", "advantage", adv, base=u_o)
             time.sleep(2.1)  # the files settle (at the recipe's shape a stage takes minutes)
-            trust = getattr(stage_files, "_VERIFIED", None)
             for proc, uris in (("reward_worker", [*gen_uris, u_o, u_a]), ("actor", [u_b, u_a])):
-                if trust is not None:
-                    trust.clear()  # a fresh worker process
+                _fresh_process(stage_files)  # a fresh worker process
                 fresh = RunStore(store.root)  # no view cache: a worker opens the store from its root
                 stage_files.io_counters(reset=True)
                 t0 = time.perf_counter()
                 for u in uris:
                     fresh.read_uri(u)
                 reads[proc].append(time.perf_counter() - t0)
-                hashed.append(stage_files.io_counters()["read_bytes"])
+                io = stage_files.io_counters()
+                hashed.append(io["read_bytes"])
+                trusted.append(io["trusted_bytes"])
                 fresh.close()
         store.close()
     med = {k: (statistics.median(t for t, _ in v), v[0][1]) for k, v in per.items()}
@@ -208,7 +247,47 @@ def step(args) -> dict:
         "hashed_MB_per_step": round(
             statistics.median(hashed[0::2]) / 1e6 + statistics.median(hashed[1::2]) / 1e6, 1
         ),
+        "trusted_MB_per_step": round(
+            statistics.median(trusted[0::2]) / 1e6 + statistics.median(trusted[1::2]) / 1e6, 1
+        ),
         "storage_s_per_step": round(write_s + read_s, 3),
+        "repeats": args.repeats,
+    }
+
+
+def hashes(args) -> dict:
+    """MB/s of whole-buffer checksums on one random buffer of ``--hash-mb`` MB, interleaved rounds, medians:
+    hashlib's sha256 and blake2b, zlib's crc32, and xxhash's xxh3 / google-crc32c where importable (they are
+    not dependencies; install them elsewhere and put them on PYTHONPATH to compare)."""
+    import contextlib
+    import hashlib
+    import importlib
+    import zlib
+
+    buf = np.random.default_rng(0).integers(0, 2**31, args.hash_mb * 2**20 // 4, dtype=np.int32).tobytes()
+    mv = memoryview(buf)
+    fns = {
+        "sha256": lambda: hashlib.sha256(mv).digest(),
+        "blake2b": lambda: hashlib.blake2b(mv).digest(),
+        "zlib.crc32": lambda: zlib.crc32(mv),
+    }
+    for module, name, make in (
+        ("xxhash", "xxh3_128", lambda m: lambda: m.xxh3_128(mv).digest()),
+        ("xxhash", "xxh3_64", lambda m: lambda: m.xxh3_64(mv).digest()),
+        ("google_crc32c", "crc32c", lambda m: lambda: m.value(buf)),
+    ):
+        with contextlib.suppress(ImportError):
+            fns[name] = make(importlib.import_module(module))
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(args.repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {
+        "buffer_MB": round(len(buf) / 1e6, 1),
+        "MB_per_s": {k: round(len(buf) / 1e6 / statistics.median(v)) for k, v in times.items()},
+        "load": os.getloadavg()[0],
         "repeats": args.repeats,
     }
 
@@ -225,12 +304,18 @@ def main() -> None:
     ap.add_argument("--step", action="store_true", help="a DAPO step's stage chain (module docstring)")
     ap.add_argument("--resp-len", type=int, default=512, help="--step: the longest response")
     ap.add_argument("--gen-batches", type=int, default=3, help="--step: generation batches a step")
-    ap.add_argument("--tree", default=None, help="--step: run this checkout's store instead")
+    ap.add_argument("--tree", default=None, help="run this checkout's store instead (e.g. a git worktree)")
+    ap.add_argument("--hashes", action="store_true", help="checksum speeds instead (hashes())")
+    ap.add_argument("--hash-mb", type=int, default=128, help="--hashes: the buffer's size in MiB")
     args = ap.parse_args()
+    if args.hashes:
+        print(json.dumps(hashes(args), indent=1))
+        return
     if args.step:
         print(json.dumps(step(args), indent=1))
         return
-    from dapo_core.store import RunStore
+    _use_tree(args.tree)
+    from dapo_core.store import RunStore, stage_files
 
     table = make_batch(args.prompts, args.n, args.tokens, args.prompt_tokens)
     rows = table.num_rows
@@ -239,7 +324,14 @@ def main() -> None:
         t_write = _median_time(lambda i: store.write_stage(i, "batch", table), args.repeats)
         man = store.manifest(0, "batch")
         mb, view_mb = man["bytes"] / 1e6, table.nbytes / 1e6
-        t_read = _median_time(lambda i: store.read_stage(i, "batch"), args.repeats)
+
+        def read_fresh(i: int) -> None:
+            _fresh_process(stage_files)
+            store.read_stage(i, "batch")
+
+        stage_files.io_counters(reset=True)
+        t_read = _median_time(read_fresh, args.repeats)
+        io = stage_files.io_counters()
         t_read_nv = _median_time(lambda i: store.read_stage(i, "batch", verify=False), args.repeats)
         assert store.read_stage(0, "batch").equals(table)
 
@@ -299,6 +391,8 @@ def main() -> None:
             "rows_per_s": round(rows / t_write),
         },
         "read_stage_verified": {
+            "files_hashed": io.get("files_hashed", io["files_read"]),  # a tree before them: all hashed
+            "files_trusted": io.get("files_trusted", 0),
             "s": round(t_read, 3),
             "MB_per_s": round(mb / t_read, 1),
             "table_MB_per_s": round(view_mb / t_read, 1),
@@ -317,6 +411,8 @@ def main() -> None:
             "trajectories_deleted": args.prompts * args.n,
             "s": round(t_reissue, 4),
         },
+        "model_32b": model_32b(mb / t_write, mb / t_read),
+        "tree": args.tree or "this checkout",
         "repeats": args.repeats,
     }
     print(json.dumps(out, indent=1))
