@@ -86,6 +86,11 @@ def evaluate_model(cfg_yaml: str, model_dir: str) -> dict:
         seed=cfg.trainer.seed,
         train_sampling=sampling,
         val_sampling=sampling,
+        engine_opts=(
+            {"max_batch_size": cfg.actor_rollout_ref.rollout.max_num_seqs}
+            if cfg.actor_rollout_ref.rollout.name == "hf"
+            else {"max_num_seqs": cfg.actor_rollout_ref.rollout.max_num_seqs}
+        ),
     )
     reward = RewardWorker(
         tok_path,

@@ -114,12 +114,13 @@ def _sampling(ro: RolloutConfig | ValKwargsConfig, max_new_tokens: int) -> dict:
 
 def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: str) -> RolloutWorker:
     ro = cfg.actor_rollout_ref.rollout
-    engine_opts = {}
+    engine_opts: dict[str, Any] = {"max_batch_size": ro.max_num_seqs}  # hf: rows per forward
     if ro.name == "vllm":
         engine_opts = {
             "gpu_memory_utilization": ro.gpu_memory_utilization,
             "tensor_parallel_size": ro.tensor_model_parallel_size,
             "enforce_eager": ro.enforce_eager,
+            "max_num_seqs": ro.max_num_seqs,
         }
     factory = functools.partial(
         RolloutWorker,

@@ -207,7 +207,7 @@ class ModelConfig:
     use_remove_padding: bool = False
     """Packed, padding-free forwards for log-probs and updates (same values as padded within float error)."""
     use_shared_prompt: bool = False
-    """Ours: actor/ref forwards run each distinct prompt once, its n responses on its KV cache (same values)."""
+    """Ours: actor/ref forwards run each distinct prompt once, its n responses on its KV cache (exact)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the embedded tiny model."""
     sft: SftConfig = field(default_factory=SftConfig)
@@ -389,7 +389,7 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
     """vLLM: tokens per engine step. Not implemented yet (default only)."""
     max_num_seqs: int = 1024
-    """vLLM: concurrent sequences. Not implemented yet (default only)."""
+    """Most sequences decoded at once: vLLM's max_num_seqs, the hf engine's rows per forward (lower: OOM)."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling for validation."""
 

@@ -32,7 +32,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "actor_rollout_ref.actor.checkpoint.load_contents": "resume always restores model, optimizer and extra",
     "actor_rollout_ref.rollout.enable_chunked_prefill": _VLLM,
     "actor_rollout_ref.rollout.max_num_batched_tokens": _VLLM,
-    "actor_rollout_ref.rollout.max_num_seqs": _VLLM,
     "reward_model.reward_manager": (
         "the one reward manager is verl's dapo manager; with overlong_buffer.enable=false it scores as "
         "verl's naive one"
