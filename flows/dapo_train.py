@@ -2,7 +2,7 @@
 
     for each train step:
         generate → reward → filter_groups  ⟲ until train_batch_size informative groups (dynamic sampling)
-        → old_log_prob → [ref] → [values] → advantage → [update_critic] → update_actor → sync weights
+        → old_log_prob → [ref] → [values] → advantage → [update_critic] → update_actor (+ sync weights)
         → [checkpoint every save_freq] → [validate every test_freq] → log
 
 Every stage is a Prefect task (tasks/) that commits its output to the run store `runs/<run_id>/`; tasks pass
@@ -50,7 +50,7 @@ from flows.run_setup import (
     step_metrics,
 )
 from tasks.rollout import assemble_batch, filter_groups, generate, reward
-from tasks.update import checkpoint, sync_weights
+from tasks.update import checkpoint
 from tasks.validate import validate
 
 
@@ -62,7 +62,8 @@ def collect_batch(rt: TrainRun, step: int, state: DriverState) -> tuple[str, dic
     kept_uris: list[str] = []
     kept_groups, k = 0, 0
     metrics: dict[str, float] = {}
-    while True:
+    batch: tuple[str, dict[str, float]] | None = None
+    while batch is None:
         # gen_batch_size prompts (refill=adaptive: sized to the deficit and the run-wide keep rate)
         size = refill_size(rt.cfg, keep_rate, need - kept_groups, fixed=gen_batch_size(rt.cfg))
         rt.progress.stage(f"generate g{k} ({size} prompts)")
@@ -77,18 +78,18 @@ def collect_batch(rt: TrainRun, step: int, state: DriverState) -> tuple[str, dic
         if not fg.enable:
             kept_uris.append(reward_uri)
             rt.progress.gen_batch(k - 1, size, None, need)
+            rt.progress.stage("assemble batch")
+            batch = assemble_batch(run_id, step, kept_uris, k)
             break
-        kept_uri, m = filter_groups(run_id, step, k - 1, reward_uri)
+        # once the kept groups cover what the step needs, the task also assembles the step's batch
+        kept_uri, m, batch = filter_groups(run_id, step, k - 1, reward_uri, kept_uris, need - kept_groups)
         kept_uris.append(kept_uri)
         kept_groups += int(m["train/num_kept_groups"])
         keep_rate.update(int(m["train/num_kept_groups"]), int(m["train/num_groups"]))
         rt.progress.gen_batch(k - 1, size, kept_groups, need)  # a bar on a terminal, else rate-limited lines
-        if kept_groups >= need:
-            break
-        if fg.max_num_gen_batches > 0 and k >= fg.max_num_gen_batches:
+        if batch is None and fg.max_num_gen_batches > 0 and k >= fg.max_num_gen_batches:
             raise DynamicSamplingExhausted(exhausted_message(k, fg.max_num_gen_batches, kept_groups, need))
-    rt.progress.stage("assemble batch")
-    batch_uri, m = assemble_batch(run_id, step, kept_uris, k)
+    batch_uri, m = batch
     metrics.update(m)
     metrics["train/keep_rate"] = keep_rate.rate if fg.enable and keep_rate.rate is not None else 1.0
     return batch_uri, metrics
@@ -98,12 +99,13 @@ def train_step(rt: TrainRun, step: int, state: DriverState) -> dict:
     """One DAPO training step; returns its metrics."""
     t0 = time.perf_counter()
     uri, metrics = collect_batch(rt, step, state)
-    adv_uri, stage_metrics = learn(rt, step, uri)
+    # after critic warm-up, update_actor pushes the new weights to the rollout worker as the next version
+    version = state.weight_version + 1 if step > rt.cfg.trainer.critic_warmup else None
+    adv_uri, stage_metrics = learn(rt, step, uri, sync_version=version)
     for m in stage_metrics:
         metrics.update(m)
-    if step > rt.cfg.trainer.critic_warmup:
-        state.weight_version += 1
-        sync_weights(rt.run_id, step, state.weight_version)
+    if version is not None:
+        state.weight_version = version
     metrics["timing_s/step"] = time.perf_counter() - t0
     metrics.update(step_metrics(rt, step, adv_uri, metrics))
     return metrics

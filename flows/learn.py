@@ -4,8 +4,8 @@
 
 The sync order (`flows.dapo_train.train_step`) runs it once per step on the whole batch; the replay-buffer
 order (`flows.replay_order.replay_train_step`) runs it once per local update on each part of the batch
-(`part=i`, so the stages commit as `<name>_p<i>`). Pushing the new weights to the rollout worker is left to
-the step order.
+(`part=i`, so the stages commit as `<name>_p<i>`). Pushing the new weights to the rollout worker is the step
+order's: the sync order has update_actor push them (`sync_version`), the replay order pushes once per step.
 
 On-policy skip: when the update is exactly on-policy (`old_log_prob_needed` returns None: one PPO epoch over
 one mini-batch, nothing else reading π_old) the old_log_prob forward is skipped. The actor then takes π_old as
@@ -77,15 +77,21 @@ _ANNOUNCED: set[str] = set()
 
 
 def learn(
-    rt: TrainRun, step: int, batch_uri: str, part: int | None = None, label: str = ""
+    rt: TrainRun,
+    step: int,
+    batch_uri: str,
+    part: int | None = None,
+    label: str = "",
+    sync_version: int | None = None,
 ) -> tuple[str, list[dict[str, float]]]:
     """Run the stages on the batch at `batch_uri`; returns the advantage table's URI and each stage's metrics,
-    in stage order. `label` prefixes the stage names in the progress display."""
+    in stage order. `label` prefixes the stage names in the progress display; with `sync_version` the
+    update_actor task also pushes the new weights to the rollout worker as that version."""
     metrics: list[dict[str, float]] = []
 
-    def stage(task: Callable[..., StageResult], uri: str) -> str:
+    def stage(task: Callable[..., StageResult], uri: str, **kw: int) -> str:
         rt.progress.stage(label + task.__name__)
-        out, m = task(rt.run_id, step, uri, part=part)
+        out, m = task(rt.run_id, step, uri, part=part, **kw)
         metrics.append(m)
         return out
 
@@ -112,5 +118,5 @@ def learn(
     if use_critic(rt.cfg):
         stage(update_critic, uri)
     if step > rt.cfg.trainer.critic_warmup:
-        stage(update_actor, uri)
+        stage(update_actor, uri, **({} if sync_version is None else {"sync_version": sync_version}))
     return uri, metrics

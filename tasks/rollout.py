@@ -135,8 +135,15 @@ def reward(run_id: str, step: int, gen_idx: int, gen_uri: str) -> StageResult:
 
 
 @task(name="filter_groups", task_run_name="filter_groups-step{step}-g{gen_idx}", **_OPTS)
-def filter_groups(run_id: str, step: int, gen_idx: int, reward_uri: str) -> StageResult:
-    """Dynamic sampling: keep the groups whose metric varies (docs/REFERENCE.md §6.1 steps 7–8)."""
+def filter_groups(
+    run_id: str, step: int, gen_idx: int, reward_uri: str, kept_before: list[str], groups_missing: int
+) -> tuple[str, dict[str, float], StageResult | None]:
+    """Dynamic sampling: keep the groups whose metric varies (docs/REFERENCE.md §6.1 steps 7–8).
+
+    Returns the kept selection's URI and metrics, and the step's assembled batch (URI and metrics) when these
+    kept groups cover the `groups_missing` the step still needs, else None: the batch is then assembled here
+    from `kept_before` (the step's earlier kept selections) and this one (`assemble`, no task of its own — it
+    is plumbing, and a retry of this task skips what is committed)."""
     rt = runtime.get(run_id)
 
     def compute():
@@ -150,13 +157,21 @@ def filter_groups(run_id: str, step: int, gen_idx: int, reward_uri: str) -> Stag
             "train/num_kept_groups": float(outcome.num_kept_groups),
         }
 
-    return select_stage(rt, step, f"kept_g{gen_idx}", [reward_uri], compute)
+    kept_uri, metrics = select_stage(rt, step, f"kept_g{gen_idx}", [reward_uri], compute)
+    if metrics["train/num_kept_groups"] < groups_missing:
+        return kept_uri, metrics, None
+    return kept_uri, metrics, assemble(rt, step, [*kept_before, kept_uri], gen_idx + 1)
 
 
 @task(name="assemble_batch", task_run_name="assemble_batch-step{step}", **_OPTS)
 def assemble_batch(run_id: str, step: int, kept_uris: list[str], num_gen_batches: int) -> StageResult:
-    """Concatenate kept groups, truncate to train_batch_size·n (surplus discarded, §6.1 step 10), balance."""
-    rt = runtime.get(run_id)
+    """The step's batch without dynamic sampling (`assemble`; with it, `filter_groups` assembles)."""
+    return assemble(runtime.get(run_id), step, kept_uris, num_gen_batches)
+
+
+def assemble(rt: runtime.Runtime, step: int, kept_uris: list[str], num_gen_batches: int) -> StageResult:
+    """Concatenate kept groups, truncate to train_batch_size·n (surplus discarded, §6.1 step 10), balance;
+    committed as stage `batch` (a row selection)."""
 
     def compute():
         table, dropped = truncate_to_groups(lengths_of(rt, kept_uris), rt.cfg.data.train_batch_size, rt.n)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -15,6 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from dapo_core.compute.cluster import chain
+from dapo_core.errors import find_user_error
 from dapo_core.store.replay import referenced_steps
 from dapo_core.store.retention import apply_retention
 from tasks import runtime
@@ -44,11 +47,17 @@ def update_critic(run_id: str, step: int, in_uri: str, part: int | None = None) 
 
 
 @task(name="update_actor", task_run_name=run_name("update_actor"), **_OPTS)
-def update_actor(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
+def update_actor(
+    run_id: str, step: int, in_uri: str, part: int | None = None, sync_version: int | None = None
+) -> StageResult:
     """The DAPO policy update (PPO mini-batches/epochs with the configured loss); not retried automatically,
-    since a half-applied update cannot be undone — the flow resumes from the last checkpoint instead."""
+    since a half-applied update cannot be undone — the flow resumes from the last checkpoint instead.
+
+    With `sync_version` (the synchronous order), the new weights are then pushed to the rollout worker and
+    stamped with that version inside this task (no task of its own: plumbing). The push alone is retried,
+    as the `sync_weights` task is; a replayed (committed) update pushes too."""
     rt = runtime.get(run_id)
-    return run_stage(
+    out = run_stage(
         rt,
         step,
         stage_name("update_actor", part),
@@ -57,6 +66,27 @@ def update_actor(run_id: str, step: int, in_uri: str, part: int | None = None) -
             rt.actor.update_actor_from(str(rt.store.root), in_uri, step),
         ),
     )
+    if sync_version is not None:
+        _retried(lambda: push_weights(rt, sync_version), SYNC_RETRIES, SYNC_RETRY_DELAY_S)
+    return out
+
+
+SYNC_RETRIES = 2
+"""Retries of a failed weight push (as the `sync_weights` task's Prefect retries; none for user errors)."""
+SYNC_RETRY_DELAY_S = 1.0
+"""Seconds between weight-push attempts."""
+
+
+def _retried(fn: Callable[[], None], retries: int, delay_s: float) -> None:
+    """Call `fn`, again up to `retries` times after a failure that is not a `DapoUserError`."""
+    for attempt in range(retries + 1):
+        try:
+            fn()
+            return
+        except Exception as exc:
+            if attempt == retries or find_user_error(exc) is not None:
+                raise
+            time.sleep(delay_s)
 
 
 @task(
@@ -67,7 +97,8 @@ def update_actor(run_id: str, step: int, in_uri: str, part: int | None = None) -
     retry_condition_fn=retry_unless_user_error,
 )
 def sync_weights(run_id: str, step: int, weight_version: int) -> int:
-    """Push the actor's weights to the rollout worker; returns the new weight version."""
+    """Push the actor's weights to the rollout worker; returns the new weight version (the replay-buffer
+    order, once per step after its local updates; the synchronous order pushes inside `update_actor`)."""
     rt = runtime.get(run_id)
     push_weights(rt, weight_version)
     return weight_version

@@ -1,0 +1,129 @@
+"""The ledger writes of the synchronous step order after the orchestration cuts (issue 11, item 6): prompts
+drawn inside the generate task enter the ledger `running` in one transaction, the reward task records the
+trajectories and finishes the prompts in one transaction. A run SIGKILLed right after step 2's prompts are
+committed (before the ledger knows them) resumes to the same ledger and weights as an uninterrupted run. The
+filter_groups task assembles the step's batch once the kept groups suffice (no assemble_batch task)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from safetensors.torch import load_file
+
+from dapo_core.config import load_config, typed
+from dapo_core.store import RunStore
+from tests.integration.conftest import CONFIG, kill_at, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+COMMON = {
+    "trainer.total_training_steps": 3,
+    "trainer.save_freq": 1,
+    "trainer.test_freq": -1,
+    "trainer.val_before_train": "false",
+    "trainer.use_ray": "false",
+    "algorithm.filter_groups.enable": "false",
+}
+
+
+def _ledger(run: Path) -> dict[str, dict]:
+    store = RunStore(run)
+    try:
+        return dict(store.items("train"))
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(900)
+def test_ledger_after_a_kill_between_prompt_commit_and_generation_equals_the_straight_run(tiny_assets):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[2]
+
+    def cmd(name: str) -> list[str]:
+        ov = tiny_overrides(tiny_assets, **COMMON, **{"trainer.experiment_name": name})
+        return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
+
+    subprocess.run(cmd("ledger-straight"), check=True, env=env, cwd=root, capture_output=True)
+    straight = tiny_assets / "runs" / "ledger-straight"
+    ledger = _ledger(straight)
+    prompts = {k: t for k, t in ledger.items() if t["is_prompt"]}
+    n = 4  # actor_rollout_ref.rollout.n of tiny_overrides
+    assert len(prompts) == 3 * 8  # gen_batch_size 8, one generation batch per step (no filtering)
+    assert {t["status"] for t in ledger.values()} == {"finished"}
+    for uid, tags in prompts.items():  # each prompt's n trajectories, at the prompt's step
+        trajectories = {k: t for k, t in ledger.items() if k.startswith(f"{uid}_")}
+        assert sorted(trajectories) == [f"{uid}_{s}" for s in range(n)]
+        assert {t["global_steps"] for t in trajectories.values()} == {tags["global_steps"]}
+    assert sorted({t["global_steps"] for t in prompts.values()}) == [1, 2, 3]
+
+    victim = subprocess.Popen(
+        cmd("ledger-killed"),
+        env=env,
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    run = tiny_assets / "runs" / "ledger-killed"
+    kill_at(victim, run / "step_000002" / "prompts_g0.manifest.json")
+    assert (run / "ckpt" / "latest").read_text().strip() == "1"
+    done = subprocess.run(cmd("ledger-killed"), env=env, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _ledger(run) == ledger
+    a = load_file(str(straight / "ckpt" / "step_3" / "actor" / "model.safetensors"))
+    b = load_file(str(run / "ckpt" / "step_3" / "actor" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]).all(), k
+
+
+def _scored(uids: list[str], spread: list[bool], n: int, width: int) -> pa.Table:
+    """A reward-stage table: `n` rows per uid, `acc` varying within a group where `spread` says so, responses
+    of `width + group index` tokens (so the assembled batch's order can be told apart)."""
+    rows = []
+    for g, (uid, varies) in enumerate(zip(uids, spread, strict=True)):
+        for s in range(n):
+            rows.append(
+                {
+                    "uid": uid,
+                    "sample_idx": s,
+                    "prompt_ids": [1, 2, 3],
+                    "response_ids": [4] * (width + g),
+                    "acc": bool(s % 2) if varies else False,
+                }
+            )
+    return pa.Table.from_pylist(rows)
+
+
+def test_filter_groups_assembles_the_batch_once_the_kept_groups_suffice(tiny_assets):
+    """Two generation batches (2 of 4 groups kept, then 3 of 4): the first filter_groups returns no batch,
+    the second assembles it from both kept selections, truncated to train_batch_size groups (surplus
+    discarded), every group whole, with the assemble metrics; a retry of the task returns the same."""
+    import flows.run_setup as rs
+    from tasks.rollout import filter_groups
+
+    cfg = typed(load_config(CONFIG, tiny_overrides(tiny_assets, **{"trainer.use_ray": "false"})))
+    rt = rs.open_run(cfg, "filterfold")
+    try:
+        n, need = rt.n, cfg.data.train_batch_size
+        assert need == 4
+        uri0 = rt.store.write_stage(1, "reward_g0", _scored(["a0", "a1", "a2", "a3"], [1, 0, 1, 0], n, 8))
+        uri1 = rt.store.write_stage(1, "reward_g1", _scored(["b0", "b1", "b2", "b3"], [1, 1, 0, 1], n, 20))
+        kept0, m0, batch = filter_groups.fn("filterfold", 1, 0, uri0, [], need)
+        assert batch is None and m0["train/num_kept_groups"] == 2
+        assert not rt.store.is_committed(1, "batch")
+        kept1, m1, batch = filter_groups.fn("filterfold", 1, 1, uri1, [kept0], need - 2)
+        assert m1["train/num_kept_groups"] == 3 and batch is not None
+        batch_uri, bm = batch
+        assert bm["train/num_gen_batches"] == 2.0 and bm["train/discarded_surplus_groups"] == 1.0
+        table = rt.store.read_uri(batch_uri)
+        counts = table.group_by("uid").aggregate([("sample_idx", "count")]).to_pydict()
+        assert sorted(counts["uid"]) == ["a0", "a2", "b0", "b1"] and set(counts["sample_idx_count"]) == {n}
+        assert filter_groups.fn("filterfold", 1, 1, uri1, [kept0], need - 2) == (kept1, m1, (batch_uri, bm))
+    finally:
+        rs.close_run(rt)
