@@ -201,3 +201,28 @@ def test_argument_errors(engine, prompts):
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=1000), [1])
     with pytest.raises(ValueError, match=re.escape("rollout.name")):
         make_rollout_engine("sglang", "/nonexistent")
+
+
+def test_reserved_kv_cache_gives_bitwise_the_growing_caches_tokens(tiny_dir, prompts, monkeypatch):
+    """The engine writes the KV cache into a buffer reserved for the whole generation instead of growing it by
+    concatenation; attention reads the same numbers, so tokens and log-probs are bitwise equal, also while
+    rows end at different steps and leave the cache (eos stops)."""
+    import transformers
+
+    import dapo_core.compute.engines.hf_rollout as hf
+
+    engine = HFRolloutEngine(tiny_dir, max_batch_size=64, progress=False)
+    group = [p for p in prompts for _ in range(4)]
+    sp = SamplingParams(max_new_tokens=40, temperature=1.3)
+    seeds = list(range(len(group)))
+    cache = hf.reserved_cache(engine.model.config, 8)
+    assert all(isinstance(layer, hf._ReservedLayer) for layer in cache.layers)
+    reserved = engine.generate(group, sp, seeds)
+    monkeypatch.setattr(
+        hf, "reserved_cache", lambda config, capacity: transformers.DynamicCache(config=config)
+    )
+    growing = engine.generate(group, sp, seeds)
+    assert [c.token_ids for c in reserved] == [c.token_ids for c in growing]
+    assert [c.log_probs for c in reserved] == [c.log_probs for c in growing]
+    lengths = {len(c.token_ids) for c in reserved}
+    assert len(lengths) > 1 and any(c.finish_reason == "stop" for c in reserved)  # rows left the cache early

