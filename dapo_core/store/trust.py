@@ -16,7 +16,8 @@ tick as the recorded ctime could leave it equal. A record is therefore trusted o
 holds:
 
 - *settled*: when its identity was taken, the file had been unchanged for :data:`TRUST_AFTER_S` (longer than
-  any filesystem's timestamp tick), so any later change lands in a later tick; or
+  the timestamp tick of the filesystems a run folder lives on: nanoseconds to 1 s), so any later change lands
+  in a later tick; or
 - *fine ctime*: the filesystem gives a change that follows a ``stat`` a new ctime, whatever the clock tick
   (Linux's multigrain timestamps, 6.13 and later, on ext4, xfs, btrfs and tmpfs, or any filesystem whose
   ctime is exact), checked by :func:`fine_ctime` — a probe of stat / one-byte write / stat in the store root,
@@ -122,7 +123,8 @@ def fine_ctime(folder: str | Path) -> bool:
     """Whether the filesystem of ``folder`` gives a file a new ctime at every change that follows a ``stat``
     of it (module docstring). Probed once per process and device: a hidden temp file is created in
     ``folder``, then three times stat / one-byte write / stat; every write must move the ctime. False when the
-    probe cannot run (a read-only or full filesystem): then only settled files are trusted."""
+    probe cannot run (a read-only or full filesystem, a folder just deleted): then only settled files are
+    trusted, and the probe is tried again next time."""
     try:
         dev = os.stat(folder).st_dev
     except OSError:
@@ -147,8 +149,8 @@ def fine_ctime(folder: str | Path) -> bool:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(probe)
-    except OSError:
-        fine = False
+    except OSError:  # not cached: the folder may have gone (retention) or be read-only just here
+        return False
     with _FINE_LOCK:
         _FINE[dev] = fine
     return fine

@@ -85,8 +85,11 @@ def _x_sum(t: pa.Table) -> int:
     return int(sum(map(sum, t.column("x").to_pylist())))
 
 
-def test_the_fine_ctime_probe_sees_this_filesystem_and_leaves_nothing(tmp_path):
+def test_the_fine_ctime_probe_sees_this_filesystem_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(trust, "_FINE", {})
+    assert trust.fine_ctime(tmp_path / "gone") is False and trust._FINE == {}  # a failed probe is not cached
     fine = trust.fine_ctime(tmp_path)
+    assert {os.stat(tmp_path).st_dev: fine} == trust._FINE
     assert isinstance(fine, bool) and fine == trust.fine_ctime(tmp_path)  # cached
     assert list(tmp_path.iterdir()) == []
     # what the probe claims holds for a real file: a change right after a stat moves the ctime
