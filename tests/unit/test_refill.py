@@ -62,12 +62,15 @@ def _cfg(*overrides: str):
 def test_refill_size_follows_the_config():
     est = KeepRateEstimator(decay=1.0)
     est.update(24, 32)  # keep rate 0.75
-    assert refill_size(_cfg(), est, 16, fixed=32) == 32  # refill=fixed (the default)
-    cfg = _cfg("algorithm.filter_groups.refill=adaptive")
+    # refill=fixed (the schema default, the reference): always the fixed size
+    assert refill_size(_cfg("algorithm.filter_groups.refill=fixed"), est, 16, fixed=32) == 32
+    cfg = _cfg("algorithm.filter_groups.refill=adaptive", "algorithm.filter_groups.surplus_budget=0.005")
     s = refill_size(cfg, est, 16, fixed=32)
     assert s == surplus_bounded_size(16, 0.75, surplus_budget=0.005 * 16, base=32) and 16 <= s < 32
     wide = _cfg("algorithm.filter_groups.refill=adaptive", "algorithm.filter_groups.surplus_budget=0.1")
     assert refill_size(wide, est, 16, fixed=32) > s
+    # the CPU default (configs/tiny_cpu.yaml) sizes by the keep rate with a budget of 0.1
+    assert refill_size(_cfg(), est, 16, fixed=32) == refill_size(wide, est, 16, fixed=32)
     assert refill_size(cfg, est, 0, fixed=32) == 0
     with pytest.raises(ConfigError, match="surplus_budget"):
         _cfg("algorithm.filter_groups.surplus_budget=-0.1")
