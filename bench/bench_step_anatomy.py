@@ -6,10 +6,13 @@ read, never written), once per variant, and prints each variant's median step ti
 `timing_s/<stage>` and the median of what no stage timer covers (sampling prompts, filtering, weight sync,
 Prefect task and store bookkeeping, the driver). Steps 1 (warm-up) is left out of the medians.
 
-Two more rows cover what `timing_s/step` does not: `loop` — the driver's wall time from one step's start to
-the next one's (timestamps of `StepProgress.begin_step`, recorded by this script), and `tail` = loop − step:
-the step's metrics on the reward worker, `metrics.jsonl`, the progress display and the Prefect UI artifacts.
-`--profile FILE` writes a cProfile of the driver process (with `--in-process`, the whole step).
+Three more rows cover what `timing_s/step` does not: `loop` — the driver's wall time from one step's start to
+the next one's (timestamps of `StepProgress.begin_step`, recorded by this script), `tail` = loop − step:
+the step's metrics on the reward worker, `metrics.jsonl`, the progress display and the Prefect UI artifacts,
+and `driver_cpu` — the driver process's CPU time (`time.process_time`, all its threads) over the same span,
+which other sessions' load on the machine changes far less than the wall times.
+`--profile FILE` writes a cProfile of the driver process (with `--in-process`, the whole step), of CPU time
+with `--profile-cpu`. `--models-dir` reads `tiny_base` from another folder than `models/`.
 
 `--task-floor N` instead measures the floor: N calls of an empty Prefect task inside one flow, per set of task
 options (none; `NO_CACHE`; a `task_run_name` template or callable; the stage tasks' options; those with
