@@ -56,7 +56,8 @@ def stage_times(row: dict) -> dict[str, float]:
 
 def anatomy(rows: list[dict]) -> dict[str, float]:
     """Medians over `rows` (metrics.jsonl step rows): step, each stage, orchestration (step − Σ stages), and
-    `loop` / `tail` where the rows carry this script's `_loop_s`."""
+    `loop` / `tail` where the rows carry this script's `_loop_s`, `driver_cpu` where they carry
+    `_driver_cpu_s`."""
     stages = sorted({k for r in rows for k in stage_times(r)})
     out = {"step": statistics.median(r["timing_s/step"] for r in rows)}
     for s in stages:
@@ -66,7 +67,9 @@ def anatomy(rows: list[dict]) -> dict[str, float]:
     if looped:
         out["loop"] = statistics.median(r["_loop_s"] for r in looped)
         out["tail"] = statistics.median(r["_loop_s"] - r["timing_s/step"] for r in looped)
-        out["driver_cpu"] = statistics.median(r["_driver_cpu_s"] for r in looped)
+    timed = [r["_driver_cpu_s"] for r in rows if "_driver_cpu_s" in r]
+    if timed:
+        out["driver_cpu"] = statistics.median(timed)
     return out
 
 

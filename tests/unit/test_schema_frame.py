@@ -79,3 +79,6 @@ def test_anatomy_loop_and_tail_rows():
     out = anatomy(rows)
     assert out["step"] == 3.0 and out["orchestration"] == pytest.approx(0.3)
     assert out["loop"] == pytest.approx(2.8) and out["tail"] == pytest.approx(0.3)
+    assert "driver_cpu" not in out  # rows without the driver's CPU time
+    rows[0]["_driver_cpu_s"], rows[1]["_driver_cpu_s"] = 0.08, 0.12
+    assert anatomy(rows)["driver_cpu"] == pytest.approx(0.10)
