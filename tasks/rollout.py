@@ -114,24 +114,39 @@ def generate(run_id: str, step: int, gen_idx: int, gen_step: int, num_prompts: i
 @task(name="reward", task_run_name="reward-step{step}-g{gen_idx}", **_OPTS)
 def reward(run_id: str, step: int, gen_idx: int, gen_uri: str) -> StageResult:
     """Score every trajectory (math_dapo + overlong shaping); the trajectories are recorded and their prompts
-    marked finished in the ledger in one transaction."""
+    marked finished in the ledger in one transaction. A replayed (committed) stage records them too when the
+    ledger lacks them (a run killed between the stage's commit and that transaction: the resume re-issued
+    those prompts)."""
     rt = runtime.get(run_id)
+    scored = False
 
     def call(job):
+        nonlocal scored
         out = rt.reward.score_stage(job)
-        ids = rt.store.read_uri(gen_uri, verify=False, columns=["uid", "sample_idx"])
-        uids = ids.column("uid").to_pylist()
-        samples = ids.column("sample_idx").to_pylist()
-        rt.store.apply(
-            puts=[
-                (f"{u}_{s}", {"is_prompt": False, "status": "finished", "global_steps": step})
-                for u, s in zip(uids, samples, strict=True)
-            ],
-            merges={u: {"status": "finished"} for u in sorted(set(uids))},
-        )
+        scored = True
+        _record_finished(rt, step, gen_uri)
         return out
 
-    return worker_stage(rt, step, f"reward_g{gen_idx}", call, input_uri=gen_uri, schema="reward", n=rt.n)
+    out = worker_stage(rt, step, f"reward_g{gen_idx}", call, input_uri=gen_uri, schema="reward", n=rt.n)
+    if not scored:
+        _record_finished(rt, step, gen_uri, only_missing=True)
+    return out
+
+
+def _record_finished(rt: runtime.Runtime, step: int, gen_uri: str, only_missing: bool = False) -> None:
+    """Put the trajectories of the generation at `gen_uri` (`<uid>_<sample_idx>`, finished) and mark their
+    prompts finished, in one ledger transaction; with `only_missing`, only when a trajectory is missing or a
+    prompt is not finished."""
+    ids = rt.store.read_uri(gen_uri, verify=False, columns=["uid", "sample_idx"])
+    uids = ids.column("uid").to_pylist()
+    keys = [f"{u}_{s}" for u, s in zip(uids, ids.column("sample_idx").to_pylist(), strict=True)]
+    prompts = sorted(set(uids))
+    if only_missing:
+        tags = rt.store.get_many([*prompts, *keys])
+        if all(k in tags for k in keys) and all(tags.get(u, {}).get("status") == "finished" for u in prompts):
+            return
+    finished = {"is_prompt": False, "status": "finished", "global_steps": step}
+    rt.store.apply(puts=[(k, finished) for k in keys], merges={u: {"status": "finished"} for u in prompts})
 
 
 @task(name="filter_groups", task_run_name="filter_groups-step{step}-g{gen_idx}", **_OPTS)

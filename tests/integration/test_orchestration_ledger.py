@@ -127,3 +127,30 @@ def test_filter_groups_assembles_the_batch_once_the_kept_groups_suffice(tiny_ass
         assert filter_groups.fn("filterfold", 1, 1, uri1, [kept0], need - 2) == (kept1, m1, (batch_uri, bm))
     finally:
         rs.close_run(rt)
+
+
+def test_replayed_reward_stage_records_what_the_ledger_lacks(tiny_assets):
+    """A run killed after a reward stage was committed but before its ledger transaction resumes with those
+    prompts re-issued (pending, no trajectories); replaying the committed stage records the trajectories and
+    finishes the prompts, and replaying it again changes nothing."""
+    import flows.run_setup as rs
+    from tasks.rollout import reward
+
+    cfg = typed(load_config(CONFIG, tiny_overrides(tiny_assets, **{"trainer.use_ray": "false"})))
+    rt = rs.open_run(cfg, "rewardreplay")
+    try:
+        n = rt.n
+        table = _scored(["c0", "c1"], [True, False], n, 8)
+        gen_uri = rt.store.write_stage(1, "generate_g0", table)
+        rt.store.write_stage(1, "reward_g0", table, base=gen_uri)
+        rt.store.register_prompts(["c0", "c1"], 1)
+        rt.store.update_tags(["c1"], status="finished")  # a prompt the lost transaction had not reached
+        reward.fn("rewardreplay", 1, 0, gen_uri)
+        ledger = dict(rt.store.items("train"))
+        assert sorted(ledger) == sorted(["c0", "c1", *(f"{u}_{s}" for u in ("c0", "c1") for s in range(n))])
+        assert {t["status"] for t in ledger.values()} == {"finished"}
+        assert {t["global_steps"] for t in ledger.values()} == {1}
+        reward.fn("rewardreplay", 1, 0, gen_uri)
+        assert dict(rt.store.items("train")) == ledger
+    finally:
+        rs.close_run(rt)
