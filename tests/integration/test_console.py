@@ -106,6 +106,7 @@ def test_base_eval_and_train_print_rate_limited_progress(root, tmp_path):
             "trainer.experiment_name=console",
             "trainer.save_freq=0",
             "algorithm.filter_groups.max_num_gen_batches=2",
+            "algorithm.filter_groups.refill=fixed",  # every batch 8 prompts (the CPU default sizes refills)
         ]
         args = ["train", "--flow-only", "--config", str(CONFIG), *ov, *train]
         r = _dapo(args, home, PREFECT_API_URL=api, DAPO_PROGRESS_INTERVAL_S="0")
