@@ -25,19 +25,13 @@ import torch
 
 from dapo_core.compute.models import build_tiny_model
 from dapo_core.compute.workers.actor import ActorWorker
+from dapo_core.config import load_config
 from dapo_core.config.schema import ActorConfig
 
-MODEL = {
-    "hidden_size": 128,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": True,
-}
-"""`configs/tiny_cpu.yaml`'s model shape."""
+
+def tiny_shape() -> dict:
+    """`configs/tiny_cpu.yaml`'s model shape."""
+    return dict(load_config("configs/tiny_cpu.yaml", [])["actor_rollout_ref"]["model"]["tiny"])
 
 
 def batch(args: argparse.Namespace) -> pa.Table:
@@ -83,7 +77,7 @@ def main() -> None:
     cfg = ActorConfig(ppo_mini_batch_size=args.prompts, ppo_micro_batch_size_per_gpu=micro)
     actor_cfg = dataclasses.asdict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=5e-5)))
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_model(tmp, MODEL, seed=0)
+        path = build_tiny_model(tmp, tiny_shape(), seed=0)
         workers = {
             name: ActorWorker(
                 str(path),
