@@ -155,3 +155,13 @@ def test_actor_update_with_shared_prompts_lands_on_the_same_weights(tiny_dir):
     # Adam's first step moves each weight by about lr = 1e-2; the two paths agree to 1 % of that (a wrong
     # gradient would move many weights the other way).
     assert max(float((w0[k] - w1[k]).abs().max()) for k in w0) < 1e-4
+
+
+def test_shared_prompt_forward_of_rows_without_response_tokens_is_zero(tiny_dir):
+    ids, mask, pos = grouped_batch(seed=7)
+    mask[:, P:] = 0  # no response token in any row
+    eng = make_train_engine("torch", tiny_dir, {"lr": 0.0}, total_steps=1, grad_clip=1.0)
+    eng.eval()
+    lp, ent = eng.forward(ids, mask, pos, L, calculate_entropy=True, share_prompt=True)
+    assert lp.shape == ent.shape == (ids.shape[0], L)
+    assert float(lp.abs().max()) == 0.0 and float(ent.abs().max()) == 0.0

@@ -353,11 +353,10 @@ class TrainEngine(abc.ABC):
         start = int(used[0]) if used.numel() else P - 1
         r_mask = attention_mask[:, P:]
         r_len = int(r_mask.sum(dim=1).max())
-        dtype = torch.float64 if self.model.dtype == torch.float64 else torch.float32
-        log_probs = torch.zeros((B, L), dtype=dtype, device=dev)
-        entropy = torch.zeros((B, L), dtype=dtype, device=dev) if calculate_entropy else None
-        if r_len == 0:
-            return log_probs, entropy
+        if r_len == 0:  # no response token at all
+            dtype = torch.float64 if self.model.dtype == torch.float64 else torch.float32
+            zeros = torch.zeros((B, L), dtype=dtype, device=dev)
+            return zeros, (zeros.clone() if calculate_entropy else None)
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
@@ -390,6 +389,7 @@ class TrainEngine(abc.ABC):
         lp, ent = _chunk_log_probs(z, labels, temperature, calculate_entropy)
         valid = r_mask[:, :r_len].to(dev).bool()
         log_probs = torch.cat([lp.masked_fill(~valid, 0.0), lp.new_zeros((B, L - r_len))], dim=1)
+        entropy = None
         if calculate_entropy:
             entropy = torch.cat([ent.masked_fill(~valid, 0.0), ent.new_zeros((B, L - r_len))], dim=1)
         return log_probs, entropy
