@@ -47,6 +47,18 @@ def kill_at(victim: subprocess.Popen, marker: Path, timeout_s: float = 600) -> N
     victim.wait()
 
 
+SHORT_RUN = {
+    "trainer.total_training_steps": 3,
+    "trainer.save_freq": 1,
+    "trainer.test_freq": -1,
+    "trainer.val_before_train": "false",
+    "trainer.use_ray": "false",
+    "algorithm.filter_groups.enable": "false",  # the briefly warmed-up model may keep no group
+}
+"""Overrides for a 3-step in-process run that checkpoints every step, without validation or dynamic sampling
+(the resume, ledger and replay-store tests)."""
+
+
 def tiny_overrides(root: Path, **extra) -> list[str]:
     """Dotted overrides that point the tiny config at `root` and shrink it for tests."""
     base = {

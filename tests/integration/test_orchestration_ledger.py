@@ -17,18 +17,11 @@ from safetensors.torch import load_file
 
 from dapo_core.config import load_config, typed
 from dapo_core.store import RunStore
-from tests.integration.conftest import CONFIG, kill_at, tiny_overrides
+from tests.integration.conftest import CONFIG, SHORT_RUN, kill_at, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
-COMMON = {
-    "trainer.total_training_steps": 3,
-    "trainer.save_freq": 1,
-    "trainer.test_freq": -1,
-    "trainer.val_before_train": "false",
-    "trainer.use_ray": "false",
-    "algorithm.filter_groups.enable": "false",
-}
+COMMON = dict(SHORT_RUN)
 
 
 def _ledger(run: Path) -> dict[str, dict]:

@@ -23,19 +23,15 @@ from safetensors.torch import load_file
 
 from dapo_core.store import RunStore
 from dapo_core.store.replay import referenced_steps
-from tests.integration.conftest import CONFIG, kill_at, tiny_overrides
+from tests.integration.conftest import CONFIG, SHORT_RUN, kill_at, tiny_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 COMMON = {
+    **SHORT_RUN,
     "trainer.step_order": "replay_buffer",
     "trainer.parameter_sync_step": 2,
     "trainer.total_training_steps": STEPS,
-    "trainer.save_freq": 1,
-    "trainer.test_freq": -1,
-    "trainer.val_before_train": "false",
-    "trainer.use_ray": "false",
-    "algorithm.filter_groups.enable": "false",  # the briefly warmed-up model may keep no group
 }
 
 

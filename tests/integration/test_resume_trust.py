@@ -19,17 +19,12 @@ from dapo_core.config import load_config, to_yaml
 from dapo_core.store import RunStore, StoreError
 from dapo_core.store.checkpoint import CheckpointError
 from dapo_core.store.fingerprints import InputsChanged
-from tests.integration.conftest import CONFIG, tiny_overrides
+from tests.integration.conftest import CONFIG, SHORT_RUN, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
 COMMON = {
-    "trainer.total_training_steps": 3,
-    "trainer.save_freq": 1,
-    "trainer.test_freq": -1,
-    "trainer.val_before_train": "false",
-    "trainer.use_ray": "false",
-    "algorithm.filter_groups.enable": "false",
+    **SHORT_RUN,
     "trainer.experiment_name": "trust",
     "trainer.project_name": "${oc.env:DAPO_TEST_API_KEY}",  # a secret referenced from the environment
 }
