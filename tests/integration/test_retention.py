@@ -85,21 +85,13 @@ def test_default_retention_in_a_killed_run_and_resume_stays_bitwise(tiny_assets)
     SIGKILLed inside step 3 and resumed ends bitwise equal to an uninterrupted run that kept everything."""
     from safetensors.torch import load_file
 
-    from tests.integration.conftest import CONFIG, kill_at, tiny_overrides
+    from tests.integration.conftest import CONFIG, SHORT_RUN, kill_at, tiny_overrides
 
-    common = {
-        "trainer.total_training_steps": 3,
-        "trainer.save_freq": 1,
-        "trainer.test_freq": -1,
-        "trainer.val_before_train": "false",
-        "trainer.use_ray": "false",
-        "algorithm.filter_groups.enable": "false",  # the briefly warmed-up model may keep no group
-    }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     repo = Path(__file__).resolve().parents[2]
 
     def cmd(name: str, keep: int) -> list[str]:
-        extra = {**common, "trainer.experiment_name": name, "trainer.keep_rollouts_every": keep}
+        extra = {**SHORT_RUN, "trainer.experiment_name": name, "trainer.keep_rollouts_every": keep}
         ov = tiny_overrides(tiny_assets, **extra)
         return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
 
