@@ -75,6 +75,7 @@ def ours_cmd(args: argparse.Namespace, seed: int, run_id: str) -> list[str]:
         f"eval.output={args.work}/ours_eval_seed{seed}.json",
         "eval.n=1",
         f"trainer.experiment_name={run_id}",
+        *args.ours_overrides,
     ]
     return [str(ROOT / ".venv/bin/dapo"), "train", "--config", args.config, *overrides]
 
@@ -235,6 +236,14 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--work", default="bench/out/vs_trl")
+    ap.add_argument(
+        "--ours-override",
+        dest="ours_overrides",
+        action="append",
+        default=[],
+        help="extra dotted override for our side (repeatable), e.g. trainer.step_order=replay_buffer",
+    )
+    ap.add_argument("--sides", default="ours,trl", help="which sides to train (the other is skipped)")
     args = ap.parse_args()
     args.marks = sorted(float(m) for m in args.marks.split(","))
     work = Path(args.work).resolve()
@@ -251,16 +260,23 @@ def main() -> None:
     base = evaluate(args, args.model)
     print(json.dumps({"side": "base", **base}), flush=True)
     results: dict[str, dict[int, list[dict]]] = {"ours": {}, "trl": {}}
+    sides = [s for s in ("ours", "trl") if s in args.sides.split(",")]
     for seed in (int(s) for s in args.seeds.split(",")):
         if args.mode == "pinned":
-            ours, trl = run_ours(args, seed, "0", 1), run_trl(args, seed, "1", 1)
-            results["ours"][seed] = watch_ours(args, seed, ours)
-            trl.wait()
+            ours = run_ours(args, seed, "0", 1) if "ours" in sides else None
+            trl = run_trl(args, seed, "1", 1) if "trl" in sides else None
+            if ours is not None:
+                results["ours"][seed] = watch_ours(args, seed, ours)
+            if trl is not None:
+                trl.wait()
         else:
-            results["ours"][seed] = watch_ours(args, seed, run_ours(args, seed, None, 2))
-            run_trl(args, seed, None, 2).wait()
-        results["trl"][seed] = trl_marks(args, seed)
-        for side in ("ours", "trl"):
+            if "ours" in sides:
+                results["ours"][seed] = watch_ours(args, seed, run_ours(args, seed, None, 2))
+            if "trl" in sides:
+                run_trl(args, seed, None, 2).wait()
+        if "trl" in sides:
+            results["trl"][seed] = trl_marks(args, seed)
+        for side in sides:
             for m in results[side][seed]:
                 m.update(evaluate(args, m["path"]))
                 print(json.dumps({"side": side, "seed": seed, **m}), flush=True)
