@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import sys
 from dataclasses import asdict, dataclass, field
@@ -19,7 +18,7 @@ from omegaconf import OmegaConf
 
 from dapo_core.algo.dynamic_sampling import KeepRateEstimator, surplus_bounded_size
 from dapo_core.algo.kl import get_kl_controller
-from dapo_core.compute.cluster import Cluster, proxy
+from dapo_core.compute.cluster import Cluster, proxy, worker_threads
 from dapo_core.compute.models import load_tokenizer
 from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
 from dapo_core.config import (
@@ -404,7 +403,8 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             use_ray=cfg.trainer.use_ray,
             address=cfg.trainer.ray_address,
             device=device,
-            num_threads=int(os.environ.get("DAPO_WORKER_THREADS", "1")),
+            # sync order: one stage at a time; replay order: generation overlaps the update
+            num_threads=worker_threads(2 if cfg.trainer.step_order == "replay_buffer" else 1, device),
         )
         rt = TrainRun(
             run_id=run_id,

@@ -226,3 +226,39 @@ def test_reserved_kv_cache_gives_bitwise_the_growing_caches_tokens(tiny_dir, pro
     assert [c.log_probs for c in reserved] == [c.log_probs for c in growing]
     lengths = {len(c.token_ids) for c in reserved}
     assert len(lengths) > 1 and any(c.finish_reason == "stop" for c in reserved)  # rows left the cache early
+
+
+def test_finished_rows_leave_the_cache_in_batches_without_changing_any_row(tiny_dir, prompts, monkeypatch):
+    """Finished rows stay in the batch until they are `compact_fraction` of it. Compacting at every finished
+    row (0), at a quarter (the default) or never (1) gives the same tokens, finish reasons and log-probs (to
+    float32 rounding: the matmuls see another row count), and the default copies the cache fewer times."""
+    import dapo_core.compute.engines.hf_rollout as hf
+
+    group = [p for p in prompts for _ in range(4)]
+    sp = SamplingParams(max_new_tokens=40, temperature=1.3)
+    seeds = list(range(len(group)))
+    calls: list[int] = []
+    select = hf._ReservedLayer.batch_select_indices
+
+    def counted(self, indices):
+        calls.append(int(indices.numel()))
+        return select(self, indices)
+
+    monkeypatch.setattr(hf._ReservedLayer, "batch_select_indices", counted)
+    outs, compactions = {}, {}
+    for fraction in (0.0, 0.25, 1.0):
+        calls.clear()
+        engine = HFRolloutEngine(tiny_dir, max_batch_size=64, compact_fraction=fraction, progress=False)
+        outs[fraction] = engine.generate(group, sp, seeds)
+        compactions[fraction] = len(calls)
+    assert any(c.finish_reason == "stop" for c in outs[0.0])
+    assert len({len(c.token_ids) for c in outs[0.0]}) > 1  # rows end at different steps
+    for fraction in (0.25, 1.0):
+        assert [c.token_ids for c in outs[fraction]] == [c.token_ids for c in outs[0.0]]
+        assert [c.finish_reason for c in outs[fraction]] == [c.finish_reason for c in outs[0.0]]
+        for x, y in zip(outs[fraction], outs[0.0], strict=True):
+            assert max(abs(u - v) for u, v in zip(x.log_probs, y.log_probs, strict=True)) <= 1e-5
+    # the prefill's copy to the group rows is one call per layer in every setting
+    assert compactions[1.0] < compactions[0.25] < compactions[0.0]
+    with pytest.raises(ValueError, match="compact_fraction"):
+        HFRolloutEngine(tiny_dir, compact_fraction=1.5, progress=False)
