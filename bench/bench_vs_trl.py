@@ -6,7 +6,8 @@ per optimizer step, one optimizer step per batch), the same learning rate (const
 1 and the same response length. Ours runs `dapo train` with the CPU default's DAPO settings (dynamic sampling,
 overlong shaping, clip-higher, token-mean); TRL runs `bench/peer/trl_grpo.py` in `.venv-trl` (DAPO loss, clip
 0.2/0.28, no KL). Each side saves its policy at training-clock marks (`--marks` seconds from its first step;
-ours keeps every step's checkpoint and takes the one at each mark from metrics.jsonl's step timings);
+ours checkpoints every `--save-every` steps and takes the last checkpoint at or before each mark, by
+metrics.jsonl's step timings);
 afterwards every saved policy is scored by the same evaluator (our `evaluate_model`): held-out mean@4 at
 temperature 1 and greedy accuracy on `data/val.parquet`.
 
@@ -52,7 +53,8 @@ def _pin(core: str | None) -> list[str]:
 
 
 def ours_cmd(args: argparse.Namespace, seed: int, run_id: str) -> list[str]:
-    """`dapo train` with the benchmark's shape; every step checkpointed, no validation inside the clock."""
+    """`dapo train` with the benchmark's shape; a checkpoint every `--save-every` steps, no validation inside
+    the clock."""
     a = "actor_rollout_ref"
     overrides = [
         f"{a}.model.path={args.model}",
@@ -65,7 +67,7 @@ def ours_cmd(args: argparse.Namespace, seed: int, run_id: str) -> list[str]:
         f"{a}.actor.optim.lr={args.lr}",
         f"{a}.actor.optim.lr_warmup_steps=0",
         "trainer.total_training_steps=100000",
-        "trainer.save_freq=1",
+        f"trainer.save_freq={args.save_every}",
         "trainer.max_actor_ckpt_to_keep=null",
         "trainer.test_freq=0",
         "trainer.val_before_train=false",
@@ -121,8 +123,9 @@ def watch_ours(args: argparse.Namespace, seed: int, proc: subprocess.Popen) -> l
     _stop(proc)
     steps = ours_clock(run_dir)
     marks = []
+    saved = {int(p.name.removeprefix("step_")) for p in (run_dir / "ckpt").glob("step_*")}
     for mark in args.marks:
-        done = [s for s in steps if s["clock_s"] <= mark]
+        done = [s for s in steps if s["clock_s"] <= mark and s["step"] in saved]
         if done:
             s = done[-1]
             marks.append({**s, "mark_s": mark, "path": str(run_dir / "ckpt" / f"step_{s['step']}" / "actor")})
@@ -242,6 +245,13 @@ def main() -> None:
         action="append",
         default=[],
         help="extra dotted override for our side (repeatable), e.g. trainer.step_order=replay_buffer",
+    )
+    ap.add_argument(
+        "--save-every",
+        type=int,
+        default=4,
+        help="our checkpoint interval in steps: a mark takes the last checkpoint at or before it, so ours is "
+        "scored up to this many steps early (never late); 1 is exact but each save costs wall time",
     )
     ap.add_argument("--sides", default="ours,trl", help="which sides to train (the other is skipped)")
     args = ap.parse_args()
