@@ -131,8 +131,8 @@ def worker_threads(
 
 
 def _init_worker_process(num_threads: int, verbose: bool = True) -> None:
-    """Per-process set-up inside an actor: one torch thread on CPU unless told otherwise; quiet unless
-    `verbose`."""
+    """Per-process set-up inside an actor: `num_threads` torch threads (`worker_threads` picks them); quiet
+    unless `verbose`."""
     if not verbose:
         quiet_worker_process()
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
