@@ -121,6 +121,8 @@ def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: 
             "enforce_eager": ro.enforce_eager,
             "max_num_seqs": ro.max_num_seqs,
         }
+    if ro.dtype != "auto":
+        engine_opts["dtype"] = ro.dtype
     factory = functools.partial(
         RolloutWorker,
         model_path,

@@ -46,6 +46,7 @@ _ENUMS: dict[str, tuple[tuple[str, ...], str]] = {
     "data.truncation": (("left", "right", "error"), ""),
     "trainer.resume_mode": (("auto", "disable", "resume_path"), ""),
     "trainer.step_order": (("sync", "replay_buffer"), ""),
+    "actor_rollout_ref.rollout.dtype": (("auto", "float32", "bfloat16"), "auto: the engine's default"),
     "trainer.max_off_policy_strategy": (("drop", "wait"), ""),
     "trainer.device": (("cpu", "cuda", "auto"), ""),
 }

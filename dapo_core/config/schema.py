@@ -390,6 +390,8 @@ class RolloutConfig:
     """vLLM: tokens per engine step. Not implemented yet (default only)."""
     max_num_seqs: int = 1024
     """Most sequences decoded at once: vLLM's max_num_seqs, the hf engine's rows per forward (lower: OOM)."""
+    dtype: str = "auto"
+    """Rollout model precision: auto (hf float32; vLLM float32 on CPU, bf16 on GPU) | float32 | bfloat16."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling for validation."""
 

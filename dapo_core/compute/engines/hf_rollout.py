@@ -100,7 +100,8 @@ def reserved_cache(config: Any, capacity: int) -> DynamicCache:
 class HFRolloutEngine(RolloutEngine):
     """Rollout engine on an HF `AutoModelForCausalLM` (float32 by default).
 
-    Options: `dtype` (torch dtype, default float32), `max_batch_size` (rows per forward, default 64),
+    Options: `dtype` (torch dtype or its name, default float32; `rollout.dtype`), `max_batch_size` (rows
+    per forward, default 64),
     `compact_fraction` (finished rows leave the KV cache once they are this share of the batch; 0 = at
     every finished row, 1 = only when all rows are done; default 0.25),
     `progress` (True / False / None = only when rows × max_new_tokens >= `progress_min_tokens`),
@@ -114,7 +115,7 @@ class HFRolloutEngine(RolloutEngine):
         *,
         device: str = "cpu",
         seed: int = 0,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         max_batch_size: int = 64,
         compact_fraction: float = 0.25,
         progress: bool | None = None,
@@ -134,6 +135,14 @@ class HFRolloutEngine(RolloutEngine):
         self.compact_fraction = float(compact_fraction)
         self.progress = progress
         self.progress_min_tokens = int(progress_min_tokens)
+        if isinstance(dtype, str):
+            if dtype not in ("float32", "bfloat16", "float16", "float64"):
+                raise ValueError(
+                    f"HFRolloutEngine dtype={dtype!r}: use float32 or bfloat16 "
+                    "(actor_rollout_ref.rollout.dtype)."
+                )
+            dtype = getattr(torch, dtype)
+        assert isinstance(dtype, torch.dtype)
         self.model = load_model(self.model_path, dtype=dtype, device=self.device)
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"

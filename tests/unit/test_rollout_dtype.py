@@ -1,0 +1,77 @@
+"""`actor_rollout_ref.rollout.dtype` reaches the hf engine: bfloat16 loads the rollout model in bfloat16 (what
+verl's vLLM rollout serves on GPUs), `auto` keeps float32, and the sampled tokens' log-probs stay close to the
+float32 trainer's teacher-forced ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
+from dapo_core.compute.engines.rollout import SamplingParams
+from dapo_core.compute.models import build_tiny_model
+from dapo_core.config import ConfigError, load_config, typed
+from dapo_core.data.datasets import make_synthetic_splits, write_parquet
+from tests.helpers import tiny_model_cfg
+
+
+def _cfg(tmp_path, model, *extra):
+    return typed(
+        load_config(
+            "configs/tiny_cpu.yaml",
+            [
+                f"actor_rollout_ref.model.path={model}",
+                f"data.train_files=[{tmp_path / 'train.parquet'}]",
+                f"data.val_files=[{tmp_path / 'val.parquet'}]",
+                "trainer.use_ray=false",
+                "trainer.logger=[jsonl]",
+                "reward_model.num_workers=1",
+                *extra,
+            ],
+        )
+    )
+
+
+def test_rollout_dtype_sets_the_hf_engines_model_precision(tmp_path):
+    from flows.run_setup import close_run, open_run
+
+    torch.set_num_threads(1)
+    train, val = make_synthetic_splits(32, 4, seed=0, min_value=0, max_value=99, num_operands=2, ops=["+"])
+    write_parquet(train, tmp_path / "train.parquet")
+    write_parquet(val, tmp_path / "val.parquet")
+    model = build_tiny_model(tmp_path / "model", tiny_model_cfg(num_hidden_layers=1), seed=0)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    outs = {}
+    for dtype, expected in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):
+        cfg = _cfg(
+            tmp_path,
+            model,
+            f"trainer.runs_dir={tmp_path / f'runs_{dtype}'}",
+            f"actor_rollout_ref.rollout.dtype={dtype}",
+        )
+        rt = open_run(cfg, f"dtype-{dtype}")
+        try:
+            engine = rt.rollout._handle.local.engine  # the in-process worker object behind the proxy
+            assert engine.model.dtype == expected
+            greedy = SamplingParams(max_new_tokens=6, do_sample=False)
+            outs[dtype] = engine.generate(prompts, greedy, [0, 1, 2])
+        finally:
+            close_run(rt)
+    # Greedy decoding from the same weights: bfloat16 rounding may flip a near tie, but the log-probs of the
+    # tokens both precisions chose agree to bfloat16 precision.
+    for a, b in zip(outs["auto"], outs["bfloat16"], strict=True):
+        same = 0
+        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.log_probs, b.log_probs, strict=False):
+            if ta != tb:
+                break
+            same += 1
+            assert abs(la - lb) < 0.05
+        assert same >= 1
+
+
+def test_rollout_dtype_rejects_other_values(tmp_path):
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.dtype"):
+        load_config("configs/tiny_cpu.yaml", ["actor_rollout_ref.rollout.dtype=int8"])
+    model = build_tiny_model(tmp_path / "model", tiny_model_cfg(num_hidden_layers=1), seed=0)
+    with pytest.raises(ValueError, match=r"rollout\.dtype"):
+        HFRolloutEngine(model, dtype="int8", progress=False)
