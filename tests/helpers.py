@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 SMALL_MODEL: dict[str, Any] = {
@@ -23,3 +24,26 @@ def tiny_model_cfg(**overrides: Any) -> dict[str, Any]:
     if unknown:
         raise KeyError(f"not a tiny-model key: {sorted(unknown)}")
     return {**SMALL_MODEL, **overrides}
+
+
+def in_process_run_overrides(tmp_path: Path, num_train: int = 32, num_val: int = 4) -> list[str]:
+    """Write `num_train` / `num_val` synthetic problems and build a one-layer random tiny model under
+    `tmp_path`; returns the overrides that point the CPU default at them with in-process workers (a run opened
+    with `flows.run_setup.open_run` in the test's process; add `trainer.runs_dir`)."""
+    from dapo_core.compute.models import build_tiny_model
+    from dapo_core.data.datasets import make_synthetic_splits, write_parquet
+
+    train, val = make_synthetic_splits(
+        num_train, num_val, seed=0, min_value=0, max_value=99, num_operands=2, ops=["+"]
+    )
+    write_parquet(train, tmp_path / "train.parquet")
+    write_parquet(val, tmp_path / "val.parquet")
+    model = build_tiny_model(tmp_path / "model", tiny_model_cfg(num_hidden_layers=1), seed=0)
+    return [
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files=[{tmp_path / 'train.parquet'}]",
+        f"data.val_files=[{tmp_path / 'val.parquet'}]",
+        "trainer.use_ray=false",
+        "trainer.logger=[jsonl]",
+        "reward_model.num_workers=1",
+    ]

@@ -7,33 +7,23 @@ from __future__ import annotations
 import torch
 
 from dapo_core.compute.engines.rollout import SamplingParams
-from dapo_core.compute.models import build_tiny_model
 from dapo_core.config import load_config, typed
-from dapo_core.data.datasets import make_synthetic_splits, write_parquet
-from tests.helpers import tiny_model_cfg
+from tests.helpers import in_process_run_overrides
 
 
 def test_max_num_seqs_sets_the_hf_engines_rows_per_forward_without_changing_a_rows_tokens(tmp_path):
     from flows.run_setup import close_run, open_run
 
     torch.set_num_threads(1)
-    train, val = make_synthetic_splits(32, 4, seed=0, min_value=0, max_value=99, num_operands=2, ops=["+"])
-    write_parquet(train, tmp_path / "train.parquet")
-    write_parquet(val, tmp_path / "val.parquet")
-    model = build_tiny_model(tmp_path / "model", tiny_model_cfg(num_hidden_layers=1), seed=0)
+    base = in_process_run_overrides(tmp_path)
     outs = {}
     for seqs in (3, 1024):
         cfg = typed(
             load_config(
                 "configs/tiny_cpu.yaml",
                 [
-                    f"actor_rollout_ref.model.path={model}",
-                    f"data.train_files=[{tmp_path / 'train.parquet'}]",
-                    f"data.val_files=[{tmp_path / 'val.parquet'}]",
+                    *base,
                     f"trainer.runs_dir={tmp_path / f'runs{seqs}'}",
-                    "trainer.use_ray=false",
-                    "trainer.logger=[jsonl]",
-                    "reward_model.num_workers=1",
                     f"actor_rollout_ref.rollout.max_num_seqs={seqs}",
                 ],
             )

@@ -11,44 +11,23 @@ from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
 from dapo_core.compute.engines.rollout import SamplingParams
 from dapo_core.compute.models import build_tiny_model
 from dapo_core.config import ConfigError, load_config, typed
-from dapo_core.data.datasets import make_synthetic_splits, write_parquet
-from tests.helpers import tiny_model_cfg
-
-
-def _cfg(tmp_path, model, *extra):
-    return typed(
-        load_config(
-            "configs/tiny_cpu.yaml",
-            [
-                f"actor_rollout_ref.model.path={model}",
-                f"data.train_files=[{tmp_path / 'train.parquet'}]",
-                f"data.val_files=[{tmp_path / 'val.parquet'}]",
-                "trainer.use_ray=false",
-                "trainer.logger=[jsonl]",
-                "reward_model.num_workers=1",
-                *extra,
-            ],
-        )
-    )
+from tests.helpers import in_process_run_overrides, tiny_model_cfg
 
 
 def test_rollout_dtype_sets_the_hf_engines_model_precision(tmp_path):
     from flows.run_setup import close_run, open_run
 
     torch.set_num_threads(1)
-    train, val = make_synthetic_splits(32, 4, seed=0, min_value=0, max_value=99, num_operands=2, ops=["+"])
-    write_parquet(train, tmp_path / "train.parquet")
-    write_parquet(val, tmp_path / "val.parquet")
-    model = build_tiny_model(tmp_path / "model", tiny_model_cfg(num_hidden_layers=1), seed=0)
+    base = in_process_run_overrides(tmp_path)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     outs = {}
     for dtype, expected in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):
-        cfg = _cfg(
-            tmp_path,
-            model,
+        overrides = [
+            *base,
             f"trainer.runs_dir={tmp_path / f'runs_{dtype}'}",
             f"actor_rollout_ref.rollout.dtype={dtype}",
-        )
+        ]
+        cfg = typed(load_config("configs/tiny_cpu.yaml", overrides))
         rt = open_run(cfg, f"dtype-{dtype}")
         try:
             engine = rt.rollout._handle.local.engine  # the in-process worker object behind the proxy

@@ -13,14 +13,12 @@ import pytest
 import torch
 
 from dapo_core.compute import cluster
-from dapo_core.compute.models import build_tiny_model
 from dapo_core.config import load_config, typed
 from dapo_core.data import batch as B
-from dapo_core.data.datasets import make_synthetic_splits, write_parquet
 from dapo_core.metrics.validation import validation_summary
 from dapo_core.seeding import uid_factory
 from dapo_core.store import RunStore
-from tests.helpers import tiny_model_cfg
+from tests.helpers import in_process_run_overrides
 
 CONFIG = "configs/tiny_cpu.yaml"
 
@@ -65,25 +63,12 @@ def run(tmp_path):
     from flows.run_setup import close_run, open_run
 
     torch.set_num_threads(1)
-    train, val = make_synthetic_splits(64, 12, seed=0, min_value=0, max_value=99, num_operands=2, ops=["+"])
-    write_parquet(train, tmp_path / "train.parquet")
-    write_parquet(val, tmp_path / "val.parquet")
-    model = build_tiny_model(tmp_path / "model", tiny_model_cfg(num_hidden_layers=1), seed=0)
-    cfg = typed(
-        load_config(
-            CONFIG,
-            [
-                f"actor_rollout_ref.model.path={model}",
-                f"data.train_files=[{tmp_path / 'train.parquet'}]",
-                f"data.val_files=[{tmp_path / 'val.parquet'}]",
-                f"trainer.runs_dir={tmp_path / 'runs'}",
-                "trainer.use_ray=false",
-                "trainer.logger=[jsonl]",
-                "actor_rollout_ref.rollout.val_kwargs.n=4",
-                "reward_model.num_workers=1",
-            ],
-        )
-    )
+    overrides = [
+        *in_process_run_overrides(tmp_path, num_train=64, num_val=12),
+        f"trainer.runs_dir={tmp_path / 'runs'}",
+        "actor_rollout_ref.rollout.val_kwargs.n=4",
+    ]
+    cfg = typed(load_config(CONFIG, overrides))
     rt = open_run(cfg, "valjob")
     yield rt
     close_run(rt)
