@@ -138,8 +138,8 @@ class HFRolloutEngine(RolloutEngine):
         if isinstance(dtype, str):
             if dtype not in ("float32", "bfloat16", "float16", "float64"):
                 raise ValueError(
-                    f"HFRolloutEngine dtype={dtype!r}: use float32 or bfloat16 "
-                    "(actor_rollout_ref.rollout.dtype)."
+                    f"HFRolloutEngine dtype={dtype!r}: use float32, bfloat16, float16 or float64 "
+                    "(actor_rollout_ref.rollout.dtype takes auto, float32 or bfloat16)."
                 )
             dtype = getattr(torch, dtype)
         assert isinstance(dtype, torch.dtype)
@@ -295,7 +295,7 @@ class HFRolloutEngine(RolloutEngine):
                 bar.update(n_done)
                 live = live & ~ended
                 live_rows = live.tolist()
-                n_live = len(live_rows) - live_rows.count(False)
+                n_live = sum(live_rows)
                 if n_live == 0:
                     break
                 # Finished rows stay in the batch (their outputs are ignored) until they are a
