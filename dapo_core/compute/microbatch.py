@@ -17,10 +17,15 @@ Two memory features of the training engines live here, both off by default:
   mask is a dense (N, N) boolean; on GPU flash-attention's varlen kernel reads the same position ids.
 
 A third, ours (no peer does it in training): `shared_prompts(...)` finds the rows of a micro-batch that share
-their prompt (the n samples of a GRPO group), so that a forward can run each distinct prompt once and let its
-responses attend to that prompt's KV cache (`TrainEngine.forward(share_prompt=True)`). Causal attention makes
-a prompt's keys and values independent of what follows it, so the log-probs are the per-row forward's within
-float error, and gradients reach the prompt's activations once per response through the copied cache.
+their prompt (the n samples of a GRPO group), so that a forward can run each distinct prompt once
+(`TrainEngine.forward(share_prompt=True)`). Causal attention makes a prompt's keys and values independent of
+what follows it, so the log-probs are the per-row forward's within float error, and gradients reach the
+prompt's activations once per response. `group_rows(...)` lays each group out as one row — its prompt, then
+its responses back to back — with a (G, 1, T, T) attention mask in which a response sees its prompt and its
+own earlier tokens only: one forward, no KV-cache copies, and the responses padded as a group (their sum
+varies less than each length) instead of each to the longest. Where that layout would not save token
+positions, or its mask would be too large (long responses), the engine runs the prompts once with a KV cache
+and the responses on copies of it instead.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "GroupedRows",
     "PackedRows",
     "SharedPrompts",
+    "group_rows",
     "pack_rows",
     "row_token_costs",
     "shared_prompts",
@@ -186,3 +193,106 @@ def shared_prompts(
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel())
     return SharedPrompts(first=first[order], inverse=rank[inverse])
+
+
+MAX_GROUP_MASK_ELEMENTS = 1 << 24
+"""`group_rows` declines when its attention mask would hold more elements than this (16 Mi booleans; SDPA may
+widen it to float32, 64 MiB): long responses go the KV-cache way."""
+
+
+@dataclass(frozen=True)
+class GroupedRows:
+    """A shared-prompt batch laid out one row per distinct prompt: its prompt (left-padded to a common width
+    `prompt_width`), then the responses of its rows back to back, right-padded to the longest group."""
+
+    input_ids: torch.Tensor
+    """(G, T) tokens."""
+    position_ids: torch.Tensor
+    """(G, T) each token's position in its own row of the padded batch (a response restarts after the
+    prompt)."""
+    attend: torch.Tensor
+    """(G, 1, T, T) bool, True where a query may attend to a key: a prompt token to the prompt tokens before
+    it, a response token to its prompt and to its own response up to itself; padding only to itself."""
+    prompt_width: int
+    """Columns before the first response token; column `prompt_width - 1` holds every prompt's last token."""
+    logit_index: torch.Tensor
+    """(B, R) for each row and response position k < R, the column, counted from `prompt_width - 1`, whose
+    logits predict that token: 0 (the prompt's last token) for k = 0, else the row's offset in its group + k.
+    Clamped into range at padded positions, whose values are never used."""
+    group: torch.Tensor
+    """(B,) each row's group (its row of `input_ids`)."""
+    response_width: int
+    """R: the longest response of the batch (the log-prob grids are computed for the first R columns)."""
+
+    @property
+    def keep(self) -> int:
+        """How many trailing columns the LM head must see (`logits_to_keep`): the last prompt token on."""
+        return int(self.input_ids.shape[1]) - self.prompt_width + 1
+
+
+def group_rows(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    groups: SharedPrompts,
+    max_mask_elements: int | None = None,
+) -> GroupedRows | None:
+    """Lay the (B, P+L) left/right-padded batch out one row per prompt group (`GroupedRows`); None when that
+    does not pay: a group without prompt tokens, no fewer token positions than running the distinct prompts
+    once plus every response padded to the longest (the KV-cache way), or a mask above `max_mask_elements`
+    (default `MAX_GROUP_MASK_ELEMENTS`, read at call time).
+
+    Pure tensor work (no model). The responses of a group keep the order of their rows in the batch."""
+    B, width = input_ids.shape
+    P = width - int(response_length)
+    first, inverse = groups.first, groups.inverse
+    G = int(first.numel())
+    p_mask = attention_mask[first, :P].bool()
+    if not bool(p_mask[:, -1].all()):  # left padding: an empty prompt has no last token
+        return None
+    start = int(p_mask.any(dim=0).nonzero()[0])
+    p_mask = p_mask[:, start:]
+    pw = P - start
+    r_mask = attention_mask[:, P:].bool()
+    r_len = r_mask.sum(dim=1)
+    R = int(r_len.max()) if B else 0
+    # Each row's offset in its group: exclusive cumulative length over the group's earlier rows.
+    order = torch.argsort(inverse * B + torch.arange(B), stable=True)
+    before = torch.cumsum(r_len[order], 0) - r_len[order]
+    group_start = torch.zeros(G, dtype=before.dtype).scatter_reduce(
+        0, inverse[order], before, reduce="amin", include_self=False
+    )
+    offset = torch.empty_like(r_len)
+    offset[order] = before - group_start[inverse[order]]
+    total = torch.zeros(G, dtype=r_len.dtype).index_add_(0, inverse, r_len)
+    T = pw + int(total.max())
+    limit = MAX_GROUP_MASK_ELEMENTS if max_mask_elements is None else max_mask_elements
+    if G * pw + B * R <= G * T or limit < G * T * T:
+        return None
+    ids = input_ids.new_zeros((G, T))
+    pos = position_ids.new_zeros((G, T))
+    seg = torch.full((G, T), -2, dtype=torch.long)  # -1 prompt, -2 padding, b: a token of row b's response
+    ids[:, :pw] = input_ids[first, start:P]
+    pos[:, :pw] = position_ids[first, start:P]
+    seg[:, :pw] = torch.where(p_mask, -1, -2)
+    k = torch.arange(R)
+    valid = r_mask[:, :R]
+    rows = inverse[:, None].expand(B, R)[valid]
+    cols = (pw + offset[:, None] + k[None, :])[valid]
+    ids[rows, cols] = input_ids[:, P : P + R][valid]
+    pos[rows, cols] = position_ids[:, P : P + R][valid]
+    seg[rows, cols] = torch.arange(B)[:, None].expand(B, R)[valid]
+    q, kk = seg[:, :, None], seg[:, None, :]
+    attend = ((kk == -1) | ((q == kk) & (q >= 0))) & torch.ones(T, T, dtype=torch.bool).tril()
+    attend |= torch.eye(T, dtype=torch.bool)  # no query without a key (padding; masked prompt columns)
+    index = torch.where(k[None, :] == 0, 0, offset[:, None] + k[None, :]).clamp(max=T - pw)
+    return GroupedRows(
+        input_ids=ids,
+        position_ids=pos,
+        attend=attend[:, None],
+        prompt_width=pw,
+        logit_index=index,
+        group=inverse,
+        response_width=R,
+    )

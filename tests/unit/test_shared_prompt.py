@@ -1,7 +1,9 @@
-"""Shared-prompt forwards (`use_shared_prompt`): each distinct prompt of a micro-batch runs once and its
-responses run on its KV cache. The numbers must not move: log-probs, entropy and gradients equal the per-row
-padded forward's (float64 to 1e-10), whatever the order of the rows, and a whole PPO update through the actor
-worker lands on the same weights."""
+"""Shared-prompt forwards (`use_shared_prompt`): each distinct prompt of a micro-batch runs once, either as
+one row per prompt group with its responses back to back under a 4-D mask (`group_rows`, "grouped") or with a
+KV cache the responses run on ("cache", where grouping would not save positions or its mask is too large). The
+numbers must not move on either path: log-probs, entropy and gradients equal the per-row padded forward's
+(float64 to 1e-10), whatever the order of the rows, and a whole PPO update through the actor worker lands on
+the same weights."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import pyarrow as pa
 import pytest
 import torch
 
+from dapo_core.compute import microbatch
 from dapo_core.compute.engines.train import make_train_engine
-from dapo_core.compute.microbatch import shared_prompts
+from dapo_core.compute.microbatch import group_rows, shared_prompts
 from dapo_core.compute.models import build_tiny_model
 from dapo_core.compute.workers.actor import ActorWorker
 from dapo_core.config.schema import ActorConfig
@@ -27,6 +30,14 @@ P, L = 7, 9
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), TINY, seed=4)
+
+
+@pytest.fixture(params=["grouped", "cache"])
+def path(request, monkeypatch):
+    """Which shared-prompt path the engine takes: a zero mask budget sends every batch the KV-cache way."""
+    if request.param == "cache":
+        monkeypatch.setattr(microbatch, "MAX_GROUP_MASK_ELEMENTS", 0)
+    return request.param
 
 
 def grouped_batch(groups=3, n=4, seed=0, shuffle=False):
@@ -74,8 +85,10 @@ def test_shared_prompts_groups_rows_by_prompt_tokens_and_mask():
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 3e-5), (torch.float64, 1e-10)])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_shared_prompt_forward_equals_the_padded_forward_with_gradients(tiny_dir, dtype, tol, shuffle):
+def test_shared_prompt_forward_equals_the_padded_forward_with_gradients(tiny_dir, dtype, tol, shuffle, path):
     ids, mask, pos = grouped_batch(shuffle=shuffle, seed=1)
+    grouped = group_rows(ids, mask, pos, L, shared_prompts(ids, mask, L))
+    assert (grouped is not None) == (path == "grouped")
     m = mask[:, P:].bool()
     weights = torch.randn(m.shape, generator=torch.Generator().manual_seed(9), dtype=dtype)
     out = {}
@@ -119,7 +132,7 @@ def test_shared_prompt_falls_back_under_gradient_checkpointing(tiny_dir):
     assert float((lp_eval - lp_plain.detach())[m].abs().max()) < 1e-10
 
 
-def test_actor_update_with_shared_prompts_lands_on_the_same_weights(tiny_dir):
+def test_actor_update_with_shared_prompts_lands_on_the_same_weights(tiny_dir, path):
     ids, mask, _ = grouped_batch(groups=4, n=4, seed=5)
     prompt_ids = [ids[r, :P][mask[r, :P].bool()].tolist() for r in range(ids.shape[0])]
     response_ids = [ids[r, P:][mask[r, P:].bool()].tolist() for r in range(ids.shape[0])]
@@ -157,7 +170,7 @@ def test_actor_update_with_shared_prompts_lands_on_the_same_weights(tiny_dir):
     assert max(float((w0[k] - w1[k]).abs().max()) for k in w0) < 1e-4
 
 
-def test_shared_prompt_forward_of_rows_without_response_tokens_is_zero(tiny_dir):
+def test_shared_prompt_forward_of_rows_without_response_tokens_is_zero(tiny_dir, path):
     ids, mask, pos = grouped_batch(seed=7)
     mask[:, P:] = 0  # no response token in any row
     eng = make_train_engine("torch", tiny_dir, {"lr": 0.0}, total_steps=1, grad_clip=1.0)
@@ -165,3 +178,46 @@ def test_shared_prompt_forward_of_rows_without_response_tokens_is_zero(tiny_dir)
     lp, ent = eng.forward(ids, mask, pos, L, calculate_entropy=True, share_prompt=True)
     assert lp.shape == ent.shape == (ids.shape[0], L)
     assert float(lp.abs().max()) == 0.0 and float(ent.abs().max()) == 0.0
+
+
+def test_group_rows_lays_each_prompt_out_once_with_its_responses_back_to_back():
+    # Prompts of 2 and 3 tokens (left-padded to P = 3), rows interleaved; responses of 2, 1, 3 and 0 tokens.
+    ids = torch.tensor([[0, 5, 6, 11, 12, 0], [7, 8, 9, 21, 0, 0], [0, 5, 6, 13, 14, 15], [7, 8, 9, 0, 0, 0]])
+    mask = (ids != 0).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    groups = shared_prompts(ids, mask, 3)
+    g = group_rows(ids, mask, pos, 3, groups)
+    assert g is not None and g.prompt_width == 3 and g.response_width == 3 and g.keep == 8 - 3 + 1
+    assert g.input_ids.tolist() == [[0, 5, 6, 11, 12, 13, 14, 15], [7, 8, 9, 21, 0, 0, 0, 0]]
+    # A response restarts right after its prompt: rows 0 and 2 both begin at position 2.
+    assert g.position_ids.tolist() == [[0, 0, 1, 2, 3, 2, 3, 4], [0, 1, 2, 3, 0, 0, 0, 0]]
+    a = g.attend[0, 0]
+    assert a[5].tolist() == [
+        False,
+        True,
+        True,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]  # row 2's 1st: prompt, itself
+    assert a[7].tolist() == [False, True, True, False, False, True, True, True]  # its 3rd: not row 0's tokens
+    assert a[2].tolist() == [False, True, True] + [False] * 5  # a prompt token: the prompt up to itself
+    assert bool(a.sum(dim=1).min() >= 1)  # every query has a key (padding attends to itself)
+    # Logits for k = 0 come from the prompt's last token (kept column 0), then from the row's own tokens.
+    assert g.logit_index.tolist()[:3] == [[0, 1, 2], [0, 1, 2], [0, 3, 4]]  # row 3 has no response
+    assert g.group.tolist() == [0, 1, 0, 1]
+    assert group_rows(ids, mask, pos, 3, groups, max_mask_elements=2 * 8 * 8 - 1) is None
+
+
+def test_group_rows_declines_when_it_would_not_save_positions():
+    # Two full-width responses per prompt: back to back they take as many positions as padded rows do.
+    ids = torch.tensor([[5, 6, 11, 12], [5, 6, 13, 14]])
+    mask = torch.ones_like(ids)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    assert group_rows(ids, mask, pos, 2, shared_prompts(ids, mask, 2)) is None
+    # An empty prompt has no last token to predict the first response token from.
+    ids2 = torch.tensor([[0, 0, 11, 0], [0, 0, 13, 0]])
+    mask2 = (ids2 != 0).long()
+    assert group_rows(ids2, mask2, pos, 2, shared_prompts(ids2, mask2, 2)) is None

@@ -35,8 +35,10 @@ import torch
 import torch.utils.checkpoint
 
 from dapo_core.compute.microbatch import (
+    GroupedRows,
     PackedRows,
     SharedPrompts,
+    group_rows,
     pack_rows,
     row_token_costs,
     shared_prompts,
@@ -121,6 +123,29 @@ def _chunk_log_probs(
         z = z / temperature
     log_probs = torch.log_softmax(z, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     entropy = entropy_from_logits(z) if calculate_entropy else log_probs.new_zeros(0)
+    return log_probs, entropy
+
+
+def _response_grid(
+    z: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    width: int,
+    temperature: float,
+    calculate_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) on the (B, L) response grid from `z` (B, width, V), the logits predicting the
+    first `width` response tokens of each row of the padded batch; 0 at padded positions."""
+    B, L = int(input_ids.shape[0]), int(response_length)
+    P = int(input_ids.shape[1]) - L
+    labels = input_ids[:, P : P + width].to(z.device)
+    lp, ent = _chunk_log_probs(z, labels, temperature, calculate_entropy)
+    valid = attention_mask[:, P : P + width].to(z.device).bool()
+    log_probs = torch.cat([lp.masked_fill(~valid, 0.0), lp.new_zeros((B, L - width))], dim=1)
+    entropy = None
+    if calculate_entropy:
+        entropy = torch.cat([ent.masked_fill(~valid, 0.0), ent.new_zeros((B, L - width))], dim=1)
     return log_probs, entropy
 
 
@@ -287,16 +312,25 @@ class TrainEngine(abc.ABC):
         Gradients flow when the engine is in train mode; in eval mode this runs under `torch.no_grad`.
         `remove_padding` runs one packed forward over the valid tokens only (`microbatch.pack_rows`); its
         outputs are 0 at padded response positions (the padded forward's values there are never used).
-        `share_prompt` runs each distinct prompt of the batch once and the responses on its KV cache
-        (`_shared_prompt_forward`) when some rows share a prompt and gradient checkpointing is off (HF drops
-        the cache under checkpointing); otherwise it falls back to the other paths. Outputs are 0 at padded
-        response positions too.
+        `share_prompt` runs each distinct prompt of the batch once when some rows share a prompt and gradient
+        checkpointing is off: one row per prompt group with its responses back to back
+        (`_grouped_forward`, SDPA models) where that saves token positions and its mask stays small, else
+        the prompts with a KV cache and the responses on copies of it (`_shared_prompt_forward`; HF drops
+        the cache under checkpointing, hence that condition); otherwise it falls back to the other paths.
+        Outputs are 0 at padded response positions too.
         """
         dev = self.device
         with torch.set_grad_enabled(self.model.training):
             groups = None
             if share_prompt and not (self.model.training and _checkpointing(self.model)):
                 groups = shared_prompts(input_ids, attention_mask, response_length)
+            grouped = None
+            if groups is not None and self._takes_4d_masks():
+                grouped = group_rows(input_ids, attention_mask, position_ids, response_length, groups)
+            if grouped is not None:
+                return self._grouped_forward(
+                    grouped, input_ids, attention_mask, response_length, temperature, calculate_entropy
+                )
             if groups is not None:
                 return self._shared_prompt_forward(
                     input_ids,
@@ -385,14 +419,44 @@ class TrainEngine(abc.ABC):
             **cache_arg,
         )
         z = torch.cat([out_p.logits[:, -1:, :][inverse], out_r.logits[:, : r_len - 1, :]], dim=1)
-        labels = input_ids[:, P : P + r_len].to(dev)
-        lp, ent = _chunk_log_probs(z, labels, temperature, calculate_entropy)
-        valid = r_mask[:, :r_len].to(dev).bool()
-        log_probs = torch.cat([lp.masked_fill(~valid, 0.0), lp.new_zeros((B, L - r_len))], dim=1)
-        entropy = None
-        if calculate_entropy:
-            entropy = torch.cat([ent.masked_fill(~valid, 0.0), ent.new_zeros((B, L - r_len))], dim=1)
-        return log_probs, entropy
+        return _response_grid(z, input_ids, attention_mask, L, r_len, temperature, calculate_entropy)
+
+    def _grouped_forward(
+        self,
+        grouped: GroupedRows,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_length: int,
+        temperature: float,
+        calculate_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over the G prompt groups (`microbatch.group_rows`): each row is a prompt followed by
+        its responses, and the 4-D mask lets a response see only its prompt and its own earlier tokens, so
+        every token has the same keys, values and position as in the per-row forward (float error only).
+        The LM head runs from the prompts' last token on; each row's logits are gathered from its group's."""
+        dev = self.device
+        out = self._module()(
+            input_ids=grouped.input_ids.to(dev),
+            attention_mask=grouped.attend.to(dev),
+            position_ids=grouped.position_ids.to(dev),
+            use_cache=False,
+            logits_to_keep=grouped.keep,
+        )
+        z = out.logits[grouped.group.to(dev)[:, None], grouped.logit_index.to(dev)]
+        return _response_grid(
+            z,
+            input_ids,
+            attention_mask,
+            int(response_length),
+            grouped.response_width,
+            temperature,
+            calculate_entropy,
+        )
+
+    def _takes_4d_masks(self) -> bool:
+        """Whether the model's attention reads a boolean (B, 1, T, T) mask as given (SDPA does; eager adds
+        the mask as floats and flash-attention takes none)."""
+        return getattr(self.model.config, "_attn_implementation", None) == "sdpa"
 
     def _cache_kwarg(self) -> str:
         """transformers >= 5.20 names the KV-cache argument `cache` (`past_key_values` deprecated); 5.19 (what
