@@ -40,6 +40,7 @@ __all__ = [
     "PackedRows",
     "SharedPrompts",
     "group_rows",
+    "grouped_order",
     "pack_rows",
     "row_token_costs",
     "shared_prompts",
@@ -296,3 +297,17 @@ def group_rows(
         group=inverse,
         response_width=R,
     )
+
+
+def grouped_order(keys: torch.Tensor) -> torch.Tensor:
+    """A permutation of the B rows that puts rows with equal `keys` (B,) next to each other: groups in the
+    order of their first row, the rows of a group in their own order. Micro-batches sliced from a batch in
+    this order hold whole prompt groups (what the shared-prompt forwards need), whatever order the batch
+    came in (`trainer.balance_batch` sorts it by length)."""
+    n = int(keys.numel())
+    if n == 0:
+        return torch.zeros(0, dtype=torch.long)
+    _, inverse = torch.unique(keys, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), n, dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(n), reduce="amin")
+    return torch.argsort(first[inverse] * n + torch.arange(n))

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from dapo_core.compute import microbatch
+from dapo_core.compute.engines import train as train_engines
 from dapo_core.compute.engines.train import make_train_engine
-from dapo_core.compute.microbatch import group_rows, shared_prompts
+from dapo_core.compute.microbatch import group_rows, grouped_order, shared_prompts
 from dapo_core.compute.models import build_tiny_model
 from dapo_core.compute.workers.actor import ActorWorker
 from dapo_core.config.schema import ActorConfig
@@ -132,8 +133,19 @@ def test_shared_prompt_falls_back_under_gradient_checkpointing(tiny_dir):
     assert float((lp_eval - lp_plain.detach())[m].abs().max()) < 1e-10
 
 
-def test_actor_update_with_shared_prompts_lands_on_the_same_weights(tiny_dir, path):
-    ids, mask, _ = grouped_batch(groups=4, n=4, seed=5)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_actor_update_with_shared_prompts_lands_on_the_same_weights(tiny_dir, path, shuffle, monkeypatch):
+    """Also when the batch comes in another order (`trainer.balance_batch` sorts it by length): the
+    micro-batches of a mini-batch then still hold whole prompt groups (here one group of 4 rows each; the
+    shuffled batch is one mini-batch, since a mini-batch's rows are fixed by the batch order)."""
+    ids, mask, _ = grouped_batch(groups=4, n=4, seed=5, shuffle=shuffle)
+    seen: list[int] = []
+
+    def spy(input_ids, *args, **kwargs):
+        seen.append(int(shared_prompts(input_ids, args[0], args[2]).first.numel()))
+        return group_rows(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(train_engines, "group_rows", spy)
     prompt_ids = [ids[r, :P][mask[r, :P].bool()].tolist() for r in range(ids.shape[0])]
     response_ids = [ids[r, P:][mask[r, P:].bool()].tolist() for r in range(ids.shape[0])]
     g = torch.Generator().manual_seed(6)
@@ -145,7 +157,7 @@ def test_actor_update_with_shared_prompts_lands_on_the_same_weights(tiny_dir, pa
             "advantages": [[a] * len(r) for a, r in zip(adv, response_ids, strict=True)],
         }
     )
-    cfg = ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4)
+    cfg = ActorConfig(ppo_mini_batch_size=4 if shuffle else 2, ppo_micro_batch_size_per_gpu=4)
     actor_cfg = dataclasses.asdict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1e-2)))
     results = {}
     for share in (False, True):
@@ -162,6 +174,8 @@ def test_actor_update_with_shared_prompts_lands_on_the_same_weights(tiny_dir, pa
         metrics = w.update_actor(old, global_steps=1)
         results[share] = (old.column("old_log_probs").to_pylist(), metrics, w.weights())
     (lp0, m0, w0), (lp1, m1, w1) = results[False], results[True]
+    if path == "grouped":  # the log-probs in one micro-batch, then update micro-batches of one prompt each
+        assert seen == [4, 1, 1, 1, 1]
     assert max(abs(x - y) for a, b in zip(lp0, lp1, strict=True) for x, y in zip(a, b, strict=True)) < 3e-5
     assert abs(m0["actor/pg_loss"] - m1["actor/pg_loss"]) < 1e-5
     assert abs(m0["actor/grad_norm"] - m1["actor/grad_norm"]) < 1e-4 * max(1.0, m0["actor/grad_norm"])
@@ -221,3 +235,11 @@ def test_group_rows_declines_when_it_would_not_save_positions():
     ids2 = torch.tensor([[0, 0, 11, 0], [0, 0, 13, 0]])
     mask2 = (ids2 != 0).long()
     assert group_rows(ids2, mask2, pos, 2, shared_prompts(ids2, mask2, 2)) is None
+
+
+def test_grouped_order_puts_equal_keys_together_in_order_of_first_appearance():
+    keys = torch.tensor([7, 3, 7, 9, 3, 3, 9, 7])
+    order = grouped_order(keys)
+    assert order.tolist() == [0, 2, 7, 1, 4, 5, 3, 6]
+    assert sorted(order.tolist()) == list(range(8))
+    assert grouped_order(torch.zeros(0, dtype=torch.long)).numel() == 0

@@ -39,6 +39,7 @@ from dapo_core.compute.microbatch import (
     PackedRows,
     SharedPrompts,
     group_rows,
+    grouped_order,
     pack_rows,
     row_token_costs,
     shared_prompts,
@@ -603,6 +604,7 @@ def minibatch_update(
     sum_keys: tuple[str, ...] = (),
     token_budget: int | None = None,
     row_tokens: torch.Tensor | None = None,
+    row_groups: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The PPO mini-batch / micro-batch loop shared by the actor (`ppo_update`) and the critic.
 
@@ -619,6 +621,10 @@ def minibatch_update(
     `row_tokens` (B,) — the tokens each row costs the forward (`microbatch.row_token_costs`) — instead of
     by `micro_batch_size`; the loss normalisation is the same mini-batch-wide `global_batch_info`, so the
     update does not depend on the split.
+
+    With `row_groups` (B,), e.g. each row's prompt, the fixed-size micro-batches of a mini-batch take its rows
+    with equal values next to each other (`microbatch.grouped_order`), so a shared-prompt forward sees whole
+    groups; the mini-batches themselves, and so the update, are unchanged (float summation order aside).
     """
     n = int(batch_tensors["response_mask"].shape[0])
     if token_budget is not None and (row_tokens is None or int(row_tokens.shape[0]) != n):
@@ -650,7 +656,12 @@ def minibatch_update(
             means: dict[str, list[float]] = {}
             splits: list[slice | torch.Tensor]
             if token_budget is None:
-                splits = [slice(m0, m0 + micro_batch_size) for m0 in range(0, idx.numel(), micro_batch_size)]
+                starts = range(0, idx.numel(), micro_batch_size)
+                if row_groups is None:
+                    splits = [slice(m0, m0 + micro_batch_size) for m0 in starts]
+                else:
+                    ranks = grouped_order(row_groups[idx])
+                    splits = [ranks[m0 : m0 + micro_batch_size] for m0 in starts]
             else:
                 assert row_tokens is not None
                 groups = token_budget_split(row_tokens[idx], token_budget)
@@ -744,4 +755,11 @@ def ppo_update(
             if max_token_len is not None
             else None
         ),
+        row_groups=_prompt_groups(batch_tensors, resp_len) if share_prompt else None,
     )
+
+
+def _prompt_groups(batch_tensors: Mapping[str, torch.Tensor], response_length: int) -> torch.Tensor | None:
+    """(B,) each row's prompt (`shared_prompts` over the whole batch), or None when no two rows share one."""
+    groups = shared_prompts(batch_tensors["input_ids"], batch_tensors["attention_mask"], response_length)
+    return None if groups is None else groups.inverse

@@ -19,7 +19,7 @@ import torch
 
 from dapo_core.algo.losses import PolicyLossParams, actor_objective, agg_loss
 from dapo_core.compute.engines.train import make_train_engine, ppo_update
-from dapo_core.compute.microbatch import token_budget_split
+from dapo_core.compute.microbatch import grouped_order, token_budget_split
 from dapo_core.data import batch as B
 from dapo_core.store.jobs import StageJob, run_job, stage_files
 
@@ -41,15 +41,21 @@ def _log_prob_table(
     Micro-batches hold `micro_batch_size` rows (null = all), or, with `max_token_len` (a `*_use_dynamic_bsz`
     budget), rows grouped by `token_budget_split` over what each costs the forward (`row_token_costs`);
     each micro-batch is padded to its own longest row, or packed with `remove_padding`; with `share_prompt`
-    each distinct prompt of a micro-batch runs once (`TrainEngine.forward`). The output rows are in the
-    table's order whatever the grouping.
+    each distinct prompt of a micro-batch runs once (`TrainEngine.forward`), and fixed-size micro-batches
+    take the rows of a prompt together (`grouped_order`). The output rows are in the table's order whatever
+    the grouping.
     """
     engine.eval()
     lengths = torch.tensor(B.response_lengths(table), dtype=torch.long)
     rows = table.num_rows
     if max_token_len is None:
         mbs = micro_batch_size or rows
-        groups = [list(range(start, min(start + mbs, rows))) for start in range(0, rows, mbs)]
+        row_order = list(range(rows))
+        if share_prompt:  # whole prompt groups per micro-batch, whatever order the batch is in
+            keys: dict[tuple[int, ...], int] = {}
+            prompt_of = [keys.setdefault(tuple(p), len(keys)) for p in table.column("prompt_ids").to_pylist()]
+            row_order = grouped_order(torch.tensor(prompt_of, dtype=torch.long)).tolist()
+        groups = [row_order[start : start + mbs] for start in range(0, rows, mbs)]
     else:
         seq_lens = B.prompt_lengths(table).astype("int64") + B.response_lengths(table).astype("int64")
         if remove_padding:
