@@ -207,7 +207,7 @@ class ModelConfig:
     use_remove_padding: bool = False
     """Packed, padding-free forwards for log-probs and updates (same values as padded within float error)."""
     use_shared_prompt: bool = False
-    """Ours: actor/ref forwards run each distinct prompt once, its n responses on its KV cache (exact)."""
+    """Ours: actor/ref forwards run each distinct prompt once, with its n responses (exact to float error)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the embedded tiny model."""
     sft: SftConfig = field(default_factory=SftConfig)
