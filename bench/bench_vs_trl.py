@@ -86,10 +86,16 @@ def run_ours(args: argparse.Namespace, seed: int, core: str | None, threads: int
     """Start our side; returns the process (its own session, so the whole tree can be stopped)."""
     run_id = f"bench-seed{seed}"
     log = open(Path(args.work) / f"ours_seed{seed}.log", "w")  # noqa: SIM115 - closed with the process
+    env = _env(threads)
+    if not env.get("PREFECT_API_URL"):
+        # A Prefect database of its own per seed, so every run starts from the same state: with the 700 MB
+        # ~/.prefect that earlier benchmarks had left, one pair of pinned probes measured 0.27 against 0.22 s
+        # of temporary-server CPU a step.
+        env["PREFECT_HOME"] = str(Path(args.work).resolve() / f"prefect_home_seed{seed}")
     return subprocess.Popen(
         [*_pin(core), *ours_cmd(args, seed, run_id)],
         cwd=ROOT,
-        env=_env(threads),
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
