@@ -323,11 +323,13 @@ class TrainEngine(abc.ABC):
         dev = self.device
         with torch.set_grad_enabled(self.model.training):
             groups = None
+            # The grouping is index bookkeeping: done on the host, whatever device the batch came on.
+            ids_h, mask_h = input_ids.cpu(), attention_mask.cpu()
             if share_prompt and not (self.model.training and _checkpointing(self.model)):
-                groups = shared_prompts(input_ids, attention_mask, response_length)
+                groups = shared_prompts(ids_h, mask_h, response_length)
             grouped = None
             if groups is not None and self._takes_4d_masks():
-                grouped = group_rows(input_ids, attention_mask, position_ids, response_length, groups)
+                grouped = group_rows(ids_h, mask_h, position_ids.cpu(), response_length, groups)
             if grouped is not None:
                 return self._grouped_forward(
                     grouped, input_ids, attention_mask, response_length, temperature, calculate_entropy
