@@ -259,7 +259,7 @@ def group_rows(
     r_len = r_mask.sum(dim=1)
     R = int(r_len.max()) if B else 0
     # Each row's offset in its group: exclusive cumulative length over the group's earlier rows.
-    order = torch.argsort(inverse * B + torch.arange(B), stable=True)
+    order = grouped_order(inverse)
     before = torch.cumsum(r_len[order], 0) - r_len[order]
     group_start = torch.zeros(G, dtype=before.dtype).scatter_reduce(
         0, inverse[order], before, reduce="amin", include_self=False
