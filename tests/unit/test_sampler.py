@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from dapo_core.config import ConfigError, load_config, typed
-from dapo_core.data.datasets import PromptSampler, make_synthetic_math
+from dapo_core.data.datasets import DataError, PromptSampler, make_synthetic_math
 from dapo_core.data.sampler import ALL_CORRECT, ALL_WRONG, MIXED, HistorySampler, group_outcomes
 from flows.run_setup import train_sampler
 
@@ -91,6 +91,35 @@ def test_state_resumes_the_same_draws_after_a_json_round_trip(table, tokenizer):
     assert b.state_dict() == json.loads(saved)
     assert run(b, 70) == after_a
     assert a.passed_over > 0 and a.state_dict() == b.state_dict()
+
+
+def test_history_state_is_one_string_per_row_and_reads_the_first_versions_dict(table, tokenizer):
+    """The state carries the history as `window` characters per row (it is written into every prompt stage's
+    manifest, so its size is paid each step); a state saved by the first version, a dict of code lists per
+    prompt, resumes the same draws; a history that does not fit the table is refused, naming what to fix."""
+    s = _hist(table, tokenizer, window=2)
+    s.observe([3] * 4 + [7] * 4, [True] * 4 + [True, False] * 2)
+    s.observe([3] * 4, [True] * 4)
+    s.observe([5] * 4, [False] * 4)
+    state = s.state_dict()
+    assert isinstance(state["history"], str) and len(state["history"]) == 2 * ROWS
+    hist = state["history"]
+    assert hist[6:8] == "22" and hist[14:16] == "-1" and hist[10:12] == "-0"
+    assert s.skips(3) and not s.skips(5) and not s.skips(7)
+    old = {**state, "history": {"3": [ALL_CORRECT, ALL_CORRECT, ALL_CORRECT], "5": [ALL_WRONG], "7": [MIXED]}}
+    a, b = _hist(table, tokenizer, window=2), _hist(table, tokenizer, window=2)
+    a.load_state_dict(json.loads(json.dumps(old)))
+    b.load_state_dict(json.loads(json.dumps(state)))
+    assert a.state_dict() == b.state_dict() == state
+    assert _draw(a, ROWS) == _draw(b, ROWS)
+    wider, narrower = _hist(table, tokenizer, window=3), _hist(table, tokenizer, window=1)
+    wider.load_state_dict(state)
+    narrower.load_state_dict(state)
+    assert wider.state_dict()["history"][9:12] == "-22" and narrower.state_dict()["history"][7] == "1"
+    with pytest.raises(DataError, match=r"data\.train_files"):
+        _hist(table, tokenizer, window=2).load_state_dict({**state, "history": state["history"][:-1]})
+    with pytest.raises(DataError, match="prompt_id 40 is not a row"):
+        s.observe([ROWS] * 2, [True, False])
 
 
 def _cfg(*overrides: str):
