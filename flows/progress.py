@@ -277,6 +277,20 @@ def prefect_console_env() -> None:
         os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
+TEMPORARY_SERVER_ENV = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "50",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "2",
+}
+"""Settings of the temporary server `start_local_prefect` launches (a variable or profile setting the user
+gave wins). Prefect's task-run recorder writes each task-run state event in a transaction of its own by
+default (batch size 1): about 16 events a step on the CPU default, ~0.2 s of server CPU a step. Batched, it
+writes them every 2 s in one transaction, half the server CPU; pinned to one core, where the server takes its
+CPU from the workers, the step fell by 10-11 % (bench/README.md "Prefect's task-run recorder"). The cost:
+task-run states reach the server's database up to 2 s late, and the temporary server has no UI to show them.
+A long-lived `prefect server start` keeps Prefect's defaults unless its operator sets these."""
+
+
 def start_local_prefect(
     command: str, report_every_s: float | None = None, printer: Callable[[str], None] | None = None
 ) -> str | None:
@@ -298,6 +312,8 @@ def start_local_prefect(
     )
     from prefect.server.api.server import SubprocessASGIServer
 
+    for key, value in TEMPORARY_SERVER_ENV.items():  # the server process inherits the environment
+        os.environ.setdefault(key, value)
     t0 = time.monotonic()
     done = threading.Event()
 

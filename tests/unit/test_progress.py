@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import os
 import pty
 import select
@@ -217,3 +218,28 @@ def test_prefect_usage_notice_hidden_when_analytics_are_off(tmp_path):
         "from flows.progress import prefect_console_env; prefect_console_env()",
     )
     assert "IMPORTED" in hidden and notice not in hidden
+
+
+def test_temporary_server_batches_its_task_run_recorder_unless_the_user_set_it(tmp_path):
+    """`start_local_prefect` starts Prefect's temporary server with the task-run recorder batched
+    (`TEMPORARY_SERVER_ENV`), read back from the running server's own settings; a value the user set wins."""
+    script = (
+        "import json, httpx\n"
+        "from flows.progress import prefect_console_env; prefect_console_env()\n"
+        "from flows.progress import start_local_prefect\n"
+        "url = start_local_prefect('test', printer=lambda s: None)\n"
+        "services = httpx.get(url + '/admin/settings').json()['server']['services']\n"
+        "print(json.dumps(services['task_run_recorder']))\n"
+    )
+    recorder = "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(recorder)}
+    env = {**env, "PREFECT_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
+    env.pop("PREFECT_API_URL", None)
+    env[f"{recorder}_FLUSH_INTERVAL"] = "3"
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    settings = json.loads(out.stdout.strip().splitlines()[-1])
+    assert settings["batch_size"] == 200 and settings["read_batch_size"] == 50
+    assert settings["flush_interval"] == 3.0  # the user's
