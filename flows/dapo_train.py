@@ -49,7 +49,7 @@ from flows.run_setup import (
     restore,
     step_metrics,
 )
-from tasks.rollout import assemble_batch, filter_groups, generate, reward
+from tasks.rollout import generate, reward
 from tasks.update import checkpoint
 from tasks.validate import validate
 
@@ -71,24 +71,23 @@ def collect_batch(rt: TrainRun, step: int, state: DriverState) -> tuple[str, dic
         gen_uri, m = generate(run_id, step, k, state.gen_step, size)  # draws its prompts (stage prompts_g<k>)
         add_metrics(metrics, m)
         rt.progress.stage(f"reward g{k}")
-        reward_uri, m = reward(run_id, step, k, gen_uri)
-        add_metrics(metrics, m)
-        add_metrics(metrics, observe_rewards(rt, reward_uri))  # data.history_sampler only
+        # scores, filters (dynamic sampling) and, once the kept groups cover the deficit, assembles the batch
+        scored = reward(run_id, step, k, gen_uri, kept_uris, need - kept_groups)
+        add_metrics(metrics, scored.metrics)
+        add_metrics(metrics, observe_rewards(rt, scored.uri))  # data.history_sampler only
         k += 1
+        kept_uris.append(scored.kept_uri)
+        batch = scored.batch
         if not fg.enable:
-            kept_uris.append(reward_uri)
             rt.progress.gen_batch(k - 1, size, None, need)
-            rt.progress.stage("assemble batch")
-            batch = assemble_batch(run_id, step, kept_uris, k)
             break
-        # once the kept groups cover what the step needs, the task also assembles the step's batch
-        kept_uri, m, batch = filter_groups(run_id, step, k - 1, reward_uri, kept_uris, need - kept_groups)
-        kept_uris.append(kept_uri)
-        kept_groups += int(m["train/num_kept_groups"])
-        keep_rate.update(int(m["train/num_kept_groups"]), int(m["train/num_groups"]))
+        kept = int(scored.kept_metrics["train/num_kept_groups"])
+        kept_groups += kept
+        keep_rate.update(kept, int(scored.kept_metrics["train/num_groups"]))
         rt.progress.gen_batch(k - 1, size, kept_groups, need)  # a bar on a terminal, else rate-limited lines
         if batch is None and fg.max_num_gen_batches > 0 and k >= fg.max_num_gen_batches:
             raise DynamicSamplingExhausted(exhausted_message(k, fg.max_num_gen_batches, kept_groups, need))
+    assert batch is not None  # the loop ends with an assembled batch or raises
     batch_uri, m = batch
     metrics.update(m)
     metrics["train/keep_rate"] = keep_rate.rate if fg.enable and keep_rate.rate is not None else 1.0

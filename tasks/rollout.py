@@ -1,6 +1,9 @@
-"""Rollout-side stage tasks: sample prompts, generate, reward, filter groups (dynamic sampling), assemble."""
+"""Rollout-side stage tasks: sample prompts, generate, and reward, which also filters the groups (dynamic
+sampling) and assembles the step's batch once enough groups are kept."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -111,12 +114,40 @@ def generate(run_id: str, step: int, gen_idx: int, gen_step: int, num_prompts: i
     return worker_stage(rt, step, stage, call, input_uri=prompts_uri, schema="generate", n=rt.n)
 
 
+class Scored(NamedTuple):
+    """What the `reward` task returns."""
+
+    uri: str
+    """The scored generation (stage `reward_g<k>`)."""
+    metrics: dict[str, float]
+    """The scoring stage's metrics."""
+    kept_uri: str
+    """The groups kept by dynamic sampling (stage `kept_g<k>`; the scored stage itself without it)."""
+    kept_metrics: dict[str, float]
+    """`train/num_groups`, `train/num_kept_groups` and the filter's metrics (empty without the filter)."""
+    batch: StageResult | None
+    """The step's assembled batch (stage `batch`) once the kept groups cover what the step still needed."""
+
+
 @task(name="reward", task_run_name="reward-step{step}-g{gen_idx}", **_OPTS)
-def reward(run_id: str, step: int, gen_idx: int, gen_uri: str) -> StageResult:
+def reward(
+    run_id: str,
+    step: int,
+    gen_idx: int,
+    gen_uri: str,
+    kept_before: list[str] | None = None,
+    groups_missing: int | None = None,
+) -> Scored:
     """Score every trajectory (math_dapo + overlong shaping); the trajectories are recorded and their prompts
     marked finished in the ledger in one transaction. A replayed (committed) stage records them too when the
     ledger lacks them (a run killed between the stage's commit and that transaction: the resume re-issued
-    those prompts)."""
+    those prompts).
+
+    Then, in the same task (plumbing, no task of its own; a retry skips each stage already committed):
+    dynamic sampling keeps the groups whose metric varies (`filter_kept`, stage `kept_g<k>`), and once the
+    kept groups cover `groups_missing` (default: the whole `train_batch_size`) the step's batch is assembled
+    from `kept_before` (the step's earlier kept selections) and these (`assemble`, stage `batch`). Without
+    dynamic sampling every group is kept and the batch is assembled at once."""
     rt = runtime.get(run_id)
     scored = False
 
@@ -127,10 +158,20 @@ def reward(run_id: str, step: int, gen_idx: int, gen_uri: str) -> StageResult:
         _record_finished(rt, step, gen_uri)
         return out
 
-    out = worker_stage(rt, step, f"reward_g{gen_idx}", call, input_uri=gen_uri, schema="reward", n=rt.n)
+    uri, metrics = worker_stage(
+        rt, step, f"reward_g{gen_idx}", call, input_uri=gen_uri, schema="reward", n=rt.n
+    )
     if not scored:
         _record_finished(rt, step, gen_uri, only_missing=True)
-    return out
+    before = list(kept_before or [])
+    if not rt.cfg.algorithm.filter_groups.enable:
+        return Scored(uri, metrics, uri, {}, assemble(rt, step, [*before, uri], gen_idx + 1))
+    kept_uri, kept_metrics = filter_kept(rt, step, gen_idx, uri)
+    missing = rt.cfg.data.train_batch_size if groups_missing is None else groups_missing
+    batch = None
+    if kept_metrics["train/num_kept_groups"] >= missing:
+        batch = assemble(rt, step, [*before, kept_uri], gen_idx + 1)
+    return Scored(uri, metrics, kept_uri, kept_metrics, batch)
 
 
 def _record_finished(rt: runtime.Runtime, step: int, gen_uri: str, only_missing: bool = False) -> None:
@@ -149,17 +190,9 @@ def _record_finished(rt: runtime.Runtime, step: int, gen_uri: str, only_missing:
     rt.store.apply(puts=[(k, finished) for k in keys], merges={u: {"status": "finished"} for u in prompts})
 
 
-@task(name="filter_groups", task_run_name="filter_groups-step{step}-g{gen_idx}", **_OPTS)
-def filter_groups(
-    run_id: str, step: int, gen_idx: int, reward_uri: str, kept_before: list[str], groups_missing: int
-) -> tuple[str, dict[str, float], StageResult | None]:
-    """Dynamic sampling: keep the groups whose metric varies (docs/REFERENCE.md §6.1 steps 7–8).
-
-    Returns the kept selection's URI and metrics, and the step's assembled batch (URI and metrics) when these
-    kept groups cover the `groups_missing` the step still needs, else None: the batch is then assembled here
-    from `kept_before` (the step's earlier kept selections) and this one (`assemble`, no task of its own — it
-    is plumbing, and a retry of this task skips what is committed)."""
-    rt = runtime.get(run_id)
+def filter_kept(rt: runtime.Runtime, step: int, gen_idx: int, reward_uri: str) -> StageResult:
+    """Dynamic sampling: keep the groups whose metric varies (docs/REFERENCE.md §6.1 steps 7–8), committed as
+    the row selection `kept_g<gen_idx>` of the scored stage at `reward_uri`."""
 
     def compute():
         metric = filter_metric(rt)
@@ -172,16 +205,7 @@ def filter_groups(
             "train/num_kept_groups": float(outcome.num_kept_groups),
         }
 
-    kept_uri, metrics = select_stage(rt, step, f"kept_g{gen_idx}", [reward_uri], compute)
-    if metrics["train/num_kept_groups"] < groups_missing:
-        return kept_uri, metrics, None
-    return kept_uri, metrics, assemble(rt, step, [*kept_before, kept_uri], gen_idx + 1)
-
-
-@task(name="assemble_batch", task_run_name="assemble_batch-step{step}", **_OPTS)
-def assemble_batch(run_id: str, step: int, kept_uris: list[str], num_gen_batches: int) -> StageResult:
-    """The step's batch without dynamic sampling (`assemble`; with it, `filter_groups` assembles)."""
-    return assemble(runtime.get(run_id), step, kept_uris, num_gen_batches)
+    return select_stage(rt, step, f"kept_g{gen_idx}", [reward_uri], compute)
 
 
 def assemble(rt: runtime.Runtime, step: int, kept_uris: list[str], num_gen_batches: int) -> StageResult:

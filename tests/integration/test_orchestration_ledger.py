@@ -2,7 +2,8 @@
 drawn inside the generate task enter the ledger `running` in one transaction, the reward task records the
 trajectories and finishes the prompts in one transaction. A run SIGKILLed right after step 2's prompts are
 committed (before the ledger knows them) resumes to the same ledger and weights as an uninterrupted run. The
-filter_groups task assembles the step's batch once the kept groups suffice (no assemble_batch task)."""
+reward task also filters the groups and assembles the step's batch once the kept groups suffice (no
+filter_groups or assemble_batch task)."""
 
 from __future__ import annotations
 
@@ -93,31 +94,55 @@ def _scored(uids: list[str], spread: list[bool], n: int, width: int) -> pa.Table
     return pa.Table.from_pylist(rows)
 
 
-def test_filter_groups_assembles_the_batch_once_the_kept_groups_suffice(tiny_assets):
-    """Two generation batches (2 of 4 groups kept, then 3 of 4): the first filter_groups returns no batch,
-    the second assembles it from both kept selections, truncated to train_batch_size groups (surplus
-    discarded), every group whole, with the assemble metrics; a retry of the task returns the same."""
+def test_reward_filters_and_assembles_the_batch_once_the_kept_groups_suffice(tiny_assets):
+    """Two generation batches (2 of 4 groups kept, then 3 of 4), their scored stages committed (the reward
+    task replays them): the first reward task returns no batch, the second assembles it from both kept
+    selections, truncated to train_batch_size groups (surplus discarded), every group whole, with the assemble
+    metrics; a retry of the task returns the same. Without dynamic sampling the batch is assembled at once."""
     import flows.run_setup as rs
-    from tasks.rollout import filter_groups
+    from tasks.rollout import reward
 
     cfg = typed(load_config(CONFIG, tiny_overrides(tiny_assets, **{"trainer.use_ray": "false"})))
     rt = rs.open_run(cfg, "filterfold")
     try:
         n, need = rt.n, cfg.data.train_batch_size
-        assert need == 4
-        uri0 = rt.store.write_stage(1, "reward_g0", _scored(["a0", "a1", "a2", "a3"], [1, 0, 1, 0], n, 8))
-        uri1 = rt.store.write_stage(1, "reward_g1", _scored(["b0", "b1", "b2", "b3"], [1, 1, 0, 1], n, 20))
-        kept0, m0, batch = filter_groups.fn("filterfold", 1, 0, uri0, [], need)
-        assert batch is None and m0["train/num_kept_groups"] == 2
+        assert need == 4 and cfg.algorithm.filter_groups.enable
+        gens, scored = [], []
+        for k, (uids, accs, length) in enumerate(
+            [(["a0", "a1", "a2", "a3"], [1, 0, 1, 0], 8), (["b0", "b1", "b2", "b3"], [1, 1, 0, 1], 20)]
+        ):
+            table = _scored(uids, accs, n, length)
+            rt.store.register_prompts(uids, 1)  # what the generate task did
+            gens.append(rt.store.write_stage(1, f"generate_g{k}", table))
+            scored.append(rt.store.write_stage(1, f"reward_g{k}", table, base=gens[k]))
+        first = reward.fn("filterfold", 1, 0, gens[0], [], need)
+        assert first.uri == scored[0] and first.batch is None
+        assert (
+            first.kept_metrics["train/num_kept_groups"] == 2 and first.kept_metrics["train/num_groups"] == 4
+        )
         assert not rt.store.is_committed(1, "batch")
-        kept1, m1, batch = filter_groups.fn("filterfold", 1, 1, uri1, [kept0], need - 2)
-        assert m1["train/num_kept_groups"] == 3 and batch is not None
-        batch_uri, bm = batch
+        second = reward.fn("filterfold", 1, 1, gens[1], [first.kept_uri], need - 2)
+        assert second.kept_metrics["train/num_kept_groups"] == 3 and second.batch is not None
+        batch_uri, bm = second.batch
         assert bm["train/num_gen_batches"] == 2.0 and bm["train/discarded_surplus_groups"] == 1.0
         table = rt.store.read_uri(batch_uri)
         counts = table.group_by("uid").aggregate([("sample_idx", "count")]).to_pydict()
         assert sorted(counts["uid"]) == ["a0", "a2", "b0", "b1"] and set(counts["sample_idx_count"]) == {n}
-        assert filter_groups.fn("filterfold", 1, 1, uri1, [kept0], need - 2) == (kept1, m1, (batch_uri, bm))
+        assert reward.fn("filterfold", 1, 1, gens[1], [first.kept_uri], need - 2) == second
+    finally:
+        rs.close_run(rt)
+    off = {"trainer.use_ray": "false", "algorithm.filter_groups.enable": "false"}
+    cfg = typed(load_config(CONFIG, tiny_overrides(tiny_assets, **off)))
+    rt = rs.open_run(cfg, "nofilter")
+    try:
+        table = _scored(["c0", "c1", "c2", "c3"], [1, 1, 1, 1], rt.n, 8)
+        rt.store.register_prompts(["c0", "c1", "c2", "c3"], 1)
+        gen = rt.store.write_stage(1, "generate_g0", table)
+        rt.store.write_stage(1, "reward_g0", table, base=gen)
+        out = reward.fn("nofilter", 1, 0, gen)
+        assert out.kept_uri == out.uri and out.kept_metrics == {} and out.batch is not None
+        assert out.batch[1]["train/num_gen_batches"] == 1.0
+        assert rt.store.read_uri(out.batch[0]).num_rows == 4 * rt.n  # all-equal groups kept: no filter
     finally:
         rs.close_run(rt)
 
