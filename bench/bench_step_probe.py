@@ -1,11 +1,12 @@
 """Our side of the TRL benchmark for a few steps: median stage timings at the benchmark's shape.
 
-Runs `dapo train` with `bench_vs_trl.ours_cmd`'s overrides (32 prompts × 8, lr 5e-5, a checkpoint every step)
-for `--steps` steps, plus any extra `key=value` overrides, then prints the medians of every `timing_s/*`
-metric over the steps after the first five, the mean number of generation batches and the mean score. `--core
-0 --threads 1` is the benchmark's pinned mode; the default is the whole machine. Use it to A/B a change
-quickly: alternate the two trees (or override values) in one sitting and compare within it, since the host's
-speed drifts between runs.
+Runs `dapo train` with `bench_vs_trl.ours_cmd`'s overrides (32 prompts × 8, lr 5e-5, a checkpoint every
+`--save-every` steps, 4 as in the benchmark) for `--steps` steps, plus any extra `key=value` overrides, then
+prints the medians of every `timing_s/*` metric over the steps after the first five, the mean number of
+generation batches and the mean score. `--core 0 --threads 1` is the benchmark's pinned mode; the default is
+the whole machine. Use it to A/B a change quickly: run the two variants at the same time, one per core
+(`--core 0` and `--core 1`), then swapped, or alternate them in one sitting, since the host's speed drifts
+between runs.
 
 Run: `.venv/bin/python bench/bench_step_probe.py --name base --steps 40` (about 1.5 minutes).
 """
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "models/tiny_base"))
     ap.add_argument("--train", default=str(ROOT / "data/train.parquet"))
     ap.add_argument("--val", default=str(ROOT / "data/val.parquet"))
+    ap.add_argument("--save-every", type=int, default=4, help="checkpoint interval (the benchmark's default)")
     ap.add_argument("overrides", nargs="*", help="extra dotted key=value overrides")
     args = ap.parse_args()
     work = ROOT / "bench" / "out" / f"probe_{args.name}"
@@ -48,7 +50,7 @@ def main() -> None:
         n=8,
         lr=5e-5,
         ours_overrides=[],
-        save_every=1,
+        save_every=args.save_every,
         work=str(work),
         config="configs/tiny_cpu.yaml",
     )
