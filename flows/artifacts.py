@@ -5,8 +5,10 @@ Per training run `<run_id>` (keys are the run id made lowercase, other character
 - `dapo-<run>-progress` — a progress artifact, steps done / total, updated after every step (a resumed or
   retried flow run creates a new one at the step it starts from);
 - `dapo-<run>-steps` — a table artifact with the step's key metrics (score, accuracy, kept groups, entropy,
-  response length, clip fractions, step time, held-out accuracy when validated); one new version per step, so
-  the artifact's history in the UI is the run's history;
+  response length, clip fractions, step time, held-out accuracy when validated); a new version with the rows
+  of the steps since the previous version, so the artifact's history in the UI is the run's history. Steps
+  shorter than `STEP_PUBLISH_INTERVAL_S` share a version (a validated step and the run's end publish at once);
+  at the recipe's scale, minutes a step, that is one version per step;
 - `dapo-<run>-summary` — markdown after each validation and at the end: held-out accuracy first → now, the
   run id, where the checkpoints, metrics and curves are (the curves image embedded when drawn).
 
@@ -16,6 +18,9 @@ Artifacts are a view: a failure to publish one is logged as a warning and never 
 and `metrics.jsonl` stay the source of truth). Outside a Prefect flow run nothing is published. They are
 published off the step loop, in order, by one background thread running in the flow run's context (each is
 an API call, ~0.1 s on the loaded 2-core machine); the final summary waits until every earlier one is out.
+Publishing coalesces because each call costs the server and the driver CPU: at one step a second (the CPU
+default) the progress update and the table version took ~0.03 s of CPU a step, which on one shared core is
+step time (bench/README.md, session 9).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextvars
 import json
 import math
 import re
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +50,10 @@ STEP_COLUMNS: tuple[tuple[str, str], ...] = (
     ("step_s", "timing_s/step"),
 )
 """(column, metric key) of the per-step table, in display order; `val_acc` is added when validated."""
+
+STEP_PUBLISH_INTERVAL_S = 5.0
+"""Steps finished within this many seconds of the last published table version wait and share the next one
+(with the progress update); a step with a validation, and the end of the run, publish at once."""
 
 MAX_EMBEDDED_IMAGE_BYTES = 400_000
 """Curves images up to this size are embedded in the summary (as a data URI); larger ones are linked."""
@@ -102,7 +112,15 @@ def _image_markdown(path: Path) -> str:
 class RunArtifacts:
     """Publishes one training run's progress, per-step table and summary (a no-op outside a flow run)."""
 
-    def __init__(self, run_id: str, run_dir: Path, total_steps: int, done_steps: int, enabled: bool = True):
+    def __init__(
+        self,
+        run_id: str,
+        run_dir: Path,
+        total_steps: int,
+        done_steps: int,
+        enabled: bool = True,
+        min_interval_s: float = STEP_PUBLISH_INTERVAL_S,
+    ):
         self.run_id = run_id
         self.run_dir = Path(run_dir)
         self.total = max(int(total_steps), 1)
@@ -114,6 +132,9 @@ class RunArtifacts:
         self.last_val: tuple[int, float] | None = None
         self._progress_id: UUID | None = None
         self._publisher: ThreadPoolExecutor | None = None
+        self.min_interval_s = float(min_interval_s)
+        self._pending: list[dict] = []  # rows of finished steps not handed to the publisher yet
+        self._last_publish = -math.inf  # time.monotonic() of the last table version handed over
         self._read_history(self.run_dir / "metrics.jsonl")
         if not self.enabled:
             return
@@ -164,29 +185,43 @@ class RunArtifacts:
         self._publisher.submit(contextvars.copy_context().run, publish)
 
     def step(self, step: int, metrics: Mapping[str, float]) -> None:
-        """A step finished: update the progress, add a version of the step table, and the summary after a
-        validation (published in the background; returns at once)."""
+        """A step finished: queue its table row; publish the rows queued so far (a table version and the
+        progress) when `min_interval_s` has passed since the last version or the step was validated, and the
+        summary after a validation (published in the background; returns at once)."""
         if not self.enabled:
             return
         row = step_row(step, metrics)
-        self._submit(lambda: self._publish_step(step, row))
-        if "val_acc" in row:
+        self._pending.append(row)
+        validated = "val_acc" in row
+        if validated or time.monotonic() - self._last_publish >= self.min_interval_s:
+            self._flush()
+        if validated:
             self.validation(step, metrics)
             self.summary(step, final=False)
 
-    def _publish_step(self, step: int, row: dict) -> None:
+    def _flush(self) -> None:
+        """Hand the queued rows to the publisher as one table version (with the progress of the last)."""
+        if not self._pending:
+            return
+        rows, self._pending = self._pending, []
+        self._last_publish = time.monotonic()
+        self._submit(lambda: self._publish_steps(rows))
+
+    def _publish_steps(self, rows: list[dict]) -> None:
         from prefect.artifacts import create_table_artifact, update_progress_artifact
 
+        last, first = rows[-1]["step"], rows[0]["step"]
         try:
             if self._progress_id is not None:
                 update_progress_artifact(
-                    self._progress_id, progress=self._pct_done(step), description=self._progress_text(step)
+                    self._progress_id, progress=self._pct_done(last), description=self._progress_text(last)
                 )
         except Exception as exc:
             _warn(self.progress_key, exc)
+        steps = f"step {last}" if first == last else f"steps {first}-{last}"
         try:
             create_table_artifact(
-                table=[row], key=self.steps_key, description=f"DAPO run {self.run_id}, step {step}"
+                table=rows, key=self.steps_key, description=f"DAPO run {self.run_id}, {steps}"
             )
         except Exception as exc:
             _warn(self.steps_key, exc)
@@ -194,6 +229,8 @@ class RunArtifacts:
     def close(self) -> None:
         """Wait until every artifact handed to the background thread is published, and stop the thread (a
         flow run that fails still shows the steps it finished); later ones are published directly."""
+        if self.enabled:
+            self._flush()
         if self._publisher is not None:
             self._publisher.shutdown(wait=True)
             self._publisher = None

@@ -281,13 +281,18 @@ TEMPORARY_SERVER_ENV = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "50",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "2",
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "200",
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_READ_BATCH_SIZE": "50",
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "2",
 }
 """Settings of the temporary server `start_local_prefect` launches (a variable or profile setting the user
 gave wins). Prefect's task-run recorder writes each task-run state event in a transaction of its own by
 default (batch size 1): three events per task run, ~0.2 s of server CPU a CPU-default step. Batched, it
 writes them every 2 s in one transaction, half the server CPU; pinned to one core, where the server takes its
-CPU from the workers, the step fell by 10-11 % (bench/README.md, "2026-12-01 (session 8)"). The cost:
-task-run states reach the server's database up to 2 s late, and the temporary server has no UI to show them.
+CPU from the workers, the step fell by 10-11 % (bench/README.md, "2026-12-01 (session 8)"). The event
+persister, which stores every event for the events API, is batched the same way (Prefect's default: read one
+event at a time, write every 20; session 9). The cost: task-run states and events reach the server's database
+up to 2 s late, and the temporary server has no UI to show them.
 A long-lived `prefect server start` keeps Prefect's defaults unless its operator sets these."""
 
 

@@ -49,6 +49,28 @@ def test_artifact_keys_follow_prefects_rule():
     assert row["entropy"] is None and row["clipfrac"] is None
 
 
+def test_fast_steps_share_a_table_version_and_nothing_is_lost(prefect_home, tmp_path):
+    """Steps within the publish interval wait for the next table version; a validated step publishes at once
+    with the rows queued before it, and close() publishes what is still queued (the run's last steps)."""
+    from prefect import flow
+
+    from flows.artifacts import RunArtifacts
+
+    @flow(name="artifact-coalescing")
+    def publish() -> None:
+        ui = RunArtifacts("coalesce", tmp_path, total_steps=6, done_steps=0, min_interval_s=3600.0)
+        for step in range(1, 7):
+            val = {"val-core/a/acc/mean@4": 0.5} if step == 4 else {}
+            ui.step(step, {"critic/score/mean": float(step), **val})
+        ui.close()
+
+    publish()
+    versions = [[r["step"] for r in json.loads(a.data)] for a in _artifacts("dapo-coalesce-steps")]
+    assert versions == [[1], [2, 3, 4], [5, 6]]
+    progress = _artifacts("dapo-coalesce-progress")
+    assert float(progress[-1].data) == 100.0  # the progress follows the last published row
+
+
 def test_config_parameter_accepts_name_path_and_yaml(prefect_home):  # Prefect reads its env at import
     from flows.dapo_train import resolve_config
 

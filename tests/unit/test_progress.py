@@ -221,15 +221,16 @@ def test_prefect_usage_notice_hidden_when_analytics_are_off(tmp_path):
 
 
 def test_temporary_server_batches_its_task_run_recorder_unless_the_user_set_it(tmp_path):
-    """`start_local_prefect` starts Prefect's temporary server with the task-run recorder batched
-    (`TEMPORARY_SERVER_ENV`), read back from the running server's own settings; a value the user set wins."""
+    """`start_local_prefect` starts Prefect's temporary server with the task-run recorder and the event
+    persister batched (`TEMPORARY_SERVER_ENV`), read back from the running server's own settings; a value the
+    user set wins."""
     script = (
         "import json, httpx\n"
         "from flows.progress import prefect_console_env; prefect_console_env()\n"
         "from flows.progress import start_local_prefect\n"
         "url = start_local_prefect('test', printer=lambda s: None)\n"
         "services = httpx.get(url + '/admin/settings').json()['server']['services']\n"
-        "print(json.dumps(services['task_run_recorder']))\n"
+        "print(json.dumps([services['task_run_recorder'], services['event_persister']]))\n"
     )
     recorder = "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER"
     env = {k: v for k, v in os.environ.items() if not k.startswith(recorder)}
@@ -240,6 +241,8 @@ def test_temporary_server_batches_its_task_run_recorder_unless_the_user_set_it(t
         [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    settings = json.loads(out.stdout.strip().splitlines()[-1])
+    settings, persister = json.loads(out.stdout.strip().splitlines()[-1])
     assert settings["batch_size"] == 200 and settings["read_batch_size"] == 50
     assert settings["flush_interval"] == 3.0  # the user's
+    assert persister["batch_size"] == 200 and persister["read_batch_size"] == 50
+    assert persister["flush_interval"] == 2.0
