@@ -231,6 +231,15 @@ def minutes_to_reach(curve: list[tuple[float, float]], target: float) -> float |
     return None
 
 
+def score_marks(args: argparse.Namespace, results: dict, sides: list[str], seeds: list[int]) -> None:
+    """Score every saved policy of `seeds` with our evaluator (in place) and print one JSON line each."""
+    for seed in seeds:
+        for side in sides:
+            for m in results[side][seed]:
+                m.update(evaluate(args, m["path"]))
+                print(json.dumps({"side": side, "seed": seed, **m}), flush=True)
+
+
 def main() -> None:
     """Parse arguments, run both sides per seed, evaluate every mark, print the table and summary."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -260,6 +269,18 @@ def main() -> None:
         "scored up to this many steps early (never late); 1 is exact but each save costs wall time",
     )
     ap.add_argument("--sides", default="ours,trl", help="which sides to train (the other is skipped)")
+    ap.add_argument(
+        "--ours-core",
+        default="0",
+        help="--mode pinned: the core our side runs on (TRL takes core 1); with --sides ours and core 1, two "
+        "invocations at once make a simultaneous A/B of two of our configurations",
+    )
+    ap.add_argument(
+        "--defer-eval",
+        action="store_true",
+        help="score the saved policies after every seed has trained (not after each seed), so that scoring "
+        "never shares the machine with training (needed for two invocations at once)",
+    )
     args = ap.parse_args()
     args.marks = sorted(float(m) for m in args.marks.split(","))
     work = Path(args.work).resolve()
@@ -279,7 +300,7 @@ def main() -> None:
     sides = [s for s in ("ours", "trl") if s in args.sides.split(",")]
     for seed in (int(s) for s in args.seeds.split(",")):
         if args.mode == "pinned":
-            ours = run_ours(args, seed, "0", 1) if "ours" in sides else None
+            ours = run_ours(args, seed, args.ours_core, 1) if "ours" in sides else None
             trl = run_trl(args, seed, "1", 1) if "trl" in sides else None
             if ours is not None:
                 results["ours"][seed] = watch_ours(args, seed, ours)
@@ -292,10 +313,10 @@ def main() -> None:
                 run_trl(args, seed, None, 2).wait()
         if "trl" in sides:
             results["trl"][seed] = trl_marks(args, seed)
-        for side in sides:
-            for m in results[side][seed]:
-                m.update(evaluate(args, m["path"]))
-                print(json.dumps({"side": side, "seed": seed, **m}), flush=True)
+        if not args.defer_eval:
+            score_marks(args, results, sides, [seed])
+    if args.defer_eval:
+        score_marks(args, results, sides, sorted(results[sides[0]]))
     summary: dict = {"mode": args.mode, "base": base}
     for side in ("ours", "trl"):
         per_mark = {}
