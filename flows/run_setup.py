@@ -22,7 +22,6 @@ from dapo_core.compute.cluster import Cluster, proxy, worker_threads
 from dapo_core.compute.models import load_tokenizer
 from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
 from dapo_core.config import (
-    ConfigError,
     DapoConfig,
     DataConfig,
     RolloutConfig,
@@ -327,7 +326,9 @@ def record_attempt(rt: TrainRun) -> Path:
 def train_sampler(cfg: DapoConfig, table: pa.Table, tokenizer) -> PromptSampler:
     """The training prompts' sampler, one prompt per draw: verl's seeded epochs (`PromptSampler`), or with
     `data.history_sampler.enable` the `HistorySampler` that passes over prompts whose recent groups had no
-    reward spread (sync step order only: the replay order's rewards arrive where it cannot observe them)."""
+    reward spread. The latter is for the sync step order: in the replay order rewards arrive after later
+    draws, in an order a resumed run could not replay exactly, so there the switch is ignored (one line says
+    so) and verl's sampler draws."""
     opts: dict[str, Any] = {
         "batch_size": 1,
         "seed": cfg.data.seed,
@@ -339,10 +340,11 @@ def train_sampler(cfg: DapoConfig, table: pa.Table, tokenizer) -> PromptSampler:
     if not hs.enable:
         return PromptSampler(table, tokenizer, **opts)
     if cfg.trainer.step_order != "sync":
-        raise ConfigError(
-            f"data.history_sampler.enable=true needs trainer.step_order=sync (got "
-            f"{cfg.trainer.step_order!r}); turn one of them off."
+        print(
+            f"data.history_sampler: not used with trainer.step_order={cfg.trainer.step_order} (sync order "
+            "only); verl's sampler draws the prompts"
         )
+        return PromptSampler(table, tokenizer, **opts)
     return HistorySampler(table, tokenizer, window=hs.window, explore_prob=hs.explore_prob, **opts)
 
 

@@ -106,7 +106,7 @@ class HistorySamplerConfig:
     had no reward spread (all correct or all wrong), except with a small exploration probability."""
 
     enable: bool = False
-    """Turn the history-aware sampler on (sync step order only)."""
+    """Turn the history-aware sampler on (sync step order; the replay order ignores it)."""
     window: int = 1
     """How many of a prompt's latest groups must all lack spread for it to be passed over."""
     explore_prob: float = 0.1

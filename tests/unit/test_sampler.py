@@ -8,7 +8,7 @@ import json
 import pyarrow as pa
 import pytest
 
-from dapo_core.config import ConfigError, load_config, typed
+from dapo_core.config import load_config, typed
 from dapo_core.data.datasets import DataError, PromptSampler, make_synthetic_math
 from dapo_core.data.sampler import ALL_CORRECT, ALL_WRONG, MIXED, HistorySampler, group_outcomes
 from flows.run_setup import train_sampler
@@ -126,12 +126,15 @@ def _cfg(*overrides: str):
     return typed(load_config("configs/tiny_cpu.yaml", list(overrides)))
 
 
-def test_the_config_picks_the_sampler(table, tokenizer):
-    assert type(train_sampler(_cfg(), table, tokenizer)) is PromptSampler  # off by default
-    on = "data.history_sampler.enable=true"
-    s = train_sampler(_cfg(on, "data.history_sampler.window=3"), table, tokenizer)
-    assert isinstance(s, HistorySampler) and s.window == 3 and s.explore_prob == 0.1
-    with pytest.raises(ConfigError, match="step_order=sync"):
-        train_sampler(_cfg(on, "trainer.step_order=replay_buffer"), table, tokenizer)
+def test_the_config_picks_the_sampler(table, tokenizer, capsys):
+    s = train_sampler(_cfg(), table, tokenizer)  # the CPU default draws with it (bench/README.md, session 9)
+    assert isinstance(s, HistorySampler) and s.window == 1 and s.explore_prob == 0.1
+    s = train_sampler(_cfg("data.history_sampler.window=3"), table, tokenizer)
+    assert isinstance(s, HistorySampler) and s.window == 3
+    off = "data.history_sampler.enable=false"
+    assert type(train_sampler(_cfg(off), table, tokenizer)) is PromptSampler
+    replay = train_sampler(_cfg("trainer.step_order=replay_buffer"), table, tokenizer)
+    assert type(replay) is PromptSampler  # sync order only: the replay order falls back, and says so
+    assert "data.history_sampler: not used with trainer.step_order=replay_buffer" in capsys.readouterr().out
     dapo = typed(load_config("configs/dapo.yaml"))
     assert dapo.data.history_sampler.enable is False  # the reproduction keeps verl's sampler
