@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         f"data.history_sampler.explore_prob={args.explore_prob}",
     ]
     res = {
-        name: run_variant(name, ov, args, tmp, train_file) for name, ov in (("off", []), ("history", hist))
+        name: run_variant(name, ov, args, tmp, train_file)
+        for name, ov in (("off", ["data.history_sampler.enable=false"]), ("history", hist))
     }
     print(f"{args.steps} steps, {args.train_rows} training prompts, one seed (trainer.seed=1)")
     print(
