@@ -2,8 +2,8 @@
 
 Per training run `<run_id>` (keys are the run id made lowercase, other characters turned into dashes):
 
-- `dapo-<run>-progress` — a progress artifact, steps done / total, updated with each table version (a resumed or
-  retried flow run creates a new one at the step it starts from);
+- `dapo-<run>-progress` — a progress artifact, steps done / total, updated with each table version (a resumed
+  or retried flow run creates a new one at the step it starts from);
 - `dapo-<run>-steps` — a table artifact with the step's key metrics (score, accuracy, kept groups, entropy,
   response length, clip fractions, step time, held-out accuracy when validated); a new version with the rows
   of the steps since the previous version, so the artifact's history in the UI is the run's history. Steps
