@@ -237,15 +237,9 @@ def test_failed_open_run_leaves_no_workers_and_retried_draw_skips_no_prompt(tiny
 
     rt = rs.open_run(cfg, "openfail")
     try:
-        fresh = rs.ChunkSampler(
-            rt.sampler.sampler.__class__(
-                rs.read_table(cfg.data.train_files),
-                rs.load_tokenizer(rs.default_model_path(cfg)),
-                batch_size=1,
-                seed=cfg.data.seed,
-                shuffle=cfg.data.shuffle,
-                max_prompt_length=cfg.data.max_prompt_length,
-                truncation=cfg.data.truncation,
+        fresh = rs.ChunkSampler(  # the configured sampler, untouched
+            rs.train_sampler(
+                cfg, rs.read_table(cfg.data.train_files), rs.load_tokenizer(rs.default_model_path(cfg))
             )
         )
         expected = fresh.next_batch(3).column("prompt_id").to_pylist()
