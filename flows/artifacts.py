@@ -18,9 +18,9 @@ Artifacts are a view: a failure to publish one is logged as a warning and never 
 and `metrics.jsonl` stay the source of truth). Outside a Prefect flow run nothing is published. They are
 published off the step loop, in order, by one background thread running in the flow run's context (each is
 an API call, ~0.1 s on the loaded 2-core machine); the final summary waits until every earlier one is out.
-Publishing coalesces because each call costs the server and the driver CPU: at one step a second (the CPU
-default) the progress update and the table version took ~0.03 s of CPU a step, which on one shared core is
-step time (bench/README.md, session 9).
+Publishing coalesces because each call costs the server and the driver CPU (py-spy: ~10 ms of server CPU per
+call, plus the driver's HTTP client): at a step a second (the CPU default), on one shared core, that is step
+time (bench/README.md, session 9).
 """
 
 from __future__ import annotations
