@@ -75,7 +75,11 @@ def layout(path: str, group_micro: bool) -> Iterator[None]:
     if path == "cache":
         microbatch.MAX_GROUP_MASK_ELEMENTS = 0
     if not group_micro:
-        train_engines.grouped_order = actor_worker.grouped_order = lambda keys: torch.arange(keys.numel())
+
+        def batch_order(keys: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+            return torch.arange(keys.numel())
+
+        train_engines.grouped_order = actor_worker.grouped_order = batch_order
     try:
         yield
     finally:

@@ -299,15 +299,28 @@ def group_rows(
     )
 
 
-def grouped_order(keys: torch.Tensor) -> torch.Tensor:
-    """A permutation of the B rows that puts rows with equal `keys` (B,) next to each other: groups in the
-    order of their first row, the rows of a group in their own order. Micro-batches sliced from a batch in
-    this order hold whole prompt groups (what the shared-prompt forwards need), whatever order the batch
-    came in (`trainer.balance_batch` sorts it by length)."""
+def grouped_order(keys: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """A permutation of the B rows that puts rows with equal `keys` (B,) next to each other, the rows of a
+    group in their own order. Micro-batches sliced from a batch in this order hold whole prompt groups (what
+    the shared-prompt forwards need), whatever order the batch came in (`trainer.balance_batch` sorts it by
+    length).
+
+    Without `lengths` the groups come in the order of their first row. With `lengths` (B,), e.g. each row's
+    response tokens, they come longest first by their summed length (ties: order of first row), so each
+    fixed-size micro-batch holds groups of similar size and pads less: a grouped row is the prompt width plus
+    its group's responses back to back, and every row of a micro-batch is padded to the longest.
+    """
     n = int(keys.numel())
     if n == 0:
         return torch.zeros(0, dtype=torch.long)
     _, inverse = torch.unique(keys, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), n, dtype=torch.long)
+    groups = int(inverse.max()) + 1
+    first = torch.full((groups,), n, dtype=torch.long)
     first.scatter_reduce_(0, inverse, torch.arange(n), reduce="amin")
-    return torch.argsort(first[inverse] * n + torch.arange(n))
+    rank = first
+    if lengths is not None:
+        total = torch.zeros(groups, dtype=torch.long).index_add_(0, inverse, lengths.to(torch.long))
+        by_size = sorted(range(groups), key=lambda g: (-int(total[g]), int(first[g])))
+        rank = torch.empty(groups, dtype=torch.long)
+        rank[torch.tensor(by_size, dtype=torch.long)] = torch.arange(groups)
+    return torch.argsort(rank[inverse] * n + torch.arange(n))

@@ -212,7 +212,7 @@ def test_reserved_kv_cache_gives_bitwise_the_growing_caches_tokens(tiny_dir, pro
     import dapo_core.compute.engines.hf_rollout as hf
 
     engine = HFRolloutEngine(tiny_dir, max_batch_size=64, progress=False)
-    group = [p for p in prompts for _ in range(4)]
+    group = [p for p in prompts for _ in range(8)]
     sp = SamplingParams(max_new_tokens=40, temperature=1.3)
     seeds = list(range(len(group)))
     cache = hf.reserved_cache(engine.model.config, 8)
@@ -234,8 +234,8 @@ def test_finished_rows_leave_the_cache_in_batches_without_changing_any_row(tiny_
     float32 rounding: the matmuls see another row count), and the default copies the cache fewer times."""
     import dapo_core.compute.engines.hf_rollout as hf
 
-    group = [p for p in prompts for _ in range(4)]
-    sp = SamplingParams(max_new_tokens=40, temperature=1.3)
+    group = [p for p in prompts for _ in range(8)]
+    sp = SamplingParams(max_new_tokens=80, temperature=1.3)
     seeds = list(range(len(group)))
     calls: list[int] = []
     select = hf._ReservedLayer.batch_select_indices

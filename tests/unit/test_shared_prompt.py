@@ -243,3 +243,56 @@ def test_grouped_order_puts_equal_keys_together_in_order_of_first_appearance():
     assert order.tolist() == [0, 2, 7, 1, 4, 5, 3, 6]
     assert sorted(order.tolist()) == list(range(8))
     assert grouped_order(torch.zeros(0, dtype=torch.long)).numel() == 0
+
+
+def test_grouped_order_with_lengths_puts_the_longest_groups_first():
+    """Groups by summed length, longest first (ties: first appearance); rows keep their order in a group,
+    so consecutive micro-batches hold groups of like size."""
+    keys = torch.tensor([7, 3, 7, 9, 3, 3, 9, 7, 5, 5])
+    lengths = torch.tensor([1, 4, 1, 2, 3, 2, 1, 1, 6, 3])  # sums: 7 -> 3, 3 -> 9, 9 -> 3, 5 -> 9
+    order = grouped_order(keys, lengths)
+    assert order.tolist() == [1, 4, 5, 8, 9, 0, 2, 7, 3, 6]
+    assert grouped_order(keys, torch.ones(10, dtype=torch.long)).tolist() == [0, 2, 7, 1, 4, 5, 3, 6, 8, 9]
+
+
+def test_update_micro_batches_take_the_longest_prompt_groups_first(tiny_dir, monkeypatch):
+    """`ppo_update` with shared prompts hands the engine whole groups, longest summed response first, and
+    pads each micro-batch only to its own longest group."""
+    ids, mask, _ = grouped_batch(groups=4, n=4, seed=5, shuffle=True)
+    widths: list[list[int]] = []
+
+    def spy(input_ids, *args, **kwargs):
+        groups = shared_prompts(input_ids, args[0], args[2])
+        r_len = args[0][:, -args[2] :].sum(dim=1)
+        totals = torch.zeros(int(groups.first.numel()), dtype=torch.long).index_add_(0, groups.inverse, r_len)
+        widths.append(sorted(totals.tolist(), reverse=True))
+        return group_rows(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(train_engines, "group_rows", spy)
+    prompt_ids = [ids[r, :P][mask[r, :P].bool()].tolist() for r in range(ids.shape[0])]
+    response_ids = [ids[r, P:][mask[r, P:].bool()].tolist() for r in range(ids.shape[0])]
+    table = pa.table(
+        {
+            "prompt_ids": prompt_ids,
+            "response_ids": response_ids,
+            "advantages": [[0.5] * len(r) for r in response_ids],
+        }
+    )
+    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=8)
+    actor_cfg = dataclasses.asdict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1e-2)))
+    w = ActorWorker(
+        str(tiny_dir),
+        actor_cfg,
+        pad_token_id=0,
+        temperature=1.0,
+        rollout_n=4,
+        total_steps=1,
+        use_shared_prompt=True,
+    )
+    w.update_actor(table, global_steps=1)
+    group_len: dict[tuple, int] = {}
+    for p, r in zip(prompt_ids, response_ids, strict=True):
+        group_len[tuple(p)] = group_len.get(tuple(p), 0) + len(r)
+    expected = sorted(group_len.values(), reverse=True)
+    assert [len(w_) for w_ in widths] == [2, 2]
+    assert widths[0] + widths[1] == expected

@@ -607,6 +607,7 @@ def minibatch_update(
     token_budget: int | None = None,
     row_tokens: torch.Tensor | None = None,
     row_groups: torch.Tensor | None = None,
+    row_lengths: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The PPO mini-batch / micro-batch loop shared by the actor (`ppo_update`) and the critic.
 
@@ -626,7 +627,9 @@ def minibatch_update(
 
     With `row_groups` (B,), e.g. each row's prompt, the fixed-size micro-batches of a mini-batch take its rows
     with equal values next to each other (`microbatch.grouped_order`), so a shared-prompt forward sees whole
-    groups; the mini-batches themselves, and so the update, are unchanged (float summation order aside).
+    groups, and with `row_lengths` (B,) (each row's response tokens) the groups go longest first, so that a
+    micro-batch holds groups of similar length and pads less; the mini-batches themselves, and so the update,
+    are unchanged (float summation order aside).
     """
     n = int(batch_tensors["response_mask"].shape[0])
     if token_budget is not None and (row_tokens is None or int(row_tokens.shape[0]) != n):
@@ -662,7 +665,8 @@ def minibatch_update(
                 if row_groups is None:
                     splits = [slice(m0, m0 + micro_batch_size) for m0 in starts]
                 else:
-                    ranks = grouped_order(row_groups[idx])
+                    lengths = None if row_lengths is None else row_lengths[idx]
+                    ranks = grouped_order(row_groups[idx], lengths)
                     splits = [ranks[m0 : m0 + micro_batch_size] for m0 in starts]
             else:
                 assert row_tokens is not None
@@ -758,6 +762,7 @@ def ppo_update(
             else None
         ),
         row_groups=_prompt_groups(batch_tensors, resp_len) if share_prompt else None,
+        row_lengths=batch_tensors["response_mask"].sum(dim=-1) if share_prompt else None,
     )
 
 

@@ -42,8 +42,8 @@ def _log_prob_table(
     budget), rows grouped by `token_budget_split` over what each costs the forward (`row_token_costs`);
     each micro-batch is padded to its own longest row, or packed with `remove_padding`; with `share_prompt`
     each distinct prompt of a micro-batch runs once (`TrainEngine.forward`), and fixed-size micro-batches
-    take the rows of a prompt together (`grouped_order`). The output rows are in the table's order whatever
-    the grouping.
+    take the rows of a prompt together, longest groups first (`grouped_order`). The output rows are in the
+    table's order whatever the grouping.
     """
     engine.eval()
     lengths = torch.tensor(B.response_lengths(table), dtype=torch.long)
@@ -54,7 +54,7 @@ def _log_prob_table(
         if share_prompt:  # whole prompt groups per micro-batch, whatever order the batch is in
             keys: dict[tuple[int, ...], int] = {}
             prompt_of = [keys.setdefault(tuple(p), len(keys)) for p in table.column("prompt_ids").to_pylist()]
-            row_order = grouped_order(torch.tensor(prompt_of, dtype=torch.long)).tolist()
+            row_order = grouped_order(torch.tensor(prompt_of, dtype=torch.long), lengths).tolist()
         groups = [row_order[start : start + mbs] for start in range(0, rows, mbs)]
     else:
         seq_lens = B.prompt_lengths(table).astype("int64") + B.response_lengths(table).astype("int64")
