@@ -4,7 +4,9 @@ A generation batch of GRPO/DAPO is `prompts × n` rows where the n samples of a 
 the same rows (each prompt repeated n times, left-padded, no EOS stop so every row generates `--new-tokens`),
 the same model (the CPU default's tiny Qwen2 shape, random init) and sampling at temperature 1:
 - `engine`: `HFRolloutEngine.generate` (per-row seeded sampling: a row never depends on its neighbours);
-- `model_generate`: `model.generate(do_sample=True)` with one global RNG (what TRL's non-vLLM path calls).
+- `model_generate`: `model.generate(do_sample=True)` with one global RNG (what TRL's non-vLLM path calls);
+- `engine_sdpa_decode`: our engine with PyTorch's SDPA in the decode steps (`decode_attention=False`) instead
+  of `engines.decode_attention`.
 
 With `--baseline-tree DIR` (a checkout of an older commit, e.g. `git worktree add /tmp/base a09042c`) the
 engine of that tree runs too, interleaved with ours in the same process, and the outputs are compared
@@ -109,8 +111,17 @@ def main() -> None:
                     pad_token_id=0,
                 )
 
+        sdpa_engine = make_rollout_engine(
+            "hf",
+            path,
+            max_batch_size=args.max_batch_size,
+            progress=False,
+            eos_token_id=-1,
+            decode_attention=False,
+        )
         fns: dict[str, Callable[[], object]] = {
             "engine": lambda: engine.generate(prompts, params, seeds),
+            "engine_sdpa_decode": lambda: sdpa_engine.generate(prompts, params, seeds),
             "model_generate": plain,
         }
         if args.baseline_tree:

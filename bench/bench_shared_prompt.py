@@ -4,7 +4,9 @@ A GRPO/DAPO batch is `prompts × n` trajectories whose n responses share their p
 every prompt n times. The shared forward runs each distinct prompt of a micro-batch once, in one of two
 layouts: `grouped` (the default where it saves positions: one row per prompt group, the responses back to back
 under a 4-D mask) or `cache` (the prompts with a KV cache, the responses on copies of it; forced here with a
-zero mask budget). The batch mimics the CPU default's training batch in the side-by-side benchmark's shape
+zero mask budget); `grouped_first` is `grouped` with the prompt groups of a mini-batch in the order of their
+first row (as before 2026-12-01, session 10; now they go longest first, so a micro-batch pads less). The
+batch mimics the CPU default's training batch in the side-by-side benchmark's shape
 (`--prompts` × `--n`, prompts of `--prompt-min`..`--prompt-max` tokens, responses lognormal around
 `--response-median`, capped at `--response-max`). With `--order balanced` its rows come in
 `trainer.balance_batch`'s length order, as the flow hands them to the actor; `--no-group-micro` then leaves
@@ -69,11 +71,18 @@ def batch(args: argparse.Namespace) -> pa.Table:
 
 @contextlib.contextmanager
 def layout(path: str, group_micro: bool) -> Iterator[None]:
-    """Run the shared forwards in `path`'s layout ("cache": a zero mask budget declines every grouping) and,
+    """Run the shared forwards in `path`'s layout ("cache": a zero mask budget declines every grouping;
+    "grouped_first": prompt groups in the order of their first row, as before they went longest first) and,
     without `group_micro`, leave fixed-size micro-batches in the batch's own order."""
     saved = (microbatch.MAX_GROUP_MASK_ELEMENTS, train_engines.grouped_order, actor_worker.grouped_order)
     if path == "cache":
         microbatch.MAX_GROUP_MASK_ELEMENTS = 0
+    if path == "grouped_first":
+
+        def first_row_order(keys: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+            return microbatch.grouped_order(keys)
+
+        train_engines.grouped_order = actor_worker.grouped_order = first_row_order
     if not group_micro:
 
         def batch_order(keys: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,7 +113,7 @@ def main() -> None:
     table = batch(args)
     cfg = ActorConfig(ppo_mini_batch_size=args.prompts, ppo_micro_batch_size_per_gpu=args.micro)
     actor_cfg = dataclasses.asdict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=5e-5)))
-    paths = {"per_row": False, "cache": True, "grouped": True}
+    paths = {"per_row": False, "cache": True, "grouped_first": True, "grouped": True}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(tmp, tiny_shape(), seed=0)
         workers = {

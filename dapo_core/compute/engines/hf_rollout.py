@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from dapo_core.compute.engines.decode_attention import DECODE_ATTENTION
 from dapo_core.compute.engines.rollout import Completion, RolloutEngine, SamplingParams, check_generate_args
 from dapo_core.compute.models import load_model
 
@@ -106,6 +107,8 @@ class HFRolloutEngine(RolloutEngine):
     `compact_fraction` (finished rows leave the KV cache once they are this share of the batch; 0 = at
     every finished row, 1 = only when all rows are done; default 0.25),
     `progress` (True / False / None = only when rows × max_new_tokens >= `progress_min_tokens`),
+    `decode_attention` (default True: the one-token decode steps of an SDPA model run
+    `engines.decode_attention`, equal to SDPA within float rounding and ~1/3 cheaper on CPU; False: SDPA).
     The model is loaded with `dapo_core.compute.models.load_model` (SDPA attention), like the training
     engines, so rollout and training numerics agree.
     """
@@ -123,6 +126,7 @@ class HFRolloutEngine(RolloutEngine):
         progress_min_tokens: int = 1 << 16,
         pad_token_id: int | None = None,
         eos_token_id: int | list[int] | None = None,
+        decode_attention: bool = True,
     ) -> None:
         super().__init__()
         if max_batch_size < 1:
@@ -149,6 +153,8 @@ class HFRolloutEngine(RolloutEngine):
             "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         )
         self.model.requires_grad_(False)
+        if decode_attention and self.model.config._attn_implementation == "sdpa":
+            self.model.set_attn_implementation(DECODE_ATTENTION)
         cfg = self.model.config
         eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
         if eos is None:
