@@ -64,6 +64,33 @@ def grouped_batch(groups=3, n=4, seed=0, shuffle=False):
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def _update_table(ids: torch.Tensor, mask: torch.Tensor, advantages: list[float]) -> pa.Table:
+    """The padded (B, P+L) batch as the update's table, one advantage per row."""
+    prompt_ids = [ids[r, :P][mask[r, :P].bool()].tolist() for r in range(ids.shape[0])]
+    response_ids = [ids[r, P:][mask[r, P:].bool()].tolist() for r in range(ids.shape[0])]
+    return pa.table(
+        {
+            "prompt_ids": prompt_ids,
+            "response_ids": response_ids,
+            "advantages": [[a] * len(r) for a, r in zip(advantages, response_ids, strict=True)],
+        }
+    )
+
+
+def _actor(tiny_dir, *, mini: int, micro: int, total_steps: int, share: bool) -> ActorWorker:
+    cfg = ActorConfig(ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=micro)
+    actor_cfg = dataclasses.asdict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1e-2)))
+    return ActorWorker(
+        str(tiny_dir),
+        actor_cfg,
+        pad_token_id=0,
+        temperature=1.0,
+        rollout_n=4,
+        total_steps=total_steps,
+        use_shared_prompt=share,
+    )
+
+
 def test_shared_prompts_groups_rows_by_prompt_tokens_and_mask():
     ids, mask, _ = grouped_batch(groups=3, n=4, shuffle=True, seed=2)
     groups = shared_prompts(ids, mask, L)
@@ -146,30 +173,11 @@ def test_actor_update_with_shared_prompts_lands_on_the_same_weights(tiny_dir, pa
         return group_rows(input_ids, *args, **kwargs)
 
     monkeypatch.setattr(train_engines, "group_rows", spy)
-    prompt_ids = [ids[r, :P][mask[r, :P].bool()].tolist() for r in range(ids.shape[0])]
-    response_ids = [ids[r, P:][mask[r, P:].bool()].tolist() for r in range(ids.shape[0])]
     g = torch.Generator().manual_seed(6)
-    adv = torch.randn(4, generator=g).repeat_interleave(4).tolist()
-    table = pa.table(
-        {
-            "prompt_ids": prompt_ids,
-            "response_ids": response_ids,
-            "advantages": [[a] * len(r) for a, r in zip(adv, response_ids, strict=True)],
-        }
-    )
-    cfg = ActorConfig(ppo_mini_batch_size=4 if shuffle else 2, ppo_micro_batch_size_per_gpu=4)
-    actor_cfg = dataclasses.asdict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1e-2)))
+    table = _update_table(ids, mask, torch.randn(4, generator=g).repeat_interleave(4).tolist())
     results = {}
     for share in (False, True):
-        w = ActorWorker(
-            str(tiny_dir),
-            actor_cfg,
-            pad_token_id=0,
-            temperature=1.0,
-            rollout_n=4,
-            total_steps=2,
-            use_shared_prompt=share,
-        )
+        w = _actor(tiny_dir, mini=4 if shuffle else 2, micro=4, total_steps=2, share=share)
         old = w.compute_log_prob(table)
         metrics = w.update_actor(old, global_steps=1)
         results[share] = (old.column("old_log_probs").to_pylist(), metrics, w.weights())
@@ -269,29 +277,10 @@ def test_update_micro_batches_take_the_longest_prompt_groups_first(tiny_dir, mon
         return group_rows(input_ids, *args, **kwargs)
 
     monkeypatch.setattr(train_engines, "group_rows", spy)
-    prompt_ids = [ids[r, :P][mask[r, :P].bool()].tolist() for r in range(ids.shape[0])]
-    response_ids = [ids[r, P:][mask[r, P:].bool()].tolist() for r in range(ids.shape[0])]
-    table = pa.table(
-        {
-            "prompt_ids": prompt_ids,
-            "response_ids": response_ids,
-            "advantages": [[0.5] * len(r) for r in response_ids],
-        }
-    )
-    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=8)
-    actor_cfg = dataclasses.asdict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1e-2)))
-    w = ActorWorker(
-        str(tiny_dir),
-        actor_cfg,
-        pad_token_id=0,
-        temperature=1.0,
-        rollout_n=4,
-        total_steps=1,
-        use_shared_prompt=True,
-    )
-    w.update_actor(table, global_steps=1)
+    table = _update_table(ids, mask, [0.5] * ids.shape[0])
+    _actor(tiny_dir, mini=4, micro=8, total_steps=1, share=True).update_actor(table, global_steps=1)
     group_len: dict[tuple, int] = {}
-    for p, r in zip(prompt_ids, response_ids, strict=True):
+    for p, r in zip(table["prompt_ids"].to_pylist(), table["response_ids"].to_pylist(), strict=True):
         group_len[tuple(p)] = group_len.get(tuple(p), 0) + len(r)
     expected = sorted(group_len.values(), reverse=True)
     assert [len(w_) for w_ in widths] == [2, 2]
