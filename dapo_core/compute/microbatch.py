@@ -320,7 +320,6 @@ def grouped_order(keys: torch.Tensor, lengths: torch.Tensor | None = None) -> to
     rank = first
     if lengths is not None:
         total = torch.zeros(groups, dtype=torch.long).index_add_(0, inverse, lengths.to(torch.long))
-        by_size = sorted(range(groups), key=lambda g: (-int(total[g]), int(first[g])))
-        rank = torch.empty(groups, dtype=torch.long)
-        rank[torch.tensor(by_size, dtype=torch.long)] = torch.arange(groups)
+        rank = torch.empty(groups, dtype=torch.long)  # longest first; first < n + 1 breaks the ties
+        rank[torch.argsort(first - total * (n + 1))] = torch.arange(groups)
     return torch.argsort(rank[inverse] * n + torch.arange(n))
