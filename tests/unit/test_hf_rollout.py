@@ -204,14 +204,15 @@ def test_argument_errors(engine, prompts):
 
 
 def test_reserved_kv_cache_gives_bitwise_the_growing_caches_tokens(tiny_dir, prompts, monkeypatch):
-    """The engine writes the KV cache into a buffer reserved for the whole generation instead of growing it by
-    concatenation; attention reads the same numbers, so tokens and log-probs are bitwise equal, also while
-    rows end at different steps and leave the cache (eos stops)."""
+    """Without the shared-prompt cache (SDPA decode steps) the engine writes the KV cache into a buffer
+    reserved for the whole generation instead of growing it by concatenation; attention reads the same
+    numbers, so tokens and log-probs are bitwise equal, also while rows end at different steps and leave the
+    cache."""
     import transformers
 
     import dapo_core.compute.engines.hf_rollout as hf
 
-    engine = HFRolloutEngine(tiny_dir, max_batch_size=64, progress=False)
+    engine = HFRolloutEngine(tiny_dir, max_batch_size=64, progress=False, decode_attention=False)
     group = [p for p in prompts for _ in range(8)]
     sp = SamplingParams(max_new_tokens=40, temperature=1.3)
     seeds = list(range(len(group)))
@@ -232,19 +233,19 @@ def test_finished_rows_leave_the_cache_in_batches_without_changing_any_row(tiny_
     """Finished rows stay in the batch until they are `compact_fraction` of it. Compacting at every finished
     row (0), at a quarter (the default) or never (1) gives the same tokens, finish reasons and log-probs (to
     float32 rounding: the matmuls see another row count), and the default copies the cache fewer times."""
-    import dapo_core.compute.engines.hf_rollout as hf
+    from dapo_core.compute.engines.decode_attention import SharedPrefixCache
 
     group = [p for p in prompts for _ in range(8)]
     sp = SamplingParams(max_new_tokens=80, temperature=1.3)
     seeds = list(range(len(group)))
     calls: list[int] = []
-    select = hf._ReservedLayer.batch_select_indices
+    select = SharedPrefixCache.batch_select_indices
 
     def counted(self, indices):
         calls.append(int(indices.numel()))
         return select(self, indices)
 
-    monkeypatch.setattr(hf._ReservedLayer, "batch_select_indices", counted)
+    monkeypatch.setattr(SharedPrefixCache, "batch_select_indices", counted)
     outs, compactions = {}, {}
     for fraction in (0.0, 0.25, 1.0):
         calls.clear()
@@ -258,7 +259,7 @@ def test_finished_rows_leave_the_cache_in_batches_without_changing_any_row(tiny_
         assert [c.finish_reason for c in outs[fraction]] == [c.finish_reason for c in outs[0.0]]
         for x, y in zip(outs[fraction], outs[0.0], strict=True):
             assert max(abs(u - v) for u, v in zip(x.log_probs, y.log_probs, strict=True)) <= 1e-5
-    # the prefill's copy to the group rows is one call per layer in every setting
-    assert compactions[1.0] < compactions[0.25] < compactions[0.0]
+    # the rows of a prompt share its cache, so the prefill copies nothing: only compactions select rows
+    assert 0 == compactions[1.0] < compactions[0.25] < compactions[0.0]
     with pytest.raises(ValueError, match="compact_fraction"):
         HFRolloutEngine(tiny_dir, compact_fraction=1.5, progress=False)

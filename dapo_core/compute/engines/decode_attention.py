@@ -11,6 +11,17 @@ not depend on its neighbours. The result agrees with SDPA to float rounding (~1e
 bitwise. Prefill, anything with gradients, a position bias, a soft-cap or dropout go to transformers' SDPA
 unchanged. Registered under `DECODE_ATTENTION` with transformers' attention and mask interfaces (the mask is
 SDPA's), so a model opts in with `model.set_attn_implementation(DECODE_ATTENTION)`.
+
+Shared prompts (`SharedPrefixCache`, passed to the forward as `shared_prefix=`): the n samples of a group
+share their prompt, so the cache keeps each distinct prompt's keys and values once and only the generated
+positions per row. A decode step then reads a prompt's keys once for all of its rows, stacked as one
+`(rows of the group × group, d) @ (d, P)` matmul, and each row's own generated keys as before; the two score
+blocks meet in one softmax. On the side-by-side benchmark's generation (prompts of ~45 tokens, ~24 new) a
+row's prompt is most of what a decode step reads, so this cuts the attention's memory traffic several-fold,
+and the prefill's copy of the prompt cache to every row disappears. Each row's numbers still come from its
+own rows of every matmul; the prompt part's GEMM sees the group's row count, so (as in the linear layers) a
+row alone and a row in a batch agree to float rounding, not bitwise (tested). Against a row's full-cache
+attention only the order of the final sum differs (prompt part + generated part).
 """
 
 from __future__ import annotations
@@ -18,11 +29,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-__all__ = ["DECODE_ATTENTION", "decode_attention"]
+__all__ = [
+    "DECODE_ATTENTION",
+    "SharedPrefixCache",
+    "SharedPrefixLayer",
+    "decode_attention",
+    "shared_prefix_cache",
+]
 
 DECODE_ATTENTION = "dapo_decode_sdpa"
 """Name of the implementation in transformers' `AttentionInterface`: `decode_attention`."""
@@ -42,7 +60,13 @@ def decode_attention(
     """transformers' attention-function signature: query (B, H, Q, d), key / value (B, KV, L, d), a boolean
     (True = attend) or additive mask broadcastable to (B, 1, Q, L); returns (B, Q, H, d) and no weights."""
     special = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+    shared = kwargs.pop("shared_prefix", None)
     if query.shape[2] != 1 or dropout or special or (torch.is_grad_enabled() and query.requires_grad):
+        if shared is not None:
+            raise ValueError(
+                "shared_prefix= serves one-token decode steps without gradients, dropout, position bias or "
+                "soft-cap; run this forward without it."
+            )
         return sdpa_attention_forward(
             module,
             query,
@@ -57,6 +81,8 @@ def decode_attention(
     b, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     scale = dim**-0.5 if scaling is None else scaling
+    if shared is not None:
+        return _shared_prefix_step(shared, vars(module)["layer_idx"], query, key, value, scale), None
     grouped = query.reshape(b, kv_heads, heads // kv_heads, dim)
     scores = torch.matmul(grouped, key.transpose(-1, -2)).mul_(scale)  # (B, KV, group, L)
     if attention_mask is not None:
@@ -65,6 +91,152 @@ def decode_attention(
         scores = scores.masked_fill_(~mask, float("-inf")) if is_bool else scores.add_(mask)
     out = torch.matmul(torch.softmax(scores, dim=-1), value)  # (B, KV, group, d)
     return out.reshape(b, 1, heads, dim), None
+
+
+def _shared_prefix_step(
+    cache: SharedPrefixCache,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode step over a shared-prompt cache: query (B, H, 1, d); key / value the rows' generated
+    positions (B, KV, t, d); the prompts' keys and values from `cache`'s layer `layer_idx`."""
+    layer = cache.shared_layers[layer_idx]
+    prefix_keys, prefix_values, bias = layer.prefix_keys, layer.prefix_values, cache.prefix_bias
+    assert prefix_keys is not None and prefix_values is not None and bias is not None
+    b, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    slot, m = cache.slots()  # row r sits at slot[r] of the (U·m) grouped rows; m rows per prompt
+    u, p = prefix_keys.shape[0], prefix_keys.shape[2]
+    q = query.reshape(b, kv_heads, group, dim)
+
+    def stacked(x: torch.Tensor) -> torch.Tensor:  # (B, KV, group, w) -> (U, KV, m·group, w)
+        grid = x.new_zeros((u * m, kv_heads, group, x.shape[-1]))
+        grid[slot] = x
+        return grid.reshape(u, m, kv_heads, group, -1).transpose(1, 2).reshape(u, kv_heads, m * group, -1)
+
+    def unstacked(x: torch.Tensor) -> torch.Tensor:  # (U, KV, m·group, w) -> (B, KV, group, w)
+        w = x.shape[-1]
+        return x.reshape(u, kv_heads, m, group, w).transpose(1, 2).reshape(u * m, kv_heads, group, w)[slot]
+
+    prompt_scores = torch.matmul(stacked(q), prefix_keys.transpose(-1, -2)).mul_(scale)
+    prompt_scores = unstacked(prompt_scores.add_(bias[:, None, None, :]))
+    own_scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scale)  # (B, KV, group, t)
+    probs = torch.softmax(torch.cat([prompt_scores, own_scores], dim=-1), dim=-1)
+    out = unstacked(torch.matmul(stacked(probs[..., :p]), prefix_values))
+    out = out.add_(torch.matmul(probs[..., p:], value))
+    return out.reshape(b, 1, heads, dim)
+
+
+class SharedPrefixLayer(DynamicLayer):
+    """One layer of a `SharedPrefixCache`: the distinct prompts' keys and values as the prefill computed
+    them (`prefix_keys` / `prefix_values`, (U, KV, P, d)) and each row's generated positions in a buffer
+    reserved for `capacity` tokens (`keys` / `values` are views of its first `length` positions)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = int(capacity)
+        self.length = 0
+        self.prefix_keys: torch.Tensor | None = None
+        self.prefix_values: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if self.prefix_keys is None:  # the prefill: one row per distinct prompt
+            self.lazy_initialization(key_states, value_states)
+            self.prefix_keys, self.prefix_values = key_states, value_states
+            return key_states, value_states
+        if self.length == 0:
+            b, h, _, d = key_states.shape
+            self._keys = key_states.new_empty((b, h, self.capacity, d))
+            self._values = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache reserved for {self.capacity} new positions, asked for {end}")
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+        return 0 if self.prefix_keys is None else self.prefix_keys.shape[-2] + self.length
+
+    def get_mask_sizes(self, query_length: Any, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        return self.get_seq_length() + q, 0
+
+    def select(self, rows: torch.Tensor, prompts: torch.Tensor | None) -> None:
+        """Keep the generated positions of `rows` and, when given, only the prompts `prompts`."""
+        if self.length:
+            self._keys, self._values = self._keys[rows], self._values[rows]
+            self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+        if prompts is not None and self.prefix_keys is not None and self.prefix_values is not None:
+            self.prefix_keys, self.prefix_values = self.prefix_keys[prompts], self.prefix_values[prompts]
+
+
+class SharedPrefixCache(DynamicCache):
+    """A KV cache for rows that share prompts (see the module docstring). Use: a prefill forward over the
+    distinct prompts, then `share(row_prompt, prompt_mask)`, then one-token forwards with
+    `shared_prefix=<this cache>` and no attention mask. `batch_select_indices(rows)` keeps those rows (and
+    drops prompts no row uses any more)."""
+
+    def __init__(self, config: Any, capacity: int) -> None:
+        super().__init__(config=config)
+        self.shared_layers = [SharedPrefixLayer(capacity) for _ in self.layers]
+        self.layers = list(self.shared_layers)
+        self.row_prompt: torch.Tensor | None = None  # (B,) the prompt of each row
+        self.prefix_bias: torch.Tensor | None = None  # (U, P) 0 where a prompt has a token, -inf at padding
+        self._slots: tuple[torch.Tensor, int] | None = None
+
+    def share(self, row_prompt: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+        """After the prefill: row r continues prompt `row_prompt[r]`; `prompt_mask` (U, P) marks the prompts'
+        real (non-padding) positions."""
+        first = self.shared_layers[0].prefix_keys
+        dtype = first.dtype if first is not None else torch.float32
+        bias = torch.zeros(prompt_mask.shape, dtype=dtype, device=prompt_mask.device)
+        self.prefix_bias = bias.masked_fill_(prompt_mask == 0, float("-inf"))
+        self.row_prompt = row_prompt
+        self._slots = None
+
+    def slots(self) -> tuple[torch.Tensor, int]:
+        """Where each row sits when the rows are stacked by prompt, m rows per prompt: (slot (B,), m)."""
+        if self._slots is None:
+            assert self.row_prompt is not None and self.prefix_bias is not None
+            rp = self.row_prompt
+            counts = torch.bincount(rp, minlength=self.prefix_bias.shape[0])
+            m = int(counts.max())
+            order = torch.argsort(rp, stable=True)
+            first = torch.cumsum(counts, 0) - counts  # first sorted position of each prompt
+            sorted_rp = rp[order]
+            slot = torch.empty_like(rp)
+            slot[order] = sorted_rp * m + torch.arange(rp.numel(), device=rp.device) - first[sorted_rp]
+            self._slots = (slot, m)
+        return self._slots
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        assert self.row_prompt is not None and self.prefix_bias is not None
+        kept = self.row_prompt[indices]
+        used, renumbered = torch.unique(kept, return_inverse=True)
+        prompts = used if used.numel() < self.prefix_bias.shape[0] else None
+        for layer in self.shared_layers:
+            layer.select(indices, prompts)
+        if prompts is not None:
+            self.prefix_bias = self.prefix_bias[prompts]
+            kept = renumbered
+        self.row_prompt = kept
+        self._slots = None
+
+
+def shared_prefix_cache(config: Any, capacity: int) -> SharedPrefixCache | None:
+    """A `SharedPrefixCache` reserving `capacity` generated positions per row, or None when this model's
+    cache is not one plain `DynamicLayer` per layer (e.g. sliding-window layers)."""
+    layers = getattr(DynamicCache(config=config), "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        return None
+    return SharedPrefixCache(config, capacity)
 
 
 AttentionInterface.register(DECODE_ATTENTION, decode_attention)

