@@ -232,9 +232,9 @@ class HFRolloutEngine(RolloutEngine):
         live = torch.ones(b, dtype=torch.bool, device=dev)  # rows of the cache still generating
         live_rows = [True] * b
         # With decode attention the rows of a prompt read its KV cache from one copy (`SharedPrefixCache`);
-        # otherwise the prefill's cache rows are copied out to every sample.
+        # otherwise (or when no prompt has a second row) each row has its own copy.
         shared = None
-        if self.model.config._attn_implementation == DECODE_ATTENTION:
+        if self.model.config._attn_implementation == DECODE_ATTENTION and len(unique) < b:
             shared = shared_prefix_cache(self.model.config, params.max_new_tokens)
         cache = (
             shared if shared is not None else reserved_cache(self.model.config, plen + params.max_new_tokens)
