@@ -38,6 +38,7 @@ __all__ = [
     "DECODE_ATTENTION",
     "SharedPrefixCache",
     "SharedPrefixLayer",
+    "append_reserved",
     "decode_attention",
     "shared_prefix_cache",
 ]
@@ -131,6 +132,24 @@ def _shared_prefix_step(
     return out.reshape(b, 1, heads, dim)
 
 
+def append_reserved(layer: Any, key_states: torch.Tensor, value_states: torch.Tensor):
+    """Write `key_states` / `value_states` (B, KV, q, d) at `layer.length` into the layer's buffers `_keys` /
+    `_values`, reserved for `layer.capacity` positions on the first write; `keys` / `values` become views of
+    the first `length` positions (no copy of the cache per token, unlike HF's growing `DynamicLayer`)."""
+    if layer.length == 0:
+        b, h, _, d = key_states.shape
+        layer._keys = key_states.new_empty((b, h, layer.capacity, d))
+        layer._values = value_states.new_empty((b, h, layer.capacity, value_states.shape[-1]))
+    end = layer.length + key_states.shape[-2]
+    if end > layer.capacity:
+        raise RuntimeError(f"KV cache reserved for {layer.capacity} positions, asked for {end}")
+    layer._keys[:, :, layer.length : end] = key_states
+    layer._values[:, :, layer.length : end] = value_states
+    layer.length = end
+    layer.keys, layer.values = layer._keys[:, :, :end], layer._values[:, :, :end]
+    return layer.keys, layer.values
+
+
 class SharedPrefixLayer(DynamicLayer):
     """One layer of a `SharedPrefixCache`: the distinct prompts' keys and values as the prefill computed
     them (`prefix_keys` / `prefix_values`, (U, KV, P, d)) and each row's generated positions in a buffer
@@ -140,6 +159,7 @@ class SharedPrefixLayer(DynamicLayer):
         super().__init__()
         self.capacity = int(capacity)
         self.length = 0
+        self._keys = self._values = torch.empty(0)  # the reserved buffers, made on the first write
         self.prefix_keys: torch.Tensor | None = None
         self.prefix_values: torch.Tensor | None = None
 
@@ -148,18 +168,7 @@ class SharedPrefixLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
             self.prefix_keys, self.prefix_values = key_states, value_states
             return key_states, value_states
-        if self.length == 0:
-            b, h, _, d = key_states.shape
-            self._keys = key_states.new_empty((b, h, self.capacity, d))
-            self._values = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache reserved for {self.capacity} new positions, asked for {end}")
-        self._keys[:, :, self.length : end] = key_states
-        self._values[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
-        return self.keys, self.values
+        return append_reserved(self, key_states, value_states)
 
     def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
         return 0 if self.prefix_keys is None else self.prefix_keys.shape[-2] + self.length

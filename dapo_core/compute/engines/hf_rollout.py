@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from dapo_core.compute.engines.decode_attention import DECODE_ATTENTION, shared_prefix_cache
+from dapo_core.compute.engines.decode_attention import DECODE_ATTENTION, append_reserved, shared_prefix_cache
 from dapo_core.compute.engines.rollout import Completion, RolloutEngine, SamplingParams, check_generate_args
 from dapo_core.compute.models import load_model
 
@@ -69,21 +69,12 @@ class _ReservedLayer(DynamicLayer):
         super().__init__()
         self.capacity = int(capacity)
         self.length = 0
+        self._keys = self._values = torch.empty(0)  # the reserved buffers, made on the first write
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            b, h, _, d = key_states.shape
-            self._keys = key_states.new_empty((b, h, self.capacity, d))
-            self._values = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache reserved for {self.capacity} positions, asked for {end}")
-        self._keys[:, :, self.length : end] = key_states
-        self._values[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
-        return self.keys, self.values
+        return append_reserved(self, key_states, value_states)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.length:
