@@ -134,19 +134,28 @@ def _shared_case(row_prompt: list[int], seed: int = 0, new: int = 5):
     return cache, q, k, v, full_k, full_v, keep[:, None, None, :]
 
 
-def test_shared_prompt_step_equals_the_per_row_cache():
-    """Uneven groups (3, 1 and 2 rows, not contiguous), a left-padded prompt: the step over the shared cache
-    gives each row's full-cache attention to float rounding; after a compaction that drops prompt 0's rows the
-    unused prompt leaves the cache and the remaining rows still agree."""
-    cache, q, k, v, full_k, full_v, keep = _shared_case([0, 1, 0, 2, 2, 0])
+@pytest.mark.parametrize(
+    ("rows", "kept_rows", "stacked_by_reshape"),
+    [([0, 1, 0, 2, 2, 0], [1, 3, 4], False), ([0, 0, 1, 1, 2, 2], [2, 3, 4], True)],
+    ids=["uneven-groups", "prompt-by-prompt"],
+)
+def test_shared_prompt_step_equals_the_per_row_cache(rows, kept_rows, stacked_by_reshape):
+    """Uneven groups (3, 1 and 2 rows, not contiguous) or rows prompt by prompt (stacked by a reshape, no
+    slots), a left-padded prompt: the step over the shared cache gives each row's full-cache attention to
+    float rounding; after a compaction that drops prompt 0's rows the unused prompt leaves the cache and the
+    remaining rows still agree."""
+    cache, q, k, v, full_k, full_v, keep = _shared_case(rows)
+    assert (cache.slots()[0] is None) == stacked_by_reshape
     ours, _ = decode_attention(_module(), q, k, v, None, scaling=D**-0.5, shared_prefix=cache)
     ref, _ = decode_attention(_module(), q, full_k, full_v, keep, scaling=D**-0.5)
     ref_sdpa, _ = sdpa_attention_forward(_module(), q, full_k, full_v, keep, scaling=D**-0.5)
     torch.testing.assert_close(ours, ref, rtol=0, atol=2e-6)
     torch.testing.assert_close(ours, ref_sdpa, rtol=0, atol=2e-6)
-    kept = torch.tensor([1, 3, 4])
+    kept = torch.tensor(kept_rows)
     cache.batch_select_indices(kept)
-    assert cache.layers[0].prefix_keys.shape[0] == 2 and cache.row_prompt.tolist() == [0, 1, 1]
+    used = sorted({rows[i] for i in kept_rows})
+    assert cache.layers[0].prefix_keys.shape[0] == len(used) < 3
+    assert cache.row_prompt.tolist() == [used.index(rows[i]) for i in kept_rows]
     layer = cache.layers[0]
     ours, _ = decode_attention(
         _module(), q[kept], layer.keys, layer.values, None, scaling=D**-0.5, shared_prefix=cache

@@ -110,18 +110,23 @@ def _shared_prefix_step(
     b, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    slot, m = cache.slots()  # row r sits at slot[r] of the (U·m) grouped rows; m rows per prompt
+    # Row r sits at slot[r] of the U·m stacked rows (m rows per prompt); no slots: the rows already come
+    # prompt by prompt, m each (a generation before its first compaction), so stacking is a reshape.
+    slot, m = cache.slots()
     u, p = prefix_keys.shape[0], prefix_keys.shape[2]
     q = query.reshape(b, kv_heads, group, dim)
 
     def stacked(x: torch.Tensor) -> torch.Tensor:  # (B, KV, group, w) -> (U, KV, m·group, w)
-        grid = x.new_zeros((u * m, kv_heads, group, x.shape[-1]))
-        grid[slot] = x
+        grid = x
+        if slot is not None:
+            grid = x.new_zeros((u * m, kv_heads, group, x.shape[-1]))
+            grid[slot] = x
         return grid.reshape(u, m, kv_heads, group, -1).transpose(1, 2).reshape(u, kv_heads, m * group, -1)
 
     def unstacked(x: torch.Tensor) -> torch.Tensor:  # (U, KV, m·group, w) -> (B, KV, group, w)
         w = x.shape[-1]
-        return x.reshape(u, kv_heads, m, group, w).transpose(1, 2).reshape(u * m, kv_heads, group, w)[slot]
+        rows = x.reshape(u, kv_heads, m, group, w).transpose(1, 2).reshape(u * m, kv_heads, group, w)
+        return rows if slot is None else rows[slot]
 
     prompt_scores = torch.matmul(stacked(q), prefix_keys.transpose(-1, -2)).mul_(scale)
     prompt_scores = unstacked(prompt_scores.add_(bias[:, None, None, :]))
@@ -198,7 +203,7 @@ class SharedPrefixCache(DynamicCache):
         self.layers = list(self.shared_layers)
         self.row_prompt: torch.Tensor | None = None  # (B,) the prompt of each row
         self.prefix_bias: torch.Tensor | None = None  # (U, P) 0 where a prompt has a token, -inf at padding
-        self._slots: tuple[torch.Tensor, int] | None = None
+        self._slots: tuple[torch.Tensor | None, int] | None = None
 
     def share(self, row_prompt: torch.Tensor, prompt_mask: torch.Tensor) -> None:
         """After the prefill: row r continues prompt `row_prompt[r]`; `prompt_mask` (U, P) marks the prompts'
@@ -210,8 +215,9 @@ class SharedPrefixCache(DynamicCache):
         self.row_prompt = row_prompt
         self._slots = None
 
-    def slots(self) -> tuple[torch.Tensor, int]:
-        """Where each row sits when the rows are stacked by prompt, m rows per prompt: (slot (B,), m)."""
+    def slots(self) -> tuple[torch.Tensor | None, int]:
+        """Where each row sits when the rows are stacked by prompt, m rows per prompt: (slot (B,), m); slot is
+        None when row r already sits at r (rows prompt by prompt, every prompt with m rows)."""
         if self._slots is None:
             assert self.row_prompt is not None and self.prefix_bias is not None
             rp = self.row_prompt
@@ -222,7 +228,10 @@ class SharedPrefixCache(DynamicCache):
             sorted_rp = rp[order]
             slot = torch.empty_like(rp)
             slot[order] = sorted_rp * m + torch.arange(rp.numel(), device=rp.device) - first[sorted_rp]
-            self._slots = (slot, m)
+            identity = slot.numel() == counts.numel() * m and bool(
+                (slot == torch.arange(slot.numel(), device=slot.device)).all()
+            )
+            self._slots = (None if identity else slot, m)
         return self._slots
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
