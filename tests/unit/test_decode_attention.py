@@ -200,7 +200,11 @@ def test_engine_keeps_each_prompt_once_and_drops_finished_prompts(tmp_path, monk
     params = SamplingParams(max_new_tokens=150, temperature=1.3)
     made: list[SharedPrefixCache] = []
     prefix_rows: list[int] = []
-    select = SharedPrefixCache.batch_select_indices
+    select, share = SharedPrefixCache.batch_select_indices, SharedPrefixCache.share
+
+    def shared(self, row_prompt, prompt_mask):
+        share(self, row_prompt, prompt_mask)
+        prefix_rows.append(self.layers[0].prefix_keys.shape[0])
 
     def counted(self, indices):
         select(self, indices)
@@ -211,13 +215,13 @@ def test_engine_keeps_each_prompt_once_and_drops_finished_prompts(tmp_path, monk
         return made[-1]
 
     monkeypatch.setattr(SharedPrefixCache, "batch_select_indices", counted)
+    monkeypatch.setattr(SharedPrefixCache, "share", shared)
     monkeypatch.setattr(hf_rollout, "shared_prefix_cache", capture)
     engine = HFRolloutEngine(path, progress=False, compact_fraction=0.0)  # compact at every finished row
     ours = engine.generate(prompts, params, seeds)
     assert len(made) == 1 and made[0].layers[0].prefix_keys is not None
-    assert (
-        prefix_rows and prefix_rows[0] <= 8 and prefix_rows[-1] < 8
-    )  # whole prompts left as their rows ended
+    # the prefill's cache: one row per distinct prompt; then whole prompts left as their rows ended
+    assert prefix_rows[0] == len(texts) and len(prefix_rows) > 1 and prefix_rows[-1] < len(texts)
     monkeypatch.setattr(hf_rollout, "shared_prefix_cache", lambda config, capacity: None)
     per_row = engine.generate(prompts, params, seeds)
     assert [c.token_ids for c in ours] == [c.token_ids for c in per_row]

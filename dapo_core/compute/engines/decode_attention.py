@@ -199,6 +199,8 @@ class SharedPrefixCache(DynamicCache):
 
     def __init__(self, config: Any, capacity: int) -> None:
         super().__init__(config=config)
+        # whether transformers laid this model's cache out as one plain DynamicLayer per layer
+        self.plain_layout = bool(self.layers) and all(type(layer) is DynamicLayer for layer in self.layers)
         self.shared_layers = [SharedPrefixLayer(capacity) for _ in self.layers]
         self.layers = list(self.shared_layers)
         self.row_prompt: torch.Tensor | None = None  # (B,) the prompt of each row
@@ -251,10 +253,8 @@ class SharedPrefixCache(DynamicCache):
 def shared_prefix_cache(config: Any, capacity: int) -> SharedPrefixCache | None:
     """A `SharedPrefixCache` reserving `capacity` generated positions per row, or None when this model's
     cache is not one plain `DynamicLayer` per layer (e.g. sliding-window layers)."""
-    layers = getattr(DynamicCache(config=config), "layers", None)
-    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
-        return None
-    return SharedPrefixCache(config, capacity)
+    cache = SharedPrefixCache(config, capacity)
+    return cache if cache.plain_layout else None
 
 
 AttentionInterface.register(DECODE_ATTENTION, decode_attention)
