@@ -264,7 +264,8 @@ class RunArtifacts:
         self.table_updates += 1
         rows = [self.rows[k] for k in sorted(self.rows, reverse=True)[:STEP_TABLE_ROWS]]
         last, first = rows[0]["step"], rows[-1]["step"]
-        text = f"DAPO run {self.run_id}, steps {first}-{last} (newest first; every step: metrics.jsonl)"
+        span = f"step {last}" if first == last else f"steps {first}-{last}"
+        text = f"DAPO run {self.run_id}, {span}, newest first (every step: metrics.jsonl)"
 
         def publish() -> None:
             self._publish("progress", self.progress_key, self._pct_done(last), self._text(last))

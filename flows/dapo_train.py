@@ -202,7 +202,9 @@ def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] 
                 checkpoint(run_id, step, state.to_json(rt))
             rt.progress.end_step(metrics)
             ui.step(step, metrics)
-            logger.info("step %d (gen_step %d) done in %.1fs", step, state.gen_step, metrics["timing_s/step"])
+            if "console" not in tr.logger:  # the console logger prints the step's line
+                took = metrics["timing_s/step"]
+                logger.info("step %d (gen_step %d) done in %.1fs", step, state.gen_step, took)
     finally:
         close_run(rt)  # draws curves.png
         if ui is not None:
