@@ -20,14 +20,19 @@ SEEN="$HOST"; [ "$HOST" = "0.0.0.0" ] && SEEN="$(hostname -f 2>/dev/null || host
 export PREFECT_UI_API_URL="${PREFECT_UI_API_URL:-${PREFECT_SERVER_UI_API_URL:-http://$SEEN:$PORT/api}}"
 PREFECT_BIN=.venv/bin/prefect; [ -x "$PREFECT_BIN" ] || PREFECT_BIN="$(command -v prefect)"
 PYTHON_BIN=.venv/bin/python; [ -x "$PYTHON_BIN" ] || PYTHON_BIN="$(command -v python)"
+alive() { kill -0 "$1" 2>/dev/null && ! grep -qs '^State:.*Z' "/proc/$1/status"; }  # a zombie is not alive
 case "${1:-start}" in
   start)
     mkdir -p "$PREFECT_HOME"
-    if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then echo "already running (pid $(cat "$PIDFILE"))"; exit 0; fi
+    if [ -f "$PIDFILE" ] && alive "$(cat "$PIDFILE")"; then echo "already running (pid $(cat "$PIDFILE"))"; exit 0; fi
+    if curl -sf "http://$ASK:$PORT/api/health" >/dev/null; then
+      echo "another Prefect server already answers on port $PORT (not the one of PREFECT_HOME=$PREFECT_HOME): stop it or pick PREFECT_PORT" >&2; exit 1; fi
     PREFECT_API_URL="http://$ASK:$PORT/api" nohup "$PREFECT_BIN" server start --host "$HOST" --port "$PORT" >"$PREFECT_HOME/server.log" 2>&1 &
     echo $! >"$PIDFILE"
     WAIT_S="${PREFECT_START_TIMEOUT_S:-180}"  # a loaded machine has been seen to need > 2 minutes
     for i in $(seq 1 "$WAIT_S"); do
+      if ! alive "$(cat "$PIDFILE")"; then
+        rm -f "$PIDFILE"; echo "the Prefect server exited; see $PREFECT_HOME/server.log" >&2; exit 1; fi
       if curl -sf "http://$ASK:$PORT/api/health" >/dev/null; then
         echo "Prefect server up: UI http://$SEEN:$PORT  API http://$SEEN:$PORT/api (pid $(cat "$PIDFILE"))"
         PREFECT_API_URL="http://$ASK:$PORT/api" "$PYTHON_BIN" infra/zombie_automation.py --within "${ZOMBIE_WITHIN_S:-90}"
@@ -37,7 +42,12 @@ case "${1:-start}" in
     done
     echo "the Prefect server did not become healthy within $WAIT_S s; see $PREFECT_HOME/server.log (on a loaded machine raise PREFECT_START_TIMEOUT_S)" >&2; exit 1 ;;
   stop)
-    [ -f "$PIDFILE" ] && kill -INT "$(cat "$PIDFILE")" 2>/dev/null && rm -f "$PIDFILE" && echo stopped || echo "not running" ;;
+    # SIGTERM: a server started in the background of a script ignores SIGINT
+    if [ -f "$PIDFILE" ] && PID="$(cat "$PIDFILE")" && kill -TERM "$PID" 2>/dev/null; then
+      for _ in $(seq 1 30); do alive "$PID" || break; sleep 1; done
+      kill -KILL "$PID" 2>/dev/null || true
+      rm -f "$PIDFILE"; echo stopped
+    else rm -f "$PIDFILE"; echo "not running"; fi ;;
   status)
     curl -sf "http://$ASK:$PORT/api/health" && echo " healthy" || echo "not running" ;;
   *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
