@@ -1,26 +1,19 @@
-"""What a run shows in the Prefect UI: a progress bar, a metrics table per step, a markdown summary.
+"""What a run shows in the Prefect UI: a handful of cards in the flow run's Artifacts tab.
 
-Per training run `<run_id>` (keys are the run id made lowercase, other characters turned into dashes):
+Per training run `<run_id>` (keys are the run id made lowercase, other characters turned into dashes), one
+artifact each per flow run, updated in place (a Retry of the flow run updates the same ones):
 
-- `dapo-<run>-progress` — a progress artifact, steps done / total, updated with each table version (a resumed
-  or retried flow run creates a new one at the step it starts from);
-- `dapo-<run>-steps` — a table artifact with the step's key metrics (score, accuracy, kept groups, entropy,
-  response length, clip fractions, step time, held-out accuracy when validated); a new version with the rows
-  of the steps since the previous version, so the artifact's history in the UI is the run's history. Steps
-  shorter than `STEP_PUBLISH_INTERVAL_S` share a version (a validated step and the run's end publish at once);
-  at the recipe's scale, minutes a step, that is one version per step;
-- `dapo-<run>-summary` — markdown after each validation and at the end: held-out accuracy first → now, the
-  run id, where the checkpoints, metrics and curves are (the curves image embedded when drawn).
+- `dapo-<run>-progress` — a progress artifact, steps done / total, updated with the table;
+- `dapo-<run>-steps` — a table with a row per step, newest first (the run's history, also the steps before a
+  resume, read from `metrics.jsonl`; the last `STEP_TABLE_ROWS`): score, accuracy, kept groups, generation
+  batches, entropy, response length, clip fractions, step time, held-out accuracy when validated. Steps
+  shorter than `STEP_PUBLISH_INTERVAL_S` share an update (a validated step and the run's end publish at once);
+- `dapo-<run>-summary` — markdown, updated after each validation and at the end: held-out accuracy first →
+  now, the run id, where the checkpoints, metrics and curves are (the curves image embedded when drawn).
 
 Evaluation (`flows/evaluate.py`) publishes `dapo-eval-<model>` (table) and `dapo-eval-<model>-summary`.
-
-Artifacts are a view: a failure to publish one is logged as a warning and never fails the run (the run store
-and `metrics.jsonl` stay the source of truth). Outside a Prefect flow run nothing is published. They are
-published off the step loop, in order, by one background thread running in the flow run's context (each is
-an API call, ~0.1 s on the loaded 2-core machine); the final summary waits until every earlier one is out.
-Publishing coalesces because each call costs the server and the driver CPU (py-spy: ~10 ms of server CPU per
-call, plus the driver's HTTP client): at a step a second (the CPU default), on one shared core, that is step
-time (bench/README.md, session 9).
+Artifacts are a view: a failure to publish is a warning, never a failed run; outside a flow run nothing is
+published. Publishing runs off the step loop, in order, in one background thread in the flow run's context.
 """
 
 from __future__ import annotations
@@ -36,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from uuid import UUID
 
-__all__ = ["STEP_COLUMNS", "RunArtifacts", "artifact_key", "publish_eval", "step_row"]
+__all__ = ["STEP_COLUMNS", "RunArtifacts", "artifact_key", "publish_eval", "step_row", "upsert_artifact"]
 
 STEP_COLUMNS: tuple[tuple[str, str], ...] = (
     ("score", "critic/score/mean"),
@@ -52,8 +45,12 @@ STEP_COLUMNS: tuple[tuple[str, str], ...] = (
 """(column, metric key) of the per-step table, in display order; `val_acc` is added when validated."""
 
 STEP_PUBLISH_INTERVAL_S = 5.0
-"""Steps finished within this many seconds of the last published table version wait and share the next one
-(with the progress update); a step with a validation, and the end of the run, publish at once."""
+"""Steps finished within this many seconds of the last table update wait and share the next one (with the
+progress update); a step with a validation, and the end of the run, publish at once. Each update is an API
+call costing server and driver CPU (py-spy: ~10 ms of server CPU each; bench/README.md, session 9)."""
+
+STEP_TABLE_ROWS = 500
+"""The steps table keeps the newest this many rows (every step stays in `metrics.jsonl`)."""
 
 MAX_EMBEDDED_IMAGE_BYTES = 400_000
 """Curves images up to this size are embedded in the summary (as a data URI); larger ones are linked."""
@@ -84,10 +81,15 @@ def step_row(step: int, metrics: Mapping[str, float]) -> dict[str, float | int |
     return row
 
 
-def _in_flow_run() -> bool:
+def _flow_run_id() -> UUID | None:
     from prefect.context import FlowRunContext
 
-    return FlowRunContext.get() is not None
+    ctx = FlowRunContext.get()
+    return None if ctx is None or ctx.flow_run is None else ctx.flow_run.id
+
+
+def _in_flow_run() -> bool:
+    return _flow_run_id() is not None
 
 
 def _warn(what: str, exc: BaseException) -> None:
@@ -109,8 +111,54 @@ def _image_markdown(path: Path) -> str:
     return f"curves: `{path}`\n\n![training curves](data:image/png;base64,{base64.b64encode(data).decode()})"
 
 
+def _existing(key: str, flow_run_id: UUID) -> UUID | None:
+    """The newest artifact `key` that flow run `flow_run_id` created (an earlier attempt of it), or None."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            ),
+            sort=ArtifactSort.CREATED_DESC,
+            limit=1,
+        )
+    return found[0].id if found else None
+
+
+def upsert_artifact(
+    kind: str, key: str, data: str | float | list, description: str, known: UUID | None = None
+) -> UUID | None:
+    """Publish artifact `key` of `kind` ("progress", "table", "markdown") in the current flow run: update the
+    one this flow run already has (`known`, else looked up: an earlier attempt's), or create it. Returns its
+    id (None outside a flow run). One card per key in the flow run's Artifacts tab, however often called."""
+    flow_run_id = _flow_run_id()
+    if flow_run_id is None:
+        return None
+    from prefect import artifacts
+
+    aid = known or _existing(key, flow_run_id)
+    if aid is None:
+        if kind == "progress" and isinstance(data, float | int):
+            made = artifacts.create_progress_artifact(progress=float(data), key=key, description=description)
+        elif kind == "table" and isinstance(data, list):
+            made = artifacts.create_table_artifact(table=data, key=key, description=description)
+        else:
+            made = artifacts.create_markdown_artifact(markdown=str(data), key=key, description=description)
+        return made  # type: ignore[return-value]
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+
+    payload = json.dumps(data) if kind == "table" else data
+    with get_client(sync_client=True) as client:
+        client.update_artifact(aid, ArtifactUpdate(data=payload, description=description))
+    return aid
+
+
 class RunArtifacts:
-    """Publishes one training run's progress, per-step table and summary (a no-op outside a flow run)."""
+    """Publishes one training run's progress, steps table and summary (a no-op outside a flow run)."""
 
     def __init__(
         self,
@@ -130,34 +178,31 @@ class RunArtifacts:
         self.summary_key = artifact_key("dapo", run_id, "summary")
         self.first_val: tuple[int, float] | None = None
         self.last_val: tuple[int, float] | None = None
-        self._progress_id: UUID | None = None
+        self.ids: dict[str, UUID | None] = {}  # artifact key -> id, once created or found
+        self.table_updates = 0  # table updates handed to the publisher
         self._publisher: ThreadPoolExecutor | None = None
         self.min_interval_s = float(min_interval_s)
-        self._pending: list[dict] = []  # rows of finished steps not handed to the publisher yet
-        self._last_publish = -math.inf  # time.monotonic() of the last table version handed over
-        self._read_history(self.run_dir / "metrics.jsonl")
+        self.rows: dict[int, dict] = {}  # step -> table row, published and queued
+        self._pending = False  # rows not handed to the publisher yet
+        self._last_publish = -math.inf  # time.monotonic() of the last table update handed over
+        self._read_history(self.run_dir / "metrics.jsonl", done_steps)
         if not self.enabled:
             return
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dapo-artifacts")
-        try:
-            from prefect.artifacts import create_progress_artifact
-
-            self._progress_id = create_progress_artifact(  # type: ignore[assignment]
-                progress=self._pct_done(done_steps),
-                key=self.progress_key,
-                description=self._progress_text(done_steps),
-            )
-        except Exception as exc:
-            _warn(self.progress_key, exc)
+        done = int(done_steps)
+        self._submit(
+            lambda: self._publish("progress", self.progress_key, self._pct_done(done), self._text(done))
+        )
 
     def _pct_done(self, done: int) -> float:
         return round(100.0 * min(done, self.total) / self.total, 2)
 
-    def _progress_text(self, done: int) -> str:
+    def _text(self, done: int) -> str:
         return f"DAPO run {self.run_id}: {done} / {self.total} train steps"
 
-    def _read_history(self, jsonl: Path) -> None:
-        """Validations logged before this flow run started (a resumed or retried run): its "before"."""
+    def _read_history(self, jsonl: Path, done_steps: int) -> None:
+        """Steps and validations logged before this flow run started (a resumed or retried run): the table's
+        earlier rows (up to the step it resumes from) and the summary's "before"."""
         if not jsonl.exists():
             return
         for line in jsonl.read_text().splitlines():
@@ -166,7 +211,10 @@ class RunArtifacts:
             except ValueError:
                 continue  # a line cut by a crash
             if isinstance(row, dict) and isinstance(row.get("step"), int):
-                self.validation(row["step"], {k: v for k, v in row.items() if isinstance(v, float)})
+                metrics = {k: v for k, v in row.items() if isinstance(v, float)}
+                self.validation(row["step"], metrics)
+                if 0 < row["step"] <= done_steps:
+                    self.rows[row["step"]] = step_row(row["step"], metrics)
 
     def validation(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record a validation's held-out accuracy (the first one is the summary's "before")."""
@@ -184,14 +232,22 @@ class RunArtifacts:
             return
         self._publisher.submit(contextvars.copy_context().run, publish)
 
+    def _publish(self, kind: str, key: str, data: str | float | list, description: str) -> None:
+        try:
+            self.ids[key] = upsert_artifact(kind, key, data, description, known=self.ids.get(key))
+        except Exception as exc:
+            _warn(key, exc)
+
     def step(self, step: int, metrics: Mapping[str, float]) -> None:
-        """A step finished: queue its table row; publish the rows queued so far (a table version and the
-        progress) when `min_interval_s` has passed since the last version or the step was validated, and the
-        summary after a validation (published in the background; returns at once)."""
+        """A step finished: add its table row; publish the table and the progress when `min_interval_s` has
+        passed since the last update or the step was validated, and the summary after a validation (published
+        in the background; returns at once)."""
         if not self.enabled:
             return
         row = step_row(step, metrics)
-        self._pending.append(row)
+        self.rows = {k: v for k, v in self.rows.items() if k < step}  # a replayed step replaces later rows
+        self.rows[step] = row
+        self._pending = True
         validated = "val_acc" in row
         if validated or time.monotonic() - self._last_publish >= self.min_interval_s:
             self._flush()
@@ -200,31 +256,22 @@ class RunArtifacts:
             self.summary(step, final=False)
 
     def _flush(self) -> None:
-        """Hand the queued rows to the publisher as one table version (with the progress of the last)."""
-        if not self._pending:
+        """Hand the table (newest row first) and the progress of its newest step to the publisher."""
+        if not self._pending or not self.rows:
             return
-        rows, self._pending = self._pending, []
+        self._pending = False
         self._last_publish = time.monotonic()
-        self._submit(lambda: self._publish_steps(rows))
+        self.table_updates += 1
+        rows = [self.rows[k] for k in sorted(self.rows, reverse=True)[:STEP_TABLE_ROWS]]
+        last, first = rows[0]["step"], rows[-1]["step"]
+        span = f"step {last}" if first == last else f"steps {first}-{last}"
+        text = f"DAPO run {self.run_id}, {span}, newest first (every step: metrics.jsonl)"
 
-    def _publish_steps(self, rows: list[dict]) -> None:
-        from prefect.artifacts import create_table_artifact, update_progress_artifact
+        def publish() -> None:
+            self._publish("progress", self.progress_key, self._pct_done(last), self._text(last))
+            self._publish("table", self.steps_key, rows, text)
 
-        last, first = rows[-1]["step"], rows[0]["step"]
-        try:
-            if self._progress_id is not None:
-                update_progress_artifact(
-                    self._progress_id, progress=self._pct_done(last), description=self._progress_text(last)
-                )
-        except Exception as exc:
-            _warn(self.progress_key, exc)
-        steps = f"step {last}" if first == last else f"steps {first}-{last}"
-        try:
-            create_table_artifact(
-                table=rows, key=self.steps_key, description=f"DAPO run {self.run_id}, {steps}"
-            )
-        except Exception as exc:
-            _warn(self.steps_key, exc)
+        self._submit(publish)
 
     def close(self) -> None:
         """Wait until every artifact handed to the background thread is published, and stop the thread (a
@@ -263,18 +310,7 @@ class RunArtifacts:
             _image_markdown(self.run_dir / "curves.png"),
         ]
         markdown = "\n".join(lines)
-
-        def publish() -> None:
-            try:
-                from prefect.artifacts import create_markdown_artifact
-
-                create_markdown_artifact(
-                    markdown=markdown, key=self.summary_key, description=f"DAPO run {self.run_id}"
-                )
-            except Exception as exc:
-                _warn(self.summary_key, exc)
-
-        self._submit(publish)
+        self._submit(lambda: self._publish("markdown", self.summary_key, markdown, f"DAPO run {self.run_id}"))
         if final:
             self.close()
 
@@ -290,11 +326,11 @@ def publish_eval(model_dir: str, output: str, metrics: Mapping[str, float]) -> N
     rows = [{"metric": k, "value": round(float(v), 6)} for k, v in sorted(metrics.items())]
     acc = headline(metrics)
     try:
-        from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
-        create_table_artifact(table=rows, key=key, description=f"evaluation of {model_dir}")
-        create_markdown_artifact(
-            markdown="\n".join(
+        upsert_artifact("table", key, rows, f"evaluation of {model_dir}")
+        upsert_artifact(
+            "markdown",
+            artifact_key(key, "summary"),
+            "\n".join(
                 [
                     f"# Evaluation of `{model_dir}`",
                     "",
@@ -304,8 +340,7 @@ def publish_eval(model_dir: str, output: str, metrics: Mapping[str, float]) -> N
                     f"{int(metrics.get('eval/n', 0))}",
                 ]
             ),
-            key=artifact_key(key, "summary"),
-            description=f"evaluation of {model_dir}",
+            f"evaluation of {model_dir}",
         )
     except Exception as exc:
         _warn(key, exc)

@@ -49,6 +49,7 @@ from flows.run_setup import (
     restore,
     step_metrics,
 )
+from flows.ui_state import crash_orphaned_task_runs, quiet_task_run_console
 from tasks.rollout import generate, reward
 from tasks.update import checkpoint
 from tasks.validate import validate
@@ -91,6 +92,7 @@ def collect_batch(rt: TrainRun, step: int, state: DriverState) -> tuple[str, dic
     batch_uri, m = batch
     metrics.update(m)
     metrics["train/keep_rate"] = keep_rate.rate if fg.enable and keep_rate.rate is not None else 1.0
+    metrics["train/num_kept_groups"] = float(kept_groups if fg.enable else need)  # the step's, all batches
     return batch_uri, metrics
 
 
@@ -149,6 +151,7 @@ def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] 
     """Train with DAPO under `run_id` (resumes it if it exists and `trainer.resume_mode` allows; empty: a new
     run). `config`: a name in configs/, a path, or resolved YAML; `overrides`: dotted `key=value` items."""
     quiet_worker_noise()
+    quiet_task_run_console()  # the runner's flow-run process: as quiet as the CLI
     cfg = resolve_config(config, overrides)
     run_id = run_id or cfg.trainer.experiment_name or default_run_id()
     cfg.trainer.experiment_name = run_id
@@ -158,6 +161,8 @@ def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] 
     rt = open_run(cfg, run_id)
     ui: RunArtifacts | None = None
     try:
+        if crashed := crash_orphaned_task_runs(rt.store):  # before this attempt starts a task
+            logger.info("marked %d task run(s) of an earlier, dead attempt Crashed", crashed)
         state = restore(rt)
         total = state.total_steps
         logger.info(
@@ -197,7 +202,9 @@ def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] 
                 checkpoint(run_id, step, state.to_json(rt))
             rt.progress.end_step(metrics)
             ui.step(step, metrics)
-            logger.info("step %d (gen_step %d) done in %.1fs", step, state.gen_step, metrics["timing_s/step"])
+            if "console" not in tr.logger:  # the console logger prints the step's line
+                took = metrics["timing_s/step"]
+                logger.info("step %d (gen_step %d) done in %.1fs", step, state.gen_step, took)
     finally:
         close_run(rt)  # draws curves.png
         if ui is not None:

@@ -5,6 +5,8 @@
 # `start` also installs the automation that marks flow runs Crashed when their heartbeats stop (the host or the
 # flow-run process died): infra/zombie_automation.py, ZOMBIE_WITHIN_S seconds without a heartbeat (default 90;
 # `dapo deploy` makes flow runs beat every 30 s).
+# PREFECT_PORT (default 4200) and PREFECT_HOST (default 127.0.0.1) choose where it listens; its UI talks to this
+# server's own API (PREFECT_UI_API_URL, set here unless given: the UI otherwise takes PREFECT_API_URL or port 4200).
 # At scale, point PREFECT_API_DATABASE_CONNECTION_URL at PostgreSQL (see infra/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,25 +14,41 @@ export PREFECT_HOME="${PREFECT_HOME:-$PWD/.prefect}"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 PIDFILE="$PREFECT_HOME/server.pid"
 PORT="${PREFECT_PORT:-4200}"
+HOST="${PREFECT_HOST:-127.0.0.1}"
+ASK="$HOST"; [ "$HOST" = "0.0.0.0" ] && ASK=127.0.0.1  # where this script checks health
+SEEN="$HOST"; [ "$HOST" = "0.0.0.0" ] && SEEN="$(hostname -f 2>/dev/null || hostname)"  # where a browser finds it
+export PREFECT_UI_API_URL="${PREFECT_UI_API_URL:-${PREFECT_SERVER_UI_API_URL:-http://$SEEN:$PORT/api}}"
+PREFECT_BIN=.venv/bin/prefect; [ -x "$PREFECT_BIN" ] || PREFECT_BIN="$(command -v prefect)"
+PYTHON_BIN=.venv/bin/python; [ -x "$PYTHON_BIN" ] || PYTHON_BIN="$(command -v python)"
+alive() { kill -0 "$1" 2>/dev/null && ! grep -qs '^State:.*Z' "/proc/$1/status"; }  # a zombie is not alive
 case "${1:-start}" in
   start)
     mkdir -p "$PREFECT_HOME"
-    if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then echo "already running (pid $(cat "$PIDFILE"))"; exit 0; fi
-    nohup .venv/bin/prefect server start --host 127.0.0.1 --port "$PORT" >"$PREFECT_HOME/server.log" 2>&1 &
+    if [ -f "$PIDFILE" ] && alive "$(cat "$PIDFILE")"; then echo "already running (pid $(cat "$PIDFILE"))"; exit 0; fi
+    if curl -sf "http://$ASK:$PORT/api/health" >/dev/null; then
+      echo "another Prefect server already answers on port $PORT (not the one of PREFECT_HOME=$PREFECT_HOME): stop it or pick PREFECT_PORT" >&2; exit 1; fi
+    PREFECT_API_URL="http://$ASK:$PORT/api" nohup "$PREFECT_BIN" server start --host "$HOST" --port "$PORT" >"$PREFECT_HOME/server.log" 2>&1 &
     echo $! >"$PIDFILE"
     WAIT_S="${PREFECT_START_TIMEOUT_S:-180}"  # a loaded machine has been seen to need > 2 minutes
     for i in $(seq 1 "$WAIT_S"); do
-      if curl -sf "http://127.0.0.1:$PORT/api/health" >/dev/null; then
-        echo "Prefect server up: UI http://127.0.0.1:$PORT  API http://127.0.0.1:$PORT/api (pid $(cat "$PIDFILE"))"
-        PREFECT_API_URL="http://127.0.0.1:$PORT/api" .venv/bin/python infra/zombie_automation.py --within "${ZOMBIE_WITHIN_S:-90}"
-        echo "export PREFECT_API_URL=http://127.0.0.1:$PORT/api"; exit 0; fi
+      if ! alive "$(cat "$PIDFILE")"; then
+        rm -f "$PIDFILE"; echo "the Prefect server exited; see $PREFECT_HOME/server.log" >&2; exit 1; fi
+      if curl -sf "http://$ASK:$PORT/api/health" >/dev/null; then
+        echo "Prefect server up: UI http://$SEEN:$PORT  API http://$SEEN:$PORT/api (pid $(cat "$PIDFILE"))"
+        PREFECT_API_URL="http://$ASK:$PORT/api" "$PYTHON_BIN" infra/zombie_automation.py --within "${ZOMBIE_WITHIN_S:-90}"
+        echo "export PREFECT_API_URL=http://$SEEN:$PORT/api"; exit 0; fi
       if [ $((i % 15)) -eq 0 ]; then echo "waiting for the Prefect server to answer on port $PORT ($i s of $WAIT_S s)"; fi
       sleep 1
     done
     echo "the Prefect server did not become healthy within $WAIT_S s; see $PREFECT_HOME/server.log (on a loaded machine raise PREFECT_START_TIMEOUT_S)" >&2; exit 1 ;;
   stop)
-    [ -f "$PIDFILE" ] && kill -INT "$(cat "$PIDFILE")" 2>/dev/null && rm -f "$PIDFILE" && echo stopped || echo "not running" ;;
+    # SIGTERM: a server started in the background of a script ignores SIGINT
+    if [ -f "$PIDFILE" ] && PID="$(cat "$PIDFILE")" && kill -TERM "$PID" 2>/dev/null; then
+      for _ in $(seq 1 30); do alive "$PID" || break; sleep 1; done
+      kill -KILL "$PID" 2>/dev/null || true
+      rm -f "$PIDFILE"; echo stopped
+    else rm -f "$PIDFILE"; echo "not running"; fi ;;
   status)
-    curl -sf "http://127.0.0.1:$PORT/api/health" && echo " healthy" || echo "not running" ;;
+    curl -sf "http://$ASK:$PORT/api/health" && echo " healthy" || echo "not running" ;;
   *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
 esac

@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from dapo_core.config import ConfigError, load_config, to_yaml
-from flows.artifacts import artifact_key, step_row
+from flows.artifacts import STEP_COLUMNS, artifact_key, step_row
 from tests.integration.conftest import CONFIG, tiny_overrides
 from tests.integration.prefect_server import prefect_server, stop, wait_for
 
@@ -49,26 +49,41 @@ def test_artifact_keys_follow_prefects_rule():
     assert row["entropy"] is None and row["clipfrac"] is None
 
 
-def test_fast_steps_share_a_table_version_and_nothing_is_lost(prefect_home, tmp_path):
-    """Steps within the publish interval wait for the next table version; a validated step publishes at once
-    with the rows queued before it, and close() publishes what is still queued (the run's last steps)."""
+def test_one_card_per_artifact_updated_in_place_also_across_attempts(prefect_home, tmp_path):
+    """Steps within the publish interval share a table update; a validated step publishes at once, and close()
+    publishes what is still queued. A second attempt of the same flow run (a Retry) updates the same progress,
+    table and summary artifacts, its table starting with the steps logged before it (metrics.jsonl)."""
     from prefect import flow
 
     from flows.artifacts import RunArtifacts
 
     @flow(name="artifact-coalescing")
-    def publish() -> None:
-        ui = RunArtifacts("coalesce", tmp_path, total_steps=6, done_steps=0, min_interval_s=3600.0)
+    def publish() -> list[int]:
+        ui = RunArtifacts("coalesce", tmp_path, total_steps=8, done_steps=0, min_interval_s=3600.0)
         for step in range(1, 7):
             val = {"val-core/a/acc/mean@4": 0.5} if step == 4 else {}
             ui.step(step, {"critic/score/mean": float(step), **val})
         ui.close()
+        updates = [ui.table_updates]
+        with (tmp_path / "metrics.jsonl").open("w") as f:  # what the first attempt logged
+            for step in range(1, 7):
+                f.write(json.dumps({"step": step, "critic/score/mean": float(step)}) + "\n")
+        again = RunArtifacts("coalesce", tmp_path, total_steps=8, done_steps=5, min_interval_s=3600.0)
+        for step in (6, 7, 8):  # step 6 was logged but not checkpointed: redone
+            again.step(step, {"critic/score/mean": 10.0 * step})
+        again.summary(8, final=True)
+        return [*updates, again.table_updates]
 
-    publish()
-    versions = [[r["step"] for r in json.loads(a.data)] for a in _artifacts("dapo-coalesce-steps")]
-    assert versions == [[1], [2, 3, 4], [5, 6]]
+    assert publish() == [3, 2]  # [1], [2, 3, 4] (validated), [5, 6] (close); then [1..6], [1..8] (close)
+    steps = _artifacts("dapo-coalesce-steps")
+    assert len(steps) == 1
+    rows = json.loads(steps[0].data)
+    assert [r["step"] for r in rows] == [8, 7, 6, 5, 4, 3, 2, 1]  # newest first, the whole history
+    assert [r["score"] for r in rows[:3]] == [80.0, 70.0, 60.0] and rows[3]["score"] == 5.0
     progress = _artifacts("dapo-coalesce-progress")
-    assert float(progress[-1].data) == 100.0  # the progress follows the last published row
+    assert len(progress) == 1 and float(progress[0].data) == 100.0  # the same artifact, at the last step
+    summary = _artifacts("dapo-coalesce-summary")
+    assert len(summary) == 1 and "finished" in summary[0].data and "8 / 8" in summary[0].data
 
 
 def test_config_parameter_accepts_name_path_and_yaml(prefect_home):  # Prefect reads its env at import
@@ -108,14 +123,14 @@ def test_training_and_evaluation_publish_artifacts(tiny_assets):
     progress = _artifacts("dapo-ui-artifacts-progress")
     assert len(progress) == 1 and progress[0].type == "progress" and float(progress[0].data) == 100.0
     steps = _artifacts("dapo-ui-artifacts-steps")
-    assert [s.type for s in steps] == ["table", "table"]  # one version per step: the UI's history
-    rows = [json.loads(s.data)[0] for s in steps]
+    assert [s.type for s in steps] == ["table"]  # one table, updated in place: a row per step, newest first
+    rows = json.loads(steps[0].data)[::-1]
     assert [r["step"] for r in rows] == [1, 2]
-    for col in ("score", "acc", "entropy", "response_len", "clipfrac", "clipfrac_lower", "step_s"):
+    for col in [c for c, _ in STEP_COLUMNS]:  # every column has a value
         assert isinstance(rows[0][col], float), col
     assert "val_acc" in rows[1] and "val_acc" not in rows[0]
     summary = _artifacts("dapo-ui-artifacts-summary")
-    assert len(summary) == 2  # after the validation of step 2, and at the end
+    assert len(summary) == 1  # updated after the validation of step 2, and at the end
     final = summary[-1].data
     assert "finished" in final and "`ui-Artifacts`" in final and "step 0" in final and "→ step 2" in final
     assert "curves.png" in final and "data:image/png;base64," in final  # drawn when the run closed
@@ -220,6 +235,14 @@ def _final_state(client, flow_run_id, timeout: float, proc=None):
         return state if state is not None and state.is_final() else None
 
     return wait_for(final, timeout, f"flow run {flow_run_id} to finish", proc)
+
+
+def _task_runs(client, flow_run_id) -> list:
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    return client.read_task_runs(
+        task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id]))
+    )
 
 
 def _descendants(pid: int) -> list[int]:
@@ -346,6 +369,10 @@ def test_host_loss_marks_the_run_crashed(server, tiny_assets):
             state = _final_state(client, fr.id, 900, serve)
             assert state.type == StateType.COMPLETED, state
             assert marker.read_text() == committed  # step 1's generation was replayed, not recomputed
+            left = _task_runs(client, fr.id)
+            assert not [t.name for t in left if t.state_type == StateType.RUNNING]  # none runs forever
+            crashed = [t for t in left if t.state_type == StateType.CRASHED]
+            assert all("attempt 2" in (t.state.message or "") for t in crashed), crashed
             assert (tiny_assets / "runs" / "zombie" / "ckpt" / "step_20" / "actor").is_dir()
     finally:
         stop(serve, signal.SIGKILL)
