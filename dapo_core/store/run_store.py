@@ -32,13 +32,13 @@ from typing import Any, Literal, Self
 
 from dapo_core.store.checkpoint import CheckpointDir
 from dapo_core.store.files import DiskFull, atomic_write_bytes, fsync_dir
+from dapo_core.store.manifests import STEP_DIR_RE as _STEP_DIR_RE
+from dapo_core.store.manifests import check_step as _check_step
 from dapo_core.store.stage_files import (
-    _STEP_DIR_RE,
     StageFiles,
     StageNotCommitted,
     StoreCorruption,
     StoreError,
-    _check_step,
     io_counters,
     row_keys,
     schema_hash,
