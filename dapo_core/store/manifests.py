@@ -128,14 +128,10 @@ def load_manifest(man_path: Path, step: int, stage: str) -> dict[str, Any]:
         raise unreadable
     if fmt != FORMAT:
         newer = fmt > FORMAT
+        who = "a newer dapo" if newer else "a development version of dapo (a format no release wrote)"
         raise StoreError(
             f"{man_path} has manifest format {fmt}, {'newer' if newer else 'older'} than this code reads "
-            f"({FORMAT}): "
-            + (
-                "the run folder was written by a newer dapo"
-                if newer
-                else "the run folder was written before format 3, which this code no longer reads"
-            ),
+            f"({FORMAT}): the run folder was written by {who}",
             fix=(
                 "upgrade this checkout to the version that wrote the run, or start a new run"
                 if newer

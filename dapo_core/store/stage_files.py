@@ -79,7 +79,7 @@ class StageFiles:
     _VIEW_CACHE_SIZE = 2
     """Views kept in memory after a write or read, for unverified reads (a writer compares its table with its
     base without re-reading it: a job's input and its output); a verified read always reads and checks the
-    files. Small, since one view of a large step is a few GB."""
+    files. Small, since one view can hold most of a step's data."""
 
     def __init__(self, root: str | Path) -> None:
         local = local_path(str(root))
