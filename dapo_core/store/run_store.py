@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, Self
 
 from dapo_core.store.checkpoint import CheckpointDir
-from dapo_core.store.files import DiskFull, atomic_write_bytes, fsync_dir
+from dapo_core.store.files import DiskFull, atomic_write_bytes
 from dapo_core.store.manifests import STEP_DIR_RE as _STEP_DIR_RE
 from dapo_core.store.manifests import check_step as _check_step
 from dapo_core.store.stage_files import (
@@ -33,8 +33,6 @@ from dapo_core.store.stage_files import (
     StageNotCommitted,
     StoreCorruption,
     StoreError,
-    io_counters,
-    row_keys,
     schema_hash,
 )
 
@@ -46,10 +44,6 @@ __all__ = [
     "StageNotCommitted",
     "StoreCorruption",
     "StoreError",
-    "atomic_write_bytes",
-    "fsync_dir",
-    "io_counters",
-    "row_keys",
     "schema_hash",
 ]
 
@@ -397,14 +391,6 @@ class RunStore(StageFiles):
                 for k, t in self._conn().execute(q, part):
                     out[k] = json.loads(t)
         return out
-
-    def partition_of(self, key: str) -> str:
-        """The partition of ``key`` (``KeyError`` if missing)."""
-        with self._lock:
-            row = self._conn().execute("SELECT partition FROM kv WHERE key=?", (key,)).fetchone()
-        if row is None:
-            raise KeyError(f"ledger key {key!r} not found")
-        return row[0]
 
     def update_tags(self, keys: str | Iterable[str], **tags: Any) -> int:
         """Merge ``tags`` into the tags of ``keys`` (one key or many) in one transaction.
