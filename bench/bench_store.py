@@ -59,11 +59,13 @@ def _use_tree(tree: str | None) -> None:
         os.chdir(path)
 
 
-def _fresh_process(stage_files) -> None:
-    """Forget what this process verified, as a worker process that has not read the file yet."""
-    cache = getattr(stage_files, "_VERIFIED", None)
-    if cache is not None:
-        cache.clear()
+def _fresh_process() -> None:
+    """Forget what this process verified, as a worker process that has not read the file yet (the cache is in
+    `stage_io`; in older trees, in `stage_files`)."""
+    for name in ("stage_io", "stage_files"):
+        cache = getattr(sys.modules.get(f"dapo_core.store.{name}"), "_VERIFIED", None)
+        if cache is not None:
+            cache.clear()
 
 
 def model_32b(write_mb_s: float, read_mb_s: float) -> dict:
@@ -213,7 +215,7 @@ def step(args) -> dict:
             u_a = w("write_stage", "advantage", adv, base=u_o)
             time.sleep(2.1)  # the files settle (at the recipe's shape a stage takes minutes)
             for proc, uris in (("reward_worker", [*gen_uris, u_o, u_a]), ("actor", [u_b, u_a])):
-                _fresh_process(stage_files)  # a fresh worker process
+                _fresh_process()  # a fresh worker process
                 fresh = RunStore(store.root)  # no view cache: a worker opens the store from its root
                 stage_files.io_counters(reset=True)
                 t0 = time.perf_counter()
@@ -326,7 +328,7 @@ def main() -> None:
         mb, view_mb = man["bytes"] / 1e6, table.nbytes / 1e6
 
         def read_fresh(i: int) -> None:
-            _fresh_process(stage_files)
+            _fresh_process()
             store.read_stage(i, "batch")
 
         stage_files.io_counters(reset=True)

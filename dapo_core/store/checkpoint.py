@@ -11,9 +11,8 @@ One process saves at a time (the flow's driver).
 Every load path verifies the manifest (sizes and sha256): :meth:`CheckpointDir.load` for this run's steps,
 :func:`verify_folder` for a folder named by path (another run's step, ``dapo eval --checkpoint``). A missing
 or unreadable ``latest`` while complete checkpoints exist is recovered by :meth:`CheckpointDir.resume_step`
-(the newest checkpoint that verifies, with a warning), never read as "no checkpoint". The manifest sits in
-the same folder, so it detects damage, not tampering: nothing in a checkpoint is ever executed (weights and
-training state are safetensors + JSON, see ``dapo_core.store.state_files``).
+(the newest checkpoint that verifies, with a warning), never read as "no checkpoint". The manifest detects
+damage, not tampering: nothing in a checkpoint is executed (safetensors + JSON, :mod:`.state_files`).
 """
 
 from __future__ import annotations

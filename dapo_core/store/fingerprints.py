@@ -28,7 +28,6 @@ import pyarrow as pa
 from dapo_core.errors import DapoUserError
 
 __all__ = [
-    "FINGERPRINT_FORMAT",
     "NOT_TRAINING_KEYS",
     "NOT_TRAINING_LEAVES",
     "InputsChanged",
@@ -39,9 +38,6 @@ __all__ = [
     "folder_fingerprint",
     "table_sha256",
 ]
-
-FINGERPRINT_FORMAT = 1
-"""The `format` field of inputs.json."""
 
 NOT_TRAINING_KEYS = (
     "eval",

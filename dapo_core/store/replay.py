@@ -1,40 +1,17 @@
 """Replay buffer over the run store, for the replay-buffer step order.
 
 Rollout work registers prompts in the ledger (``RunStore.register_prompts``; the generation task then tags
-them ``status="running"``) and hands finished groups to :meth:`ReplayBuffer.add_stage`; the
-trainer calls :meth:`ReplayBuffer.sample` once per global step. ``sample`` never blocks: when there are not
-enough sampleable groups it returns ``None`` and says in ``metrics["refill_needed"]`` how many prompts the
-caller should generate next. ``sample`` also computes the staleness and eviction metrics
-(``{training,validation}/off_policy/*``, §7.7): the buffer is where the trajectories' weight versions are.
+them ``status="running"``) and hands finished groups to :meth:`ReplayBuffer.add_stage`; the trainer calls
+:meth:`ReplayBuffer.sample` once per global step, which never blocks: without enough sampleable groups it
+returns ``None`` and says in ``metrics["refill_needed"]`` how many prompts to generate next. It also computes
+the staleness and eviction metrics (``{training,validation}/off_policy/*``, §7.7).
 
-Storage choice: each add commits its trajectory rows as ONE stage file
-(``step_<global_steps>/replay_add_<k>.arrow``, checksummed like every stage) and each trajectory key
-``{uid}_{sample_idx}`` records ``uri`` + ``row`` (the row of that file's view) in its tags (plus
-``min/max_global_steps`` and the filter metric). :meth:`ReplayBuffer.add_stage` commits
-that file as a *row selection* over the committed reward stage the groups come from (row ids and positions
-only, :meth:`~dapo_core.store.stage_files.StageFiles.write_selection`) after reading only the few small
-columns it needs (uid, sample_idx, weight version, filter metric; memory-mapped): no token-level column is
-written again and none is read. :meth:`ReplayBuffer.sample_selection` answers with a :class:`Selection`
-(positions in the concatenated views of ``replay_add`` files), which the flow commits as the step's
-``batch``, again a row selection; :meth:`ReplayBuffer.sample` reads it as a table. The ledger stays small
-(tags, and the prompt rows of groups in flight as payloads, deleted with the group).
-
-Semantics (docs/REFERENCE.md §9.3 / §7.7, simplified to a single driver):
-- Oldest first by the prompt's ``global_steps`` (ties: registration order).
-- DAPO filter: a finished group with more than one trajectory whose ``filter_groups_metric`` has population
-  std 0 is evicted (``…/filter_groups/evicted_samples``, ``_dapo_filtered_reward_counts``).
-- Off-policy: span = ``global_steps − prompt_global_steps + 1``. ``drop``: finished groups with
-  span > threshold are evicted (``…/off_policy/evicted_samples`` + staleness of the evicted spans).
-  ``wait``: nothing is evicted for staleness; when an in-flight prompt has span ≥ threshold, ``sample``
-  returns ``None`` with ``metrics["must_wait"] = True`` (finish those prompts first; they are the oldest).
-- Finished groups without trajectories and ``failure`` groups are evicted
-  (``…/rollout_failure/evicted_samples``).
-- The validation partition (anything but ``train``; metric prefix ``validation/``) never evicts.
-- Eviction counts are in groups (prompts), as in the reference's replay buffer.
-- Surplus: groups beyond ``batch_size`` stay for the next step, unless ``discard_surplus=True`` (then they are
-  deleted and counted in ``…/filter_groups/discarded_surplus_samples``).
-- Selected prompts are tagged ``consumed_step=global_steps``; calling ``sample`` again with the same step
-  returns the same batch (crash-replay). :meth:`release` deletes consumed keys once a checkpoint covers them.
+Each add commits its trajectory rows as one stage file, ``step_<global_steps>/replay_add_<k>.arrow``: a row
+selection over the committed reward stage (:meth:`~dapo_core.store.stage_files.StageFiles.write_selection`),
+written after reading only uid, sample_idx, weight version and filter metric (memory-mapped). Each trajectory
+key ``{uid}_{sample_idx}`` records ``uri`` + ``row`` in its tags. :meth:`ReplayBuffer.sample_selection`
+answers with a :class:`Selection`, which the flow commits as the step's ``batch`` (again a row selection).
+The semantics: :class:`ReplayBuffer`.
 """
 
 from __future__ import annotations
@@ -96,7 +73,26 @@ def referenced_steps(store: RunStore, partition: str = "train") -> set[int]:
 
 
 class ReplayBuffer:
-    """Oldest-first, non-blocking replay buffer of complete groups kept in a :class:`RunStore`."""
+    """Oldest-first, non-blocking replay buffer of complete groups kept in a :class:`RunStore`.
+
+    Semantics (docs/REFERENCE.md §9.3 / §7.7, simplified to a single driver):
+    - Oldest first by the prompt's ``global_steps`` (ties: registration order).
+    - DAPO filter: a finished group with more than one trajectory whose ``filter_groups_metric`` has
+      population std 0 is evicted (``…/filter_groups/evicted_samples``, ``_dapo_filtered_reward_counts``).
+    - Off-policy: span = ``global_steps − prompt_global_steps + 1``. ``drop``: finished groups with
+      span > threshold are evicted (``…/off_policy/evicted_samples`` + staleness of the evicted spans).
+      ``wait``: nothing is evicted for staleness; when an in-flight prompt has span ≥ threshold, ``sample``
+      returns ``None`` with ``metrics["must_wait"] = True`` (finish those prompts first; they are the oldest).
+    - Finished groups without trajectories and ``failure`` groups are evicted
+      (``…/rollout_failure/evicted_samples``).
+    - The validation partition (anything but ``train``; metric prefix ``validation/``) never evicts.
+    - Eviction counts are in groups (prompts), as in the reference's replay buffer.
+    - Surplus: groups beyond ``batch_size`` stay for the next step, unless ``discard_surplus=True`` (then
+      they are deleted and counted in ``…/filter_groups/discarded_surplus_samples``).
+    - Selected prompts are tagged ``consumed_step=global_steps``; calling ``sample`` again with the same
+      step returns the same batch (crash-replay). :meth:`release` deletes consumed keys once a checkpoint
+      covers them.
+    """
 
     def __init__(
         self,

@@ -1,22 +1,16 @@
 """Retention of step data: keep what a resume replays, and the steps the user asked to keep.
 
-After each checkpoint at step ``c``, a resume from it replays the committed stages of the steps after ``c``
-and needs nothing of the steps up to ``c`` (the checkpoint holds the weights, optimizer, sampler position and
-driver state; the ledger holds the prompts' states). So :func:`apply_retention` deletes the step folders
-``step_<s>`` with ``s <= c``, except:
+A resume from a checkpoint at step ``c`` replays the committed stages of the steps after ``c`` and needs
+nothing of the steps up to ``c`` (the checkpoint and the ledger hold the rest). So :func:`apply_retention`
+deletes the step folders ``step_<s>`` with ``s <= c``, except every ``keep_every``-th step
+(``trainer.keep_rollouts_every``; 0 keeps none), the steps a kept stage's base chain reaches into, and the
+``pinned`` steps (the replay buffer's ``replay_add`` files, :func:`dapo_core.store.replay.referenced_steps`).
 
-- every ``keep_every``-th step (``trainer.keep_rollouts_every``; 0 keeps none), for audit and analysis;
-- steps a kept stage is built on (a column delta's base chain may reach into an older step);
-- ``pinned`` steps (the replay buffer's groups live in the ``replay_add`` files of the steps that generated
-  them, :func:`dapo_core.store.replay.referenced_steps`; those files are row selections over the step's
-  reward stage, which the base chains below keep; a sampled ``batch`` is a selection over them in turn).
-
-Deleting is crash-safe: a doomed folder is first renamed to a hidden trash name (``.trash-step_<s>-<id>``,
-atomic on a POSIX filesystem, and the root directory is fsynced), which makes the step vanish from
-:meth:`StageFiles.steps` and every read at once; only then is the trash removed. A crash between the two
-leaves a trash folder that nothing reads and that the next call (or :func:`empty_trash`) removes. Nothing a
-resume needs is ever renamed: the latest checkpoint is committed (its ``latest`` pointer written) before
-retention runs, and only steps up to it are candidates.
+Deleting is crash-safe: a doomed folder is first renamed to a hidden trash name (``.trash-step_<s>-<id>``;
+the root is then fsynced), which removes the step from :meth:`StageFiles.steps` and every read at once; only
+then is the trash removed. A crash in between leaves a trash folder that nothing reads and that the next call
+(or :func:`empty_trash`) removes. The latest checkpoint is committed before retention runs, and only steps up
+to it are candidates.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
-"""The run store: the durable transfer queue and single source of truth of a run.
-
-A run lives in one directory, ``runs/<run_id>/``:
+"""The run store: the durable transfer queue and single source of truth of a run, ``runs/<run_id>/``.
 
 - ``ledger.sqlite`` — the prompt/trajectory ledger (SQLite, WAL, ``synchronous=FULL``). Every key carries a
   JSON tag dict; the tags ``status``, ``is_prompt``, ``global_steps`` and the key's ``partition`` are mirrored
-  into indexed columns so the queries the trainer runs every step stay fast. A key may also carry a small
-  payload (bytes, e.g. the prompt row as Arrow IPC, so a prompt can be re-issued after a crash).
-  Prompt keys are ``{uid}``; trajectory keys are ``{uid}_{anything}``, so ``uid`` may not contain ``_``.
-- ``step_000042/<stage>.arrow`` + ``<stage>.manifest.json`` — a stage's output, committed by its manifest and
-  stored as a column delta over the stages it was computed from (:mod:`dapo_core.store.stage_files`, which
-  :class:`RunStore` extends: every stage-file method is documented there).
+  into indexed columns for the trainer's per-step queries. A key may carry a small payload (e.g. the prompt
+  row as Arrow IPC, so a prompt can be re-issued after a crash). Prompt keys are ``{uid}``; trajectory keys
+  are ``{uid}_{anything}``, so ``uid`` may not contain ``_``. One writer: the flow's driver.
+- ``step_<n>/<stage>.arrow`` + ``<stage>.manifest.json`` — stage outputs, committed by their manifest
+  (:class:`~dapo_core.store.stage_files.StageFiles`, which :class:`RunStore` extends; any process that can
+  reach the directory may write them).
 - ``*.json`` run-level files (resolved config, run state), written atomically.
-- ``ckpt/`` — checkpoints, managed by :class:`dapo_core.store.checkpoint.CheckpointDir` (see
-  :attr:`RunStore.checkpoints`).
+- ``ckpt/`` — checkpoints (:class:`dapo_core.store.checkpoint.CheckpointDir`, :attr:`RunStore.checkpoints`).
 
-The ledger has one writer (the flow's driver); stage files may be written by any process that can reach
-the directory (workers open a :class:`~dapo_core.store.stage_files.StageFiles` on the root and commit their
-outputs themselves). Local paths use a direct fast path (fsync needs a local file); ``read_uri`` accepts any
-fsspec URL. :mod:`dapo_core.store.retention` deletes step folders no resume needs.
+The layout, the commit rule and the stage-file calls: ``docs/STORE.md``.
 """
 
 from __future__ import annotations
@@ -31,16 +25,14 @@ from pathlib import Path
 from typing import Any, Literal, Self
 
 from dapo_core.store.checkpoint import CheckpointDir
-from dapo_core.store.files import DiskFull, atomic_write_bytes, fsync_dir
+from dapo_core.store.files import DiskFull, atomic_write_bytes
+from dapo_core.store.manifests import STEP_DIR_RE as _STEP_DIR_RE
+from dapo_core.store.manifests import check_step as _check_step
 from dapo_core.store.stage_files import (
-    _STEP_DIR_RE,
     StageFiles,
     StageNotCommitted,
     StoreCorruption,
     StoreError,
-    _check_step,
-    io_counters,
-    row_keys,
     schema_hash,
 )
 
@@ -52,10 +44,6 @@ __all__ = [
     "StageNotCommitted",
     "StoreCorruption",
     "StoreError",
-    "atomic_write_bytes",
-    "fsync_dir",
-    "io_counters",
-    "row_keys",
     "schema_hash",
 ]
 
@@ -403,14 +391,6 @@ class RunStore(StageFiles):
                 for k, t in self._conn().execute(q, part):
                     out[k] = json.loads(t)
         return out
-
-    def partition_of(self, key: str) -> str:
-        """The partition of ``key`` (``KeyError`` if missing)."""
-        with self._lock:
-            row = self._conn().execute("SELECT partition FROM kv WHERE key=?", (key,)).fetchone()
-        if row is None:
-            raise KeyError(f"ledger key {key!r} not found")
-        return row[0]
 
     def update_tags(self, keys: str | Iterable[str], **tags: Any) -> int:
         """Merge ``tags`` into the tags of ``keys`` (one key or many) in one transaction.

@@ -1,50 +1,15 @@
-"""Trust records: a stage file hashed once — by its writer or by one reader — is not hashed again by every
-other process that reads it while it is provably unchanged.
+"""Trust records: a stage file hashed once, by its writer or by one reader, is not hashed again by the other
+processes that read it while it is provably unchanged.
 
-A verified read of a committed stage file must know that the file's bytes are the ones its manifest's sha256
-names. Hashing a multi-GB file at every read of every process is the largest part of a step's storage time
-at the recipe's shape, so the store keeps, beside each stage file ``<stage>.arrow``, a small **trust record**
-``.<stage>.arrow.trust``: the file's identity — (device, inode, size, mtime_ns, ctime_ns) from ``stat`` — at a
-moment its content was known to hash to a given sha256. A reader whose ``stat`` of the file, taken before and
-after it maps the file, equals the record's identity, and whose manifest names the record's sha256, takes the
-file on trust instead of hashing it.
-
-**Why an unchanged identity means unchanged bytes.** Every write to a file through the filesystem (``write``,
-``truncate``, a shared mapping's pages being dirtied, a rename over it) sets its ctime to the current time,
-and nothing can set a ctime back. The one gap is the timestamp's granularity: a change within the same clock
-tick as the recorded ctime could leave it equal. A record is therefore trusted only when one of two rules
-holds:
-
-- *settled*: when its identity was taken, the file had been unchanged for :data:`TRUST_AFTER_S` (longer than
-  the timestamp tick of the filesystems a run folder lives on: nanoseconds to 1 s), so any later change lands
-  in a later tick; or
-- *fine ctime*: the filesystem gives a change that follows a ``stat`` a new ctime, whatever the clock tick
-  (Linux's multigrain timestamps, 6.13 and later, on ext4, xfs, btrfs and tmpfs, or any filesystem whose
-  ctime is exact), checked by :func:`fine_ctime` — a probe of stat / one-byte write / stat in the store root,
-  once per process — both by the process that took the identity and by the one that trusts it. Then the
-  identity taken *before* the bytes were hashed (a reader) or right after the commit's rename (the writer,
-  which hashed exactly the bytes it wrote) changes with any later write.
-
-So the writer of a stage records its trust at commit (``how: "write"``) and on a fine-ctime filesystem no
-reader hashes the file at all; elsewhere the first reader that hashes a settled file records it
-(``how: "read"``) and the later readers trust that.
-
-**What this no longer catches** (the price, and :data:`VERIFY_ENV` removes it): a change of the bytes that
-does not go through the filesystem once the file was hashed or written — silent media bit-rot, a disk or
-controller returning other bytes than were stored; and, for a writer's record, a write by another agent into
-the file in the microseconds between the commit's rename and the writer's ``stat``. A byte flipped or a file
-rewritten through the filesystem, by any process, at any later time, is hashed again and refused.
-
-**Crash safety.** A record is written to a temp file and renamed over the old one (no fsync: a record lost in
-a power cut only means one more hash), and holds a checksum of its own text, so a torn or garbled record is
-ignored (the file is hashed), never trusted. Records are a cache: deleting them is always safe.
-
-**Several processes, and shared filesystems.** Records are per file and written by rename, so concurrent
-readers and writers never see a partial record; the last rename wins and every record a reader may see is
-self-consistent. On a shared filesystem the store root must provide atomic rename, and a ``stat`` that after
-``open`` returns the file's current attributes (close-to-open consistency: NFS's default, not ``nocto`` or
-long attribute caching); a node whose device number for the mount differs from the recorder's finds no
-matching identity and hashes (sound, just slower).
+Beside each stage file ``<stage>.arrow`` the store keeps ``.<stage>.arrow.trust``: the file's identity
+(device, inode, size, mtime_ns, ctime_ns from ``stat``) at a moment its content hashed to a given sha256. A
+reader whose ``stat`` before and after mapping the file equals the record's identity, and whose manifest names
+the record's sha256, takes the file on trust. Any write through the filesystem sets a new ctime, so a record
+is trusted only where a change in the same timestamp tick cannot hide: the file was *settled*
+(:data:`TRUST_AFTER_S`) when its identity was taken, or the filesystem has *fine ctimes* (:func:`fine_ctime`).
+Changes that bypass the filesystem (media bit-rot) are not caught; :data:`VERIFY_ENV` hashes every read.
+Records are renamed into place without fsync and checksum their own text: a torn or lost record only costs
+one more hash, and deleting records is always safe. The full argument: ``docs/STORE.md``.
 """
 
 from __future__ import annotations

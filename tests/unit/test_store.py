@@ -135,8 +135,7 @@ def test_write_read_stage_roundtrip(store):
     assert man["rows"] == 4 and man["schema_hash"] == schema_hash(t.schema)
     assert man["bytes"] == (store.step_dir(3) / "generate_g0.arrow").stat().st_size
     assert store.committed_stages(3) == ["generate_g0"]
-    assert store.latest_committed_step("generate_g0") == 3
-    assert store.latest_committed_step("reward_g0") is None
+    assert store.committed_stages(2) == [] and not store.is_committed(3, "reward_g0")
     # no temp files left behind
     assert not [p for p in store.step_dir(3).iterdir() if ".tmp-" in p.name]
 
@@ -146,10 +145,10 @@ def test_rewrite_and_delete_stage(store):
     store.write_stage(1, "batch", _table(5, base=10))
     assert store.read_stage(1, "batch").num_rows == 5
     store.write_stage(4, "batch", _table(1))
-    assert store.latest_committed_step("batch") == 4
+    assert store.committed_stages(4) == ["batch"]
     assert store.delete_stage(4, "batch")
-    assert not store.is_committed(4, "batch")
-    assert store.latest_committed_step("batch") == 1
+    assert not store.is_committed(4, "batch") and store.committed_stages(4) == []
+    assert store.is_committed(1, "batch")
     with pytest.raises(StageNotCommitted, match="not committed"):
         store.read_stage(4, "batch")
 
@@ -208,24 +207,11 @@ def test_run_json_files_and_pickle(store, tmp_path):
     assert json.loads((store.root / "config.json").read_text()) == {"a": {"b": 1}}
 
 
-def test_read_uri_plain_file(store, tmp_path):
-    from pyarrow import ipc
-
-    path = tmp_path / "free.arrow"
-    with ipc.new_file(str(path), _table().schema) as w:
-        w.write_table(_table())
-    assert store.read_uri(path.as_uri()).equals(_table())
-    import fsspec
-
-    with fsspec.open("memory://dapo-test/free.arrow", "wb") as f:
-        f.write(path.read_bytes())
-    assert store.read_uri("memory://dapo-test/free.arrow").equals(_table())  # any fsspec URL
-
-
-def test_clean_temp_files(store):
-    store.write_stage(1, "gen", _table())
-    stray = store.step_dir(1) / ".gen.arrow.tmp-deadbeef"
-    stray.write_bytes(b"x")
-    assert store.clean_temp_files(min_age_s=3600) == 0
-    assert store.clean_temp_files(min_age_s=0) == 1
-    assert not stray.exists() and store.is_committed(1, "gen")
+def test_read_uri_refuses_a_file_outside_the_run_folder(store, tmp_path):
+    other = RunStore(tmp_path / "other")
+    uri = other.write_stage(1, "gen", _table())
+    other.close()
+    with pytest.raises(StoreError, match="is not a stage file of the run folder"):
+        store.read_uri(uri)
+    with pytest.raises(StoreError, match="is not a stage file of the run folder"):
+        store.read_uri("memory://dapo-test/free.arrow")

@@ -1,6 +1,6 @@
 """Column-delta stage files: each stage writes only what it adds; reads assemble the view by aligned row
-order with an id check; deleting or rewriting a base deletes what was built on it; format-1 folders stay
-readable."""
+order with an id check; deleting or rewriting a base deletes what was built on it; a manifest of an older
+format is refused, naming the file and the fix."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from dapo_core.store import RunStore, StoreCorruption
-from dapo_core.store.stage_files import FORMAT, KEY_COLUMN, SRC_COLUMN, StageFiles, io_counters
+from dapo_core.store import RunStore, StoreCorruption, StoreError
+from dapo_core.store.deltas import _contiguous
+from dapo_core.store.manifests import FORMAT, base_refs
+from dapo_core.store.stage_files import KEY_COLUMN, SRC_COLUMN, StageFiles, io_counters
 
 
 def _prompts(groups: int, n: int = 4, seed: int = 0) -> pa.Table:
@@ -59,7 +61,7 @@ def test_aligned_delta_holds_only_new_columns_and_reads_back_whole(store):
     assert _file_columns(store, 1, "reward_g0") == [KEY_COLUMN, "reward"]
     assert store.read_stage(1, "reward_g0").equals(r)
     assert store.read_uri(store.stage_uri(1, "generate_g0")).equals(g)
-    assert store.base_of(1, "reward_g0") == [(1, "generate_g0")]
+    assert base_refs(store.manifest(1, "reward_g0")) == [(1, "generate_g0")]
 
 
 def test_selection_and_multi_base_concat(store):
@@ -88,7 +90,7 @@ def test_changed_column_is_written_and_new_rows_fall_back_to_a_whole_file(store)
     assert store.read_stage(1, "edited").equals(changed)
     other = _prompts(4, seed=9)  # rows not in the base: stored whole
     store.write_stage(1, "other", other, base=u0)
-    assert store.base_of(1, "other") == [] and store.read_stage(1, "other").equals(other)
+    assert base_refs(store.manifest(1, "other")) == [] and store.read_stage(1, "other").equals(other)
 
 
 def test_delete_and_rewrite_of_a_base_remove_what_was_built_on_it(store):
@@ -113,7 +115,9 @@ def test_base_missing_or_replaced_behind_the_stores_back(store):
     assert not store.is_committed(1, "generate_g0")
     store.write_stage(1, "prompts_g0", _prompts(4, seed=5))
     store.write_stage(1, "generate_g0", _add(p, "response_ids", 1), base=u0)  # seed-0 rows over seed-5 rows
-    assert store.base_of(1, "generate_g0") == []  # the rows are not the base's, so it was stored whole
+    assert (
+        base_refs(store.manifest(1, "generate_g0")) == []
+    )  # the rows are not the base's, so it was stored whole
     raw = StageFiles(store.root)
     man = json.loads((store.step_dir(1) / "generate_g0.manifest.json").read_text())
     assert man["format"] == FORMAT and raw.read_stage(1, "generate_g0").equals(_add(p, "response_ids", 1))
@@ -134,28 +138,29 @@ def test_key_mismatch_is_corruption(store, tmp_path):
         store.read_stage(1, "generate_g0")
 
 
-def test_format_1_folders_are_read_and_extended(store):
-    """A stage committed by the code before column deltas (whole table, no row ids, format 1)."""
+def test_a_manifest_of_an_older_format_is_refused_naming_the_file_and_the_fix(store):
+    """Formats 1 (whole tables, no ``format`` key) and 2 (column deltas without ``encoded``) are not read."""
     p = _prompts(4)
     store.write_stage(1, "prompts_g0", p)
-    path, man_path = store.step_dir(1) / "prompts_g0.arrow", store.step_dir(1) / "prompts_g0.manifest.json"
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, p.schema) as w:
-        w.write_table(p)
-    data = sink.getvalue().to_pybytes()
-    path.write_bytes(data)
-    import hashlib
-
+    store.write_stage(1, "generate_g0", _add(p, "response_ids", 1), base=store.stage_uri(1, "prompts_g0"))
+    man_path = store.step_dir(1) / "prompts_g0.manifest.json"
     man = json.loads(man_path.read_text())
-    man.update(format=1, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
-    for k in ("file_columns", "selection", "view_bytes"):
-        man.pop(k)
-    man_path.write_text(json.dumps(man))
-    assert store.read_stage(1, "prompts_g0").equals(p)
-    g = _add(p, "response_ids", 1)
-    store.write_stage(1, "generate_g0", g, base=store.stage_uri(1, "prompts_g0"))
-    assert _file_columns(store, 1, "generate_g0") == [KEY_COLUMN, "response_ids"]
-    assert store.read_stage(1, "generate_g0").equals(g)
+    for old in (1, 2, None):
+        if old is None:
+            man.pop("format")  # format 1 wrote no format key
+        else:
+            man["format"] = old
+        man_path.write_text(json.dumps(man))
+        for read in (
+            lambda: StageFiles(store.root).read_stage(1, "prompts_g0"),
+            lambda: StageFiles(store.root).read_stage(1, "generate_g0"),  # its base is refused
+        ):
+            with pytest.raises(
+                StoreError, match=f"manifest format {old or 1}, older than this code reads"
+            ) as e:
+                read()
+            assert "prompts_g0.manifest.json" in str(e.value) and "start a new run" in str(e.value)
+            assert "\n" not in str(e.value)
 
 
 def test_projection_reads_only_the_files_it_needs(store):
@@ -207,8 +212,6 @@ def test_write_selection_reads_only_row_ids(store):
 
 
 def test_contiguous_selections_read_as_slices_and_equal_a_take(store):
-    from dapo_core.store.stage_files import _contiguous
-
     r0 = _add(_prompts(6, seed=1), "response_ids", 3)
     r1 = _add(_prompts(6, seed=2), "response_ids", 4)
     u0 = store.write_stage(3, "kept_g0", r0)

@@ -1,6 +1,6 @@
 """Run-length ends (manifest format 3): per-token columns of the form ``[b, …, b, e]`` per row are stored as
 one ``(n, body, last)`` per row and read back bit for bit; other columns are stored as they are; a flipped
-byte is still caught; format-2 manifests are read; a newer format is refused. Verified once per process: a
+byte is still caught; a manifest of another format is refused. Verified once per process: a
 file hashed when settled is taken on trust while unchanged, and a changed one is hashed again."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import pyarrow as pa
 import pytest
 
 from dapo_core.stages import compute_advantage_table
-from dapo_core.store import RunStore, StoreCorruption, StoreError, stage_files, trust
-from dapo_core.store.stage_files import ENDS, FORMAT, StageFiles, io_counters
+from dapo_core.store import RunStore, StoreCorruption, StoreError, stage_io, trust
+from dapo_core.store.manifests import FORMAT
+from dapo_core.store.run_ends import ENDS
+from dapo_core.store.stage_files import StageFiles, io_counters
 
 
 @pytest.fixture
@@ -170,33 +172,26 @@ def test_bad_encoded_entries_are_corruption(store):
         StageFiles(store.root).read_stage(0, "advantage")
 
 
-def test_format_2_manifests_are_read_and_newer_formats_refused(store):
-    """A format-2 folder (column deltas, no run-length ends) reads as before; its files are format-3 files
-    with nothing encoded, so the manifests are turned back into format 2."""
+def test_a_manifest_of_another_format_is_refused_naming_the_file_and_the_fix(store):
+    """A format-2 folder (column deltas without run-length ends) and a newer format are both refused."""
     batch = _batch(seed=3)
-    u = store.write_stage(4, "generate_g0", batch)
-    store.write_stage(4, "reward_g0", batch.append_column("acc", pa.array([True] * batch.num_rows)), base=u)
-    for stage in ("generate_g0", "reward_g0"):
-        man_path = store.step_dir(4) / f"{stage}.manifest.json"
-        man = json.loads(man_path.read_text())
-        assert man.pop("encoded") == {}
-        man["format"] = 2
-        man_path.write_text(json.dumps(man))
-    back = StageFiles(store.root).read_stage(4, "reward_g0")
-    assert back.drop_columns(["acc"]).equals(batch) and back.column("acc").to_pylist() == [True] * 24
+    store.write_stage(4, "generate_g0", batch)
     man_path = store.step_dir(4) / "generate_g0.manifest.json"
     man = json.loads(man_path.read_text())
-    man["format"] = FORMAT + 1
-    man_path.write_text(json.dumps(man))
-    with pytest.raises(StoreError, match=rf"manifest format {FORMAT + 1}, newer than this code reads") as e:
-        StageFiles(store.root).read_stage(4, "generate_g0")
-    assert "upgrade this checkout" in str(e.value) and "generate_g0.manifest.json" in str(e.value)
+    for fmt, says, fix in (
+        (2, "older than this code reads", "start a new run"),
+        (FORMAT + 1, "newer than this code reads", "upgrade this checkout"),
+    ):
+        man_path.write_text(json.dumps({**man, "format": fmt}))
+        with pytest.raises(StoreError, match=rf"manifest format {fmt}, {says} \({FORMAT}\)") as e:
+            StageFiles(store.root).read_stage(4, "generate_g0")
+        assert fix in str(e.value) and "generate_g0.manifest.json" in str(e.value)
 
 
 def test_a_settled_file_is_hashed_once_per_process_and_any_change_is_hashed_again(store, monkeypatch):
     """On a filesystem with coarse timestamps (the fine-ctime probe's cached result set to False, as on a
     kernel without multigrain timestamps) only a file settled when hashed is trusted afterwards."""
-    monkeypatch.setattr(stage_files, "_VERIFIED", type(stage_files._VERIFIED)())
+    monkeypatch.setattr(stage_io, "_VERIFIED", type(stage_io._VERIFIED)())
     monkeypatch.setitem(trust._FINE, os.stat(store.root).st_dev, False)
     monkeypatch.setattr(trust, "TRUST_AFTER_S", 60.0)
     batch = _batch(groups=10)
@@ -250,7 +245,7 @@ def test_large_buffers_hashed_beside_the_write_give_the_files_sha256(store):
             ),
         }
     )
-    assert table.column("x").nbytes > 2 * stage_files._OVERLAP_MIN
+    assert table.column("x").nbytes > 2 * stage_io._OVERLAP_MIN
     store.write_stage(0, "big", table)
     data = (store.step_dir(0) / "big.arrow").read_bytes()
     assert store.manifest(0, "big")["sha256"] == hashlib.sha256(data).hexdigest()
@@ -260,7 +255,7 @@ def test_large_buffers_hashed_beside_the_write_give_the_files_sha256(store):
         def write(self, mv):
             raise OSError(28, "No space left on device")
 
-    sink = stage_files._HashingSink(Full())
+    sink = stage_io._HashingSink(Full())
     with pytest.raises(OSError, match="No space"):
-        sink.write(bytearray(4 * stage_files._OVERLAP_MIN))
+        sink.write(bytearray(4 * stage_io._OVERLAP_MIN))
     assert sink.nbytes == 0

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 
 from dapo_core.errors import DapoUserError
-from dapo_core.store import RunStore, StoreCorruption, stage_files, trust
+from dapo_core.store import RunStore, StoreCorruption, stage_io, trust
 from dapo_core.store.stage_files import StageFiles, io_counters
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,7 +193,7 @@ def test_a_file_rewritten_after_verification_is_caught_by_another_process(store)
 
 
 def test_torn_forged_or_foreign_records_are_never_trusted(store, monkeypatch):
-    monkeypatch.setattr(stage_files, "_VERIFIED", type(stage_files._VERIFIED)())
+    monkeypatch.setattr(stage_io, "_VERIFIED", type(stage_io._VERIFIED)())
     t = _table(seed=4)
     store.write_stage(5, "generate_g0", t)
     path = store.step_dir(5) / "generate_g0.arrow"
@@ -202,7 +202,7 @@ def test_torn_forged_or_foreign_records_are_never_trusted(store, monkeypatch):
     reader = StageFiles(store.root)
 
     def hashes_on_read() -> int:
-        stage_files._VERIFIED.clear()
+        stage_io._VERIFIED.clear()
         io_counters(reset=True)
         assert _x_sum(reader.read_stage(5, "generate_g0")) == _x_sum(t)
         return io_counters()["files_hashed"]
@@ -234,7 +234,7 @@ def test_verify_always_hashes_at_every_read_and_a_bad_value_is_named(store, monk
     store.write_stage(6, "generate_g0", t)
     out = _read_in_process(store.root, "6:generate_g0", "6:generate_g0", env={trust.VERIFY_ENV: "always"})
     assert out["io"]["files_hashed"] == 2 and out["io"]["files_trusted"] == 0
-    monkeypatch.setattr(stage_files, "_VERIFIED", type(stage_files._VERIFIED)())
+    monkeypatch.setattr(stage_io, "_VERIFIED", type(stage_io._VERIFIED)())
     monkeypatch.setenv(trust.VERIFY_ENV, "sometimes")
     with pytest.raises(DapoUserError, match=trust.VERIFY_ENV) as e:
         StageFiles(store.root).read_stage(6, "generate_g0")
@@ -249,4 +249,3 @@ def test_unverified_reads_and_listing_ignore_records(store):
     assert store.committed_stages(7) == ["replay_add_00000"]
     assert trust.record_path(store.step_dir(7) / "replay_add_00000.arrow").exists()
     assert StageFiles(store.root).read_stage(7, "replay_add_00000", verify=False).equals(t)
-    assert store.clean_temp_files(min_age_s=0) == 0  # a record is not a temp file
