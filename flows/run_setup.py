@@ -412,7 +412,9 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             address=cfg.trainer.ray_address,
             device=device,
             # sync order: one stage at a time; replay order: generation overlaps the update
-            num_threads=worker_threads(2 if cfg.trainer.step_order == "replay_buffer" else 1, device),
+            num_threads=worker_threads(
+                cfg.trainer.num_threads, 2 if cfg.trainer.step_order == "replay_buffer" else 1, device
+            ),
         )
         rt = TrainRun(
             run_id=run_id,
