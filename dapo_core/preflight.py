@@ -11,7 +11,10 @@
   (a truncated `model.safetensors` is named), and a tokenizer (`tokenizer.json` there or in `tokenizer/`);
 - **checkpoint to resume**: the folder exists and, through `CheckpointDir.verify`, matches its manifest;
 - **store**: `trainer.runs_dir` (and `models_dir`, the data folder) can be created and written;
-- **free disk**: at least `MIN_FREE_BYTES` on the file system of the run store.
+- **free disk**: at least `MIN_FREE_BYTES` on the file system of the run store;
+- **the model fits the run**: prompt + response within its positions, a tokenizer no larger than its
+  embedding, a chat template (prompts are chat messages), and on CPU the memory plan's total
+  (`dapo_core.compute.plan`) within the memory available; empty data files are refused by name.
 
 Files that an earlier stage of the same job will still write (the prepared data and the tiny base model of
 `dapo train`) are skipped in phase "pipeline" and checked in phase "train", which the training flow runs at
@@ -42,8 +45,10 @@ __all__ = [
     "MIN_FREE_BYTES",
     "PreflightError",
     "check_checkpoint",
+    "check_cpu_memory",
     "check_data_file",
     "check_free_disk",
+    "check_model_fits",
     "check_model_folder",
     "check_writable",
     "model_folder_of",
@@ -79,6 +84,12 @@ def check_data_file(path: str, *, key: str = "data.train_files") -> pa.Table:
         validate_dataset(table, name=path)
     except (DataError, DatasetError) as e:
         raise PreflightError(f"{e} (read through {key})") from e
+    if table.num_rows == 0:
+        raise PreflightError(
+            f"the dataset file {path} has the right columns but no rows",
+            where=key,
+            fix=f"write rows into it (`dapo prepare` writes the default data), or drop it from {key}",
+        )
     _check_scorable(table, path)
     return table
 
@@ -192,6 +203,145 @@ def check_model_folder(
         )
 
 
+def _tokenizer_dir(model: Path, tokenizer: str | None) -> Path:
+    tok = Path(tokenizer) if tokenizer else model
+    return tok / "tokenizer" if not (tok / "tokenizer.json").is_file() else tok
+
+
+def _tokenizer_size(tok: Path, key: str) -> int:
+    """Tokens a tokenizer.json can produce: its vocabulary plus added tokens (the largest id + 1)."""
+    t = _json_file(tok / "tokenizer.json", key)
+    vocab = t.get("model", {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [int(a["id"]) for a in t.get("added_tokens") or [] if "id" in a]
+    return max(ids, default=-1) + 1
+
+
+def _json_file(path: Path, key: str) -> dict:
+    """A JSON object from `path` ({} when the file is absent); a half-written or garbled one is refused."""
+    if not path.is_file():
+        return {}
+    try:
+        d = json.loads(path.read_text())
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+        return d
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise PreflightError(
+            f"{path} is not readable JSON ({type(e).__name__}: {str(e)[:80]}): half-written or damaged",
+            where=key,
+            fix="copy the tokenizer files again from the model's source (compare the sizes), or rebuild them",
+        ) from None
+
+
+def _has_chat_template(tok: Path, key: str) -> bool:
+    in_config = bool(_json_file(tok / "tokenizer_config.json", key).get("chat_template"))
+    return in_config or (tok / "chat_template.jinja").is_file() or (tok / "chat_template.json").is_file()
+
+
+def check_model_fits(cfg: DapoConfig, path: str, *, key: str = "actor_rollout_ref.model.path") -> None:
+    """The model can serve the run: prompt + response fit its positions, its embedding has a row for every
+    token of the tokenizer, and the tokenizer has the chat template the prompts (chat messages) need."""
+    p = Path(path)
+    mc = json.loads((p / "config.json").read_text())
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    positions = mc.get("max_position_embeddings")
+    if isinstance(positions, int) and total > positions:
+        raise PreflightError(
+            f"data.max_prompt_length + data.max_response_length = {cfg.data.max_prompt_length} + "
+            f"{cfg.data.max_response_length} = {total} tokens, but the model {p} has {positions} positions "
+            "(max_position_embeddings in its config.json)",
+            where="data.max_response_length",
+            fix=f"lower data.max_prompt_length / data.max_response_length to at most {positions} together, "
+            "or use a model with more positions",
+        )
+    tok = _tokenizer_dir(p, cfg.actor_rollout_ref.model.tokenizer_path)
+    tok_key = "actor_rollout_ref.model.tokenizer_path" if cfg.actor_rollout_ref.model.tokenizer_path else key
+    try:
+        size = _tokenizer_size(tok, tok_key)
+    except PreflightError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError):
+        size = 0  # an unusual tokenizer.json layout: transformers judges it
+    rows = mc.get("vocab_size")
+    if isinstance(rows, int) and size > rows:
+        raise PreflightError(
+            f"the tokenizer in {tok} has {size} tokens but the model {p} has {rows} embedding rows "
+            "(vocab_size in config.json): generation would index past the embedding",
+            where=tok_key,
+            fix="use the tokenizer that came with the model (unset actor_rollout_ref.model.tokenizer_path), "
+            "or resize the model's embeddings to the tokenizer and save it again",
+        )
+    if not _has_chat_template(tok, tok_key):
+        raise PreflightError(
+            f"the tokenizer in {tok} has no chat template, but prompts are chat messages (verl's `prompt` "
+            "column) and are rendered with it",
+            where=tok_key,
+            fix="use an instruct model's tokenizer, or add a chat_template to its tokenizer_config.json "
+            "(or a chat_template.jinja file beside it)",
+        )
+
+
+def check_tiny_positions(cfg: DapoConfig) -> None:
+    """The embedded tiny model (built by the pipeline) has positions for prompt + response."""
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    positions = cfg.actor_rollout_ref.model.tiny.max_position_embeddings
+    if total > positions:
+        raise PreflightError(
+            f"data.max_prompt_length + data.max_response_length = {total} tokens, but the embedded tiny "
+            f"model has {positions} positions",
+            where="actor_rollout_ref.model.tiny.max_position_embeddings",
+            fix=f"raise actor_rollout_ref.model.tiny.max_position_embeddings to at least {total}, or shorten "
+            "the lengths",
+        )
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def available_memory() -> tuple[int, str] | None:
+    """Bytes this process may still allocate: MemAvailable, lowered to the cgroup's limit when it has one."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        free, where = int(info["MemAvailable"].split()[0]) * 1024, "MemAvailable in /proc/meminfo"
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        if limit.isdigit() and int(limit) - used < free:
+            free, where = int(limit) - used, "the cgroup's memory.max"
+    except (OSError, ValueError):
+        pass
+    return free, where
+
+
+def check_cpu_memory(cfg: DapoConfig, model_config: str | None = None) -> None:
+    """On CPU every role shares this machine's memory: the memory plan's total must fit what is available."""
+    from dapo_core.compute.plan import PlanError, make_plan
+    from dapo_core.config import resolve_device
+
+    if resolve_device(cfg) != "cpu":
+        return
+    have = available_memory()
+    try:
+        plan = make_plan(cfg, model_config=model_config, device="cpu")
+    except PlanError:
+        return  # no shape known: `dapo train` has printed a note
+    if have is None:
+        return
+    need = sum(r.total for r in plan.roles)
+    if need <= have[0]:
+        return
+    biggest = max(plan.roles, key=lambda r: r.total)
+    roles = ", ".join(f"{r.role} {r.total / 2**30:.1f} GiB" for r in plan.roles)
+    raise PreflightError(
+        f"on CPU every role shares this machine's memory: the memory plan needs {need / 2**30:.1f} GiB "
+        f"({roles}) but {have[0] / 2**30:.1f} GiB is available ({have[1]})",
+        where="trainer.device=cpu",
+        fix=f"turn: {'; or '.join(biggest.knobs) or 'a smaller model'} (the {biggest.role} is the largest; "
+        "`dapo plan` shows every row), or run on GPUs",
+    )
+
+
 # ------------------------------------------------------------------------------------------ checkpoint
 def model_folder_of(path: str, *, key: str = "eval.checkpoint") -> str:
     """The HF model folder `dapo eval` loads for `path`: the folder itself, a checkpoint step folder's
@@ -288,6 +438,21 @@ def check_free_disk(folder: str | Path, *, need: int = MIN_FREE_BYTES, key: str 
 
 
 # ------------------------------------------------------------------------------------------------- all
+def check_run_settings(cfg: DapoConfig) -> None:
+    """Run settings that would otherwise fail once the workers start: threads and the lease timeout."""
+    from dapo_core.compute.numerics import resolve_threads
+
+    resolve_threads(cfg.trainer.num_threads)
+    if not cfg.trainer.lease_timeout_s > 0 or cfg.trainer.lease_wait_s < 0:
+        raise PreflightError(
+            f"trainer.lease_timeout_s={cfg.trainer.lease_timeout_s} must be > 0 and trainer.lease_wait_s="
+            f"{cfg.trainer.lease_wait_s} >= 0",
+            where="trainer.lease_timeout_s / trainer.lease_wait_s",
+            fix="set lease_timeout_s to e.g. 120 (seconds without a heartbeat before a run may be taken "
+            "over) and lease_wait_s to 0 (refuse a second writer at once) or a wait in seconds",
+        )
+
+
 def _prepared_by_pipeline(cfg: DapoConfig) -> set[str]:
     """Data files that `dapo prepare` (the pipeline's first flow) writes, as resolved paths."""
     out = Path(cfg.data.synthetic.out_dir)
@@ -311,6 +476,8 @@ def preflight(
     flow; "eval": an evaluation); raise the first problem as a `DapoUserError`. Returns what was checked."""
     done: list[str] = []
     tr = cfg.trainer
+    if phase != "eval":
+        check_run_settings(cfg)
     check_writable(tr.runs_dir, key="trainer.runs_dir")
     check_free_disk(tr.runs_dir)
     done.append(f"store {tr.runs_dir} writable")
@@ -334,7 +501,16 @@ def preflight(
         model = str(Path(tr.models_dir) / "tiny_base")
     if model:
         check_model_folder(model, tokenizer=cfg.actor_rollout_ref.model.tokenizer_path)
+        check_model_fits(cfg, model)
         done.append(model)
+    elif phase == "pipeline":  # the tiny base model the pipeline builds
+        check_tiny_positions(cfg)
+    if phase != "eval":
+        config_json = (
+            str(Path(model) / "config.json") if model and Path(model, "config.json").is_file() else None
+        )
+        check_cpu_memory(cfg, config_json)
+        done.append("memory plan fits")
     if checkpoint:
         check_checkpoint(checkpoint, key="eval.checkpoint" if phase == "eval" else "trainer.resume_from_path")
         done.append(checkpoint)

@@ -21,6 +21,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from dapo_core.compute.models import build_tiny_model, load_tokenizer
+from dapo_core.compute.numerics import torch_numerics
 from dapo_core.compute.sft import answer_line_solution, warmup_sft
 from dapo_core.config import DapoConfig, load_config_text, typed
 from dapo_core.data.datasets import read_parquet
@@ -40,7 +41,11 @@ def sft(cfg_yaml: str, model_dir: str) -> dict:
     cfg = typed(load_config_text(cfg_yaml))
     s = cfg.actor_rollout_ref.model.sft
     rows = read_parquet(cfg.data.train_files[0]).to_pylist()
-    with Ticker("SFT warm-up", s.steps, "steps") as bar:  # a bar on a terminal, else a line every 15 s
+    tr = cfg.trainer  # threads and deterministic algorithms from the config, never from the environment
+    with (
+        torch_numerics(tr.num_threads, tr.deterministic),
+        Ticker("SFT warm-up", s.steps, "steps") as bar,  # a bar on a terminal, else a line every 15 s
+    ):
         return warmup_sft(
             model_dir,
             rows,
@@ -87,9 +92,11 @@ def base_model_flow(cfg_yaml: str) -> str:
 
 
 def _recipe(cfg: DapoConfig) -> dict:
-    """Everything the base model depends on (model sizes, warm-up settings, training data)."""
+    """Everything the base model depends on (model sizes, warm-up settings, training data, and the threads
+    and deterministic algorithms the warm-up's numbers depend on)."""
     files = cfg.data.train_files
     return {
+        "numerics": {"num_threads": cfg.trainer.num_threads, "deterministic": cfg.trainer.deterministic},
         "tiny": asdict(cfg.actor_rollout_ref.model.tiny),
         "sft": asdict(cfg.actor_rollout_ref.model.sft),
         "synthetic": asdict(cfg.data.synthetic),

@@ -15,6 +15,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from dapo_core.compute.models import load_tokenizer
+from dapo_core.compute.numerics import torch_numerics
 from dapo_core.compute.workers import RewardWorker, RolloutWorker
 from dapo_core.config import load_config_text, resolve_device, typed
 from dapo_core.data import batch as B
@@ -106,7 +107,8 @@ def evaluate_model(cfg_yaml: str, model_dir: str) -> dict:
             f"evaluate: generating {prompts.num_rows} prompts x {ev.n} samples with {model_dir}", flush=True
         )
         parts = []
-        with Ticker("evaluate: generate", table.num_rows, "responses") as bar:
+        threads, det = cfg.trainer.num_threads, cfg.trainer.deterministic
+        with torch_numerics(threads, det), Ticker("evaluate: generate", table.num_rows, "responses") as bar:
             for start, stop in eval_chunks(table.num_rows, getattr(rollout.engine, "max_batch_size", None)):
                 parts.append(rollout.generate(table.slice(start, stop - start), gen_step=0, validate=True))
                 bar.update(stop)

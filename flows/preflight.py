@@ -1,7 +1,8 @@
 """What the `dapo` CLI (and the training flow) do around a run so that bad input gets one paragraph.
 
-- `cli_preflight`: the checks of `dapo_core.preflight` for a subcommand, plus the Prefect API check, before
-  any flow starts (no Prefect task, no Ray worker, no write to the run store).
+- `cli_preflight`: the checks of `dapo_core.preflight` for a subcommand, plus the Prefect API check and (for
+  `train`) the run's lease (another live writer of the run is refused), before any flow starts (no Prefect
+  task, no Ray worker, no write to the run store).
 - `check_prefect_api`: with `PREFECT_API_URL` set, the server must answer `/health` within a few seconds;
   otherwise one paragraph instead of a hundred lines of httpx retries.
 - `prefect_startup_timeout`: the ephemeral Prefect server's start-up timeout (Prefect's default, 20 s, fails
@@ -34,6 +35,7 @@ from types import FrameType
 from dapo_core.config import DapoConfig
 from dapo_core.errors import DapoUserError, find_user_error
 from dapo_core.preflight import SKIP_ENV, Phase, PreflightError, model_folder_of, preflight
+from dapo_core.store.lease import check_free
 
 __all__ = [
     "PREFECT_STARTUP_TIMEOUT_S",
@@ -125,6 +127,9 @@ def cli_preflight(cfg: DapoConfig, command: str, *, flow_only: bool = False, che
     """Everything checked before a subcommand starts a flow; raises the first problem (a `DapoUserError`)."""
     phase: Phase = "eval" if command == "eval" else ("train" if flow_only else "pipeline")
     check_prefect_api()
+    tr = cfg.trainer
+    if command == "train" and tr.experiment_name and tr.lease_wait_s <= 0:  # another live writer: refuse now
+        check_free(Path(tr.runs_dir) / tr.experiment_name, tr.lease_timeout_s)
     if command in ("train", "eval"):
         model = None
         if command == "eval" and os.environ.get(SKIP_ENV, "") in ("", "0"):

@@ -49,6 +49,8 @@ from dapo_core.store.fingerprints import (
     data_fingerprint,
     folder_fingerprint,
 )
+from dapo_core.store.lease import Lease
+from dapo_core.store.lease import acquire as acquire_lease
 from flows.progress import StepProgress
 from tasks import runtime
 from tasks.runtime import ChunkSampler
@@ -370,11 +372,13 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
     the samplers, register the runtime. Nothing is written to the run's records here (`record_attempt`
     does, once `restore` succeeded)."""
     root = Path(cfg.trainer.runs_dir) / run_id
+    lease = take_lease(cfg, root)  # one writer per run: refused here while another process holds it
     store = RunStore(root)
     if cfg.trainer.resume_mode == "disable" and (
         store.checkpoints.latest_step() is not None or store.steps()
     ):
         store.close()
+        lease.release()
         raise RuntimeError(
             f"run {run_id} already has outputs in {root} and trainer.resume_mode=disable: "
             f"choose a new trainer.experiment_name, delete the folder, or set trainer.resume_mode=auto"
@@ -408,7 +412,9 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             address=cfg.trainer.ray_address,
             device=device,
             # sync order: one stage at a time; replay order: generation overlaps the update
-            num_threads=worker_threads(2 if cfg.trainer.step_order == "replay_buffer" else 1, device),
+            num_threads=worker_threads(
+                cfg.trainer.num_threads, 2 if cfg.trainer.step_order == "replay_buffer" else 1, device
+            ),
         )
         rt = TrainRun(
             run_id=run_id,
@@ -439,9 +445,35 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
         if tracker is not None:
             tracker.close()
         store.close()
+        lease.release()
         raise
     runtime.register(rt)
+    _LEASES[run_id] = lease
+    lease.start_heartbeat()
     return rt
+
+
+_LEASES: dict[str, Lease] = {}
+"""The lease each open run of this process holds (released by `close_run`)."""
+
+
+def take_lease(cfg: DapoConfig, root: Path) -> Lease:
+    """Take the run's lease (`dapo_core.store.lease`), naming this Prefect flow run as the holder; a lease
+    taken over from a stale holder is logged. Losing it later interrupts the main thread (stop writing)."""
+    import _thread
+
+    from prefect.runtime import flow_run
+
+    lease = acquire_lease(
+        root,
+        timeout_s=cfg.trainer.lease_timeout_s,
+        wait_s=cfg.trainer.lease_wait_s,
+        flow_run_id=str(flow_run.id or ""),
+        on_lost=_thread.interrupt_main,
+    )
+    if lease.took_over:
+        print(f"run {root.name}: {lease.took_over}", file=sys.stderr, flush=True)
+    return lease
 
 
 @dataclass
@@ -616,3 +648,6 @@ def close_run(rt: TrainRun) -> None:
         rt.cluster.shutdown()
         runtime.unregister(rt.run_id)
         rt.store.close()
+        lease = _LEASES.pop(rt.run_id, None)
+        if lease is not None:
+            lease.release()

@@ -95,39 +95,17 @@ WORKER_THREADS_ENV = "DAPO_WORKER_THREADS"
 """Environment variable that fixes the torch threads of every worker process (overrides `worker_threads`)."""
 
 
-def worker_threads(
-    busy_at_once: int,
-    device: str = "cpu",
-    environ: Mapping[str, str] | None = None,
-    cores: int | None = None,
-) -> int:
-    """Torch threads for each worker process.
+def worker_threads(num_threads: int, busy_at_once: int, device: str = "cpu", cores: int | None = None) -> int:
+    """Torch threads for each worker process: `trainer.num_threads` when > 0 (the CPU default, 1: the numbers
+    do not depend on the machine or on the caller's environment, which is never read). With 0, on CPU, the
+    cores this process may run on (its affinity mask) are shared among the `busy_at_once` workers that compute
+    at the same time: 1 in the sync step order (stages run one after another, so the busy worker gets every
+    core), 2 in the replay-buffer order (generation overlaps the update). On GPU the workers keep one CPU
+    thread each."""
+    from dapo_core.compute.numerics import resolve_threads
 
-    `DAPO_WORKER_THREADS` wins when set. Otherwise, on CPU, the cores this process may run on (its affinity
-    mask) are shared among the `busy_at_once` workers that compute at the same time: 1 in the sync step order
-    (stages run one after another, so the busy worker gets every core), 2 in the replay-buffer order
-    (generation overlaps the update). `OMP_NUM_THREADS`, when set, caps the result (the usual per-process
-    thread limit; the Makefile sets 1 for the tests). On GPU the workers keep one CPU thread each.
-    """
-    env = os.environ if environ is None else environ
-    fixed = env.get(WORKER_THREADS_ENV, "").strip()
-    if fixed:
-        if not fixed.isdigit() or int(fixed) < 1:
-            raise DapoUserError(
-                f"{WORKER_THREADS_ENV}={fixed!r} is not a whole number of threads >= 1",
-                where="the environment",
-                fix=f"set {WORKER_THREADS_ENV} to e.g. 2, or unset it to share the cores",
-            )
-        return int(fixed)
-    if device != "cpu":
-        return 1
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // max(1, busy_at_once))
-    cap = env.get("OMP_NUM_THREADS", "").strip()
-    if cap.isdigit() and int(cap) >= 1:
-        threads = min(threads, int(cap))
-    return threads
+    threads = resolve_threads(num_threads, busy_at_once, cores)
+    return 1 if device != "cpu" else threads
 
 
 def _init_worker_process(num_threads: int, verbose: bool = True) -> None:

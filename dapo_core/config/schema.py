@@ -640,6 +640,14 @@ class TrainerConfig:
     """Metric sinks: console | jsonl | tensorboard."""
     seed: int = 1
     """Seed of all sampling and initialisation randomness."""
+    lease_timeout_s: float = 120.0
+    """A run's lease (one writer per run) whose heartbeat is older than this may be taken over."""
+    lease_wait_s: float = 0.0
+    """How long a second writer of a run waits for the lease before it is refused (0: refuse at once)."""
+    num_threads: int = 1
+    """Torch threads per process on CPU (SFT, workers, eval); 0 = share the cores (numbers vary by host)."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms in the SFT warm-up and evaluation (GPU kernels; CPU unchanged)."""
 
 
 @dataclass

@@ -210,6 +210,74 @@ def _base_cycle(ws: Ws) -> None:
     (ws.root / "b.yaml").write_text("base: a.yaml\n")
 
 
+def _model_json(name: str, **changes: object) -> Callable[[Path], None]:
+    """Change keys of a JSON file of the model folder (config.json, tokenizer_config.json)."""
+
+    def fn(m: Path) -> None:
+        d = json.loads((m / name).read_text())
+        d.update(changes)
+        (m / name).write_text(json.dumps(d))
+
+    return fn
+
+
+def _no_rows(which: str) -> Callable[[Ws], None]:
+    """The file keeps its schema but loses every row."""
+
+    def setup(ws: Ws) -> None:
+        path = ws.train if which == "train" else ws.val
+        t = pq.read_table(path)
+        pq.write_table(t.slice(0, 0), path)
+
+    return setup
+
+
+def _bigger_tokenizer(ws: Ws) -> None:
+    """A second tokenizer folder whose vocabulary has 60 more tokens than the model's embedding."""
+    other = ws.root / "other_tok"
+    other.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (ws.model / f).exists():
+            shutil.copy(ws.model / f, other / f)
+    t = json.loads((other / "tokenizer.json").read_text())
+    vocab = t["model"]["vocab"]
+    for i in range(60):
+        vocab[f"<extra_{i}>"] = len(vocab)
+    (other / "tokenizer.json").write_text(json.dumps(t))
+
+
+def _shard_missing(m: Path) -> None:
+    """A sharded model whose download stopped after the first shard (the index names two)."""
+    (m / "model.safetensors").rename(m / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                            "b": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    (m / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _lease(host: str, heartbeat_offset_s: float) -> Callable[[Ws], None]:
+    """runs/r1 held by another process: a lease with `host` and a heartbeat `heartbeat_offset_s` from now."""
+
+    def setup(ws: Ws) -> None:
+        import time
+
+        run = ws.runs / "r1"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        now = time.time()
+        lease = {"host": host, "pid": 4242, "started": 0.0, "flow_run_id": "f-1", "token": "t",
+                 "acquired": now - 60, "heartbeat": now + heartbeat_offset_s}  # fmt: skip
+        (run / "lease.json").write_text(json.dumps(lease))
+
+    return setup
+
+
+def _dangling_data(ws: Ws) -> None:
+    """The data folder was moved: the configured train file is a symlink to nothing."""
+    moved = ws.root / "moved.parquet"
+    ws.train.rename(moved)
+    ws.train.symlink_to(ws.root / "gone" / "train.parquet")
+
+
 # -------------------------------------------------------------------------------------------- table
 @dataclass
 class Case:
@@ -726,6 +794,170 @@ CASES: list[Case] = [
         env={"PREFECT_API_URL": "http://127.0.0.1:9/api"},
         before="ugly",
     ),
+    # --- what the model can serve (issue 30: these failed after Prefect and Ray started)
+    Case(
+        "response beyond the model's positions",
+        "model fit",
+        _train("data.max_prompt_length=64", "data.max_response_length=300"),
+        ("64 + 300 = 364", "256 positions", "data.max_response_length", "lower data.max_prompt_length"),
+        "PreflightError",
+        before="ugly",
+    ),
+    Case(
+        "prompt alone beyond the model's positions",
+        "model fit",
+        _train("data.max_prompt_length=300", "data.max_response_length=16"),
+        ("300 + 16 = 316", "256 positions", "max_position_embeddings"),
+        "PreflightError",
+    ),
+    Case(
+        "tiny model with too few positions",
+        "model fit",
+        lambda ws: [
+            "train",
+            "--config",
+            TINY,
+            f"trainer.runs_dir={ws.runs}",
+            "actor_rollout_ref.model.tiny.max_position_embeddings=64",
+        ],
+        ("has 64 positions", "actor_rollout_ref.model.tiny.max_position_embeddings", "at least"),
+        "PreflightError",
+        before="silent",
+    ),
+    Case(
+        "tokenizer larger than the embedding",
+        "model fit",
+        _train(),
+        ("100 tokens", "40 embedding rows", "vocab_size", "resize the model's embeddings"),
+        "PreflightError",
+        setup=_model(_model_json("config.json", vocab_size=40)),
+        before="ugly",
+    ),
+    Case(
+        "tokenizer_path with a bigger vocabulary",
+        "model fit",
+        lambda ws: [*_train()(ws), f"actor_rollout_ref.model.tokenizer_path={ws.root / 'other_tok'}"],
+        ("160 tokens", "100 embedding rows", "actor_rollout_ref.model.tokenizer_path"),
+        "PreflightError",
+        setup=_bigger_tokenizer,
+        before="ugly",
+    ),
+    Case(
+        "no chat template",
+        "model fit",
+        _train(),
+        ("no chat template", "chat messages", "chat_template"),
+        "PreflightError",
+        setup=_model(_rm("chat_template.jinja")),
+        before="ugly",
+    ),
+    Case(
+        "half-written tokenizer.json",
+        "model fit",
+        _train(),
+        ("tokenizer.json is not readable JSON", "half-written", "copy the tokenizer files again"),
+        "PreflightError",
+        setup=_truncate(lambda ws: ws.model / "tokenizer.json", 0.5),
+        before="ugly",
+    ),
+    Case(
+        "half-written tokenizer_config.json",
+        "model fit",
+        _train(),
+        ("tokenizer_config.json is not readable JSON", "copy the tokenizer files again"),
+        "PreflightError",
+        setup=_truncate(lambda ws: ws.model / "tokenizer_config.json", 0.5),
+        before="ugly",
+    ),
+    Case(
+        "sharded model, a shard not downloaded",
+        "model fit",
+        _train(),
+        ("model-00002-of-00002.safetensors is missing", "actor_rollout_ref.model.path"),
+        "PreflightError",
+        setup=_model(_shard_missing),
+        before="ugly",
+    ),
+    Case(
+        "CPU memory plan beyond this machine",
+        "model fit",
+        _train("trainer.device=cpu"),
+        ("on CPU every role shares this machine's memory", "GiB is available", "turn:", "dapo plan"),
+        "PreflightError",
+        setup=_model(
+            _model_json(
+                "config.json",
+                hidden_size=16384,
+                intermediate_size=65536,
+                num_hidden_layers=200,
+                num_attention_heads=128,
+                num_key_value_heads=128,
+                head_dim=128,
+            )
+        ),
+        before="ugly",
+    ),
+    # --- data that is there but empty or gone
+    Case(
+        "train file with zero rows",
+        "data",
+        _train(),
+        ("train.parquet has the right columns but no rows", "data.train_files"),
+        "PreflightError",
+        setup=_no_rows("train"),
+        before="ugly",
+    ),
+    Case(
+        "val file with zero rows",
+        "data",
+        _train(),
+        ("val.parquet has the right columns but no rows", "data.val_files"),
+        "PreflightError",
+        setup=_no_rows("val"),
+        before="ugly",
+    ),
+    Case(
+        "train file a dangling symlink (data moved)",
+        "data",
+        _train(),
+        ("train.parquet does not exist", "data.train_files"),
+        "PreflightError",
+        setup=_dangling_data,
+    ),
+    # --- one writer per run
+    Case(
+        "second writer of a live run",
+        "store",
+        _train("trainer.experiment_name=r1"),
+        ("being written by another process", "gpu-node-7 pid 4242", "f-1", "trainer.lease_timeout_s"),
+        "LeaseHeld",
+        setup=_lease("gpu-node-7", -5),
+        before="loss",
+    ),
+    Case(
+        "lease from a host whose clock runs ahead",
+        "store",
+        _train("trainer.experiment_name=r1"),
+        ("being written by another process", "gpu-node-8", "last heartbeat 0 s ago"),
+        "LeaseHeld",
+        setup=_lease("gpu-node-8", 3600),
+        before="loss",
+    ),
+    Case(
+        "lease_timeout_s 0",
+        "store",
+        _train("trainer.lease_timeout_s=0"),
+        ("trainer.lease_timeout_s=0", "must be > 0", "e.g. 120"),
+        "PreflightError",
+        before="ugly",
+    ),
+    Case(
+        "num_threads negative",
+        "config",
+        _train("trainer.num_threads=-1"),
+        ("trainer.num_threads=-1", "Fix: set it to 1"),
+        before="ugly",
+    ),
 ]
 
 
@@ -753,8 +985,8 @@ def no_flows(monkeypatch) -> list:
     return calls
 
 
-def test_the_table_has_at_least_50_bad_inputs():
-    assert len(CASES) >= 50 and len({c.id for c in CASES}) == len(CASES)
+def test_the_table_has_at_least_80_bad_inputs():
+    assert len(CASES) >= 80 and len({c.id for c in CASES}) == len(CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

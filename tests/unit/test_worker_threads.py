@@ -1,4 +1,5 @@
-"""Torch threads per worker process: the cores shared among the workers that compute at once."""
+"""Torch threads per worker process: `trainer.num_threads`, or (0) the cores shared among the workers that
+compute at once; never the environment."""
 
 import pytest
 
@@ -6,34 +7,33 @@ from dapo_core.compute.cluster import worker_threads
 from dapo_core.errors import DapoUserError
 
 
-def test_sync_order_gives_the_busy_worker_every_core() -> None:
-    assert worker_threads(1, "cpu", environ={}, cores=8) == 8
+def test_the_config_value_wins_whatever_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.setenv("DAPO_WORKER_THREADS", "5")
+    assert worker_threads(1, 1, "cpu", cores=8) == 1
+    assert worker_threads(3, 2, "cpu", cores=8) == 3
 
 
-def test_replay_order_splits_the_cores_between_generation_and_update() -> None:
-    assert worker_threads(2, "cpu", environ={}, cores=8) == 4
-    assert worker_threads(2, "cpu", environ={}, cores=1) == 1
+def test_zero_gives_the_busy_worker_every_core_in_sync_order() -> None:
+    assert worker_threads(0, 1, "cpu", cores=8) == 8
 
 
-def test_omp_num_threads_caps_the_share() -> None:
-    assert worker_threads(1, "cpu", environ={"OMP_NUM_THREADS": "2"}, cores=8) == 2
-    assert worker_threads(2, "cpu", environ={"OMP_NUM_THREADS": "16"}, cores=8) == 4
+def test_zero_splits_the_cores_between_generation_and_update_in_replay_order() -> None:
+    assert worker_threads(0, 2, "cpu", cores=8) == 4
+    assert worker_threads(0, 2, "cpu", cores=1) == 1
 
 
-def test_env_override_wins_and_gpu_workers_keep_one_thread() -> None:
-    assert (
-        worker_threads(1, "cpu", environ={"DAPO_WORKER_THREADS": "3", "OMP_NUM_THREADS": "1"}, cores=8) == 3
-    )
-    assert worker_threads(1, "cuda", environ={}, cores=64) == 1
+def test_gpu_workers_keep_one_thread() -> None:
+    assert worker_threads(0, 1, "cuda", cores=64) == 1
+    assert worker_threads(4, 1, "cuda", cores=64) == 1
 
 
-def test_bad_override_names_the_variable_and_the_fix() -> None:
-    with pytest.raises(DapoUserError, match=r"DAPO_WORKER_THREADS='two'.*Fix: set DAPO_WORKER_THREADS"):
-        worker_threads(1, "cpu", environ={"DAPO_WORKER_THREADS": "two"}, cores=2)
+def test_a_negative_value_names_the_key_and_the_fix() -> None:
+    with pytest.raises(DapoUserError, match=r"trainer.num_threads=-1.*Fix: set it to 1"):
+        worker_threads(-1, 1, "cpu", cores=2)
 
 
-def test_default_uses_this_process_affinity() -> None:
+def test_zero_uses_this_process_affinity() -> None:
     import os
 
-    cores = len(os.sched_getaffinity(0))
-    assert worker_threads(1, "cpu", environ={}) == cores
+    assert worker_threads(0, 1, "cpu") == len(os.sched_getaffinity(0))

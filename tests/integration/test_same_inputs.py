@@ -1,0 +1,77 @@
+"""Same parameters, same base model: the `dapo base` stage as `make train` (OMP_NUM_THREADS=1), `make repro`
+and a plain `dvc repro` (a shell whose OMP_NUM_THREADS says 2) run it, from params.yaml (the command of the
+DVC `base_model` stage), builds bitwise-equal weights: torch's threads come from `trainer.num_threads`, never
+from the environment, and the recipe the base model records names them. The same warm-up on 1 and 2 threads
+gives different weights (so the check can fail)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _base(tmp: Path, name: str, data: Path, omp: str | None, *extra: str) -> Path:
+    """Run `dapo base --config params.yaml` (the DVC stage's command) into tmp/name; return the model."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PREFECT_API_URL", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    }
+    env.update({"PREFECT_HOME": str(tmp / f"home_{name}"), "PYTHONPATH": str(ROOT)})
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    overrides = [
+        f"data.train_files=[{data}]",
+        f"data.val_files=[{data}]",
+        f"trainer.models_dir={tmp / name}",
+        "actor_rollout_ref.model.sft.steps=12",
+        *extra,
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "base", "--config", "params.yaml", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return tmp / name / "tiny_base"
+
+
+def _digest(model: Path) -> str:
+    return hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_base_model_does_not_depend_on_the_shells_thread_settings(tmp_path):
+    from dapo_core.data.datasets import make_synthetic_splits, write_parquet
+
+    train, _ = make_synthetic_splits(200, 8, seed=0)
+    data = tmp_path / "train.parquet"
+    write_parquet(train, data)
+    make = _base(tmp_path, "make", data, "1")
+    shell = _base(tmp_path, "shell", data, "2")
+    assert _digest(make) == _digest(shell)
+    recipe = json.loads((make / "base_model_recipe.json").read_text())
+    assert recipe["numerics"] == {"num_threads": 1, "deterministic": False}
+    # The same warm-up on 1 and on 2 threads: other weights (what an environment-driven count did).
+    from dapo_core.compute.models import build_tiny_model, load_tokenizer
+    from dapo_core.compute.numerics import torch_numerics
+    from dapo_core.compute.sft import warmup_sft
+    from dapo_core.config.schema import TinyModelConfig
+
+    digests = set()
+    for threads in (1, 2):
+        model = build_tiny_model(tmp_path / f"threads{threads}", asdict(TinyModelConfig()), seed=0)
+        with torch_numerics(threads, False):
+            warmup_sft(model, train, load_tokenizer(model), steps=6, lr=1e-3, batch_size=16, seed=0)
+        digests.add(_digest(Path(model)))
+    assert len(digests) == 2
