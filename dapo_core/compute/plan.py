@@ -211,9 +211,14 @@ DRIVER_BYTES = 1 * GiB
 """Assumed resident memory of the driver on node 0 (`dapo train`: the Prefect flow, its client, the store)."""
 
 
+FSDP_BYTES = 4
+"""Bytes per value of the fsdp2 engine's weights, gradients and activations: it trains in float32 (no mixed
+precision)."""
+
+
 def _opt(obj: Any, dotted: str, default: Any) -> Any:
-    """`obj.a.b`, or `default` where the schema has no such key (verl's FSDP keys: `fsdp_config.*`,
-    `ulysses_sequence_parallel_size`, read when the config has them)."""
+    """`obj.a.b`, or `default` where the schema has no such key (verl's `ulysses_sequence_parallel_size`,
+    followed when the config has it)."""
     for part in dotted.split("."):
         if obj is None or not hasattr(obj, part):
             return default
@@ -318,10 +323,8 @@ def resolve_layout(cfg: Any, *, dp: int = 1, device: str | None = None) -> Layou
     tp = int(arr.rollout.tensor_model_parallel_size) if arr.rollout.name == "vllm" else 1
     if strategy in FSDP_STRATEGIES:
         world = nnodes * per_node
-        size = int(_opt(arr.actor, "fsdp_config.fsdp_size", -1))
-        shard = world if size <= 0 or size > world else size
         sp = int(_opt(arr.actor, "ulysses_sequence_parallel_size", 1))
-        return Layout(dev, nnodes, per_node, strategy, shard, sp, tp, max(1, world // tp), True)
+        return Layout(dev, nnodes, per_node, strategy, world, sp, tp, max(1, world // tp), True)
     return Layout(dev, nnodes, per_node, strategy, dp, 1, tp, 1, False)
 
 
@@ -392,6 +395,14 @@ def _render_role(role: RolePlan, where: str) -> list[str]:
         )
     out.append("")
     return out
+
+
+def _largest(role: RolePlan, k: int = 3) -> str:
+    """The `k` largest rows of a table, for saying what does not fit."""
+    rows = sorted(role.rows, key=lambda r: -r.bytes)[:k]
+    return "largest: " + ", ".join(
+        f"{(r.phase + ': ') if r.phase else ''}{r.name} {_gib(r.bytes)}" for r in rows
+    )
 
 
 def _gib(n: int | None) -> str:
@@ -534,33 +545,26 @@ def _train_states(
 
     torch: everything float32 on the device (`dtype_bytes` for a frozen model). DeepSpeed: ZeRO stage s
     shards optimizer (s ≥ 1), gradients (s ≥ 2) and weights (s = 3) over `lay.dp`; `offload_*` move them to
-    the host. FSDP2: float32 shards of weights, gradients and AdamW m, v over dp (verl's FSDP actor), bf16
-    compute on CUDA, `fsdp_config.param_offload` / `optimizer_offload` move shards to the host.
+    the host. FSDP2: float32 shards of weights, gradients and AdamW m, v over dp, each decoder layer gathered
+    in full while it runs (with the next one prefetched), float32 compute.
     """
     P, big, st = params, s.embedding_params, _States()
     ds = section is not None and lay.strategy == "deepspeed" and hasattr(section, "deepspeed")
     fsdp = lay.strategy in FSDP_STRATEGIES and section is not None
     if fsdp:
-        dp, cb = lay.dp, 2 if lay.device == "cuda" else 4
-        po = bool(_opt(section, "fsdp_config.param_offload", False))
-        oo = bool(_opt(section, "fsdp_config.optimizer_offload", False)) or po
-        wb = 4 if trained else dtype_bytes
-        st.compute_bytes = cb
-        st.dev.append(Row("load", big * wb, f"meta device, one full tensor at a time: V·h·{wb} B", "load"))
-        (st.host if po else st.dev).append(
-            Row("weights", P * wb // dp, f"P·{wb} B / dp {dp}" + (" (param_offload: host)" if po else ""))
+        dp = lay.dp
+        wb = FSDP_BYTES if trained else dtype_bytes
+        st.compute_bytes = wb
+        st.dev.append(
+            Row("load", big * wb // dp, f"meta device, then its rows of one tensor: V·h·{wb} B / dp", "load")
         )
+        st.dev.append(Row("weights", P * wb // dp, f"P·{wb} B / dp {dp}"))
         if trained:
-            (st.host if po else st.dev).append(Row("gradients", P * 4 // dp, f"P·4 B / dp {dp}"))
-            (st.host if oo else st.dev).append(
-                Row(
-                    "optimizer",
-                    P * 8 // dp,
-                    f"P·8 B (AdamW m + v) / dp {dp}" + (" (offloaded)" if oo else ""),
-                )
-            )
+            st.dev.append(Row("gradients", P * 4 // dp, f"P·4 B / dp {dp}"))
+            st.dev.append(Row("optimizer", P * 8 // dp, f"P·8 B (AdamW m + v) / dp {dp}"))
+            st.dev.append(Row("weight sync", big * wb, f"one full tensor at a time: V·h·{wb} B", "sync"))
         head = 0 if s.tie_word_embeddings else big
-        st.gathered = (2 * s.layer_params + big + head) * cb + (s.layer_params * 4 if trained else 0)
+        st.gathered = (2 * s.layer_params + big + head) * wb + (s.layer_params * 4 if trained else 0)
         return st
     if ds and trained:
         d = section.deepspeed
@@ -731,14 +735,13 @@ def _pass_rows(
 
 
 def _sync_host(role: RolePlan, s: ModelShape, lay: Layout, nbytes: int) -> None:
-    """The full CPU copy of the weights `ActorWorker.weights` makes for the rollout (one tensor at a time
-    for FSDP: assumed streamed)."""
+    """The full CPU copy of the weights `ActorWorker.weights` makes for the rollout (under FSDP2 on rank 0
+    only, gathered one tensor at a time)."""
+    row = Row("weight sync", s.num_params * nbytes, f"P·{nbytes} B: a CPU copy of every weight", "sync")
     if lay.strategy in FSDP_STRATEGIES:
-        row = Row(
-            "weight sync", s.embedding_params * nbytes, f"one full tensor at a time: V·h·{nbytes} B", "sync"
-        )
-    else:
-        row = Row("weight sync", s.num_params * nbytes, f"P·{nbytes} B: a CPU copy of every weight", "sync")
+        row.formula += " (rank 0 gathers them; the other ranks hold none)"
+        if lay.device == "cuda":
+            return  # counted once per cluster, on node 0 (`_host_plans`)
     (role.rows if lay.device == "cpu" else role.host_rows).append(row)
 
 
@@ -939,17 +942,9 @@ def _rollout_plan(
                 else f"vLLM reserves {_gib(r.budget)} per GPU; sequences beyond "
                 f"{max(room, 0) // one} wait for room (slower, not an error)"
             )
-        streamed = lay.strategy in FSDP_STRATEGIES
-        sync = s.embedding_params if streamed else s.num_params
         r.host_rows = [
             Row("process", PROCESS_BYTES[lay.device], "vLLM worker: Python, torch, CUDA context (assumed)"),
-            Row(
-                "weight sync",
-                sync * db // tp,
-                f"{'V·h' if streamed else 'P'}·{db} B / tp: received weights"
-                + (" (one tensor at a time, assumed)" if streamed else ""),
-                "sync",
-            ),
+            Row("weight sync", s.num_params * db // tp, f"P·{db} B / tp: received weights", "sync"),
         ]
         if lay.device == "cpu":
             r.rows[:0] = [r.host_rows[0]]
@@ -1054,11 +1049,15 @@ def _host_plans(
             h.rows.append(
                 Row(f"{role.role} × {procs}", per * procs, f"{procs} × {_gib(per)} (peak of one process)")
             )
-        if not (lay.colocated and lay.strategy in FSDP_STRATEGIES):
-            host_rows = roles[0].rows if lay.device == "cpu" else roles[0].host_rows
-            sync = next((r for r in host_rows if r.name == "weight sync"), None)
-            if sync is not None:
-                h.rows.append(Row("object store", sync.bytes, "the weights in transit to the rollout (Ray)"))
+        full = s.num_params * (FSDP_BYTES if lay.strategy in FSDP_STRATEGIES else 0)
+        if node == 0 and full and lay.device == "cuda":
+            h.rows.append(
+                Row("actor rank 0 weight sync", full, f"P·{FSDP_BYTES} B: rank 0 gathers every weight")
+            )
+        host_rows = roles[0].rows if lay.device == "cpu" else roles[0].host_rows
+        sync = next((r.bytes for r in host_rows if r.name == "weight sync"), full)
+        if node == 0 and sync:
+            h.rows.append(Row("object store", sync, "the weights in transit to the rollout (Ray)"))
         out.append(h)
     return out
 
@@ -1184,7 +1183,7 @@ def run_plan(
         + (
             "; or ".join(r.knobs)
             if r.knobs
-            else "no setting of the memory keys fits; more or larger GPUs/RAM"
+            else f"no setting of the memory keys fits ({_largest(r)}); more or larger GPUs/RAM"
         )
         + "."
         for r in failures

@@ -52,6 +52,13 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
     return new
 
 
+def _lower(budget: int, floor: int) -> list[int]:
+    """Token budgets below `budget`, halving, down to `floor` (the per-GPU share of one full-length row: a
+    smaller budget changes nothing, the row goes alone)."""
+    out = [budget // 2**k for k in range(1, 8) if budget // 2**k > floor]
+    return [*out, floor] if floor < budget else []
+
+
 def _fmt(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
@@ -64,6 +71,8 @@ def candidates(cfg: Any, check: str, heads: int) -> list[list[list[str]]]:
     arr = cfg.actor_rollout_ref
     actor, ro = arr.actor, arr.rollout
     out: list[list[list[str]]] = []
+    sp = int(getattr(actor, "ulysses_sequence_parallel_size", 1) or 1)
+    floor = -(-(int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)) // sp)
 
     def flag(key: str, value: Any = True) -> None:
         if _has(cfg, key) and _get(cfg, key) != value:
@@ -84,7 +93,7 @@ def candidates(cfg: Any, check: str, heads: int) -> list[list[list[str]]]:
         dyn = [] if actor.use_dynamic_bsz else [f"{A}actor.use_dynamic_bsz=true"]
         numbers(
             A + "actor.ppo_max_token_len_per_gpu",
-            [budget // 2**k for k in range(1, 8) if budget // 2**k >= 256],
+            _lower(budget, floor),
             dyn,
         )
         mbs = actor.ppo_micro_batch_size_per_gpu
@@ -97,7 +106,7 @@ def candidates(cfg: Any, check: str, heads: int) -> list[list[list[str]]]:
         ldyn = [] if ro.log_prob_use_dynamic_bsz else [f"{A}rollout.log_prob_use_dynamic_bsz=true"]
         numbers(
             A + "rollout.log_prob_max_token_len_per_gpu",
-            [lbud // 2**k for k in range(1, 8) if lbud // 2**k >= 256],
+            _lower(lbud, floor),
             ldyn,
         )
         if actor.strategy == "deepspeed":
@@ -109,8 +118,6 @@ def candidates(cfg: Any, check: str, heads: int) -> list[list[list[str]]]:
             if not actor.deepspeed.offload_param:
                 out.append([[f"{d}zero_stage=3", f"{d}offload_param=true"]])
         if actor.strategy in FSDP_STRATEGIES:
-            flag(A + "actor.fsdp_config.param_offload")
-            flag(A + "actor.fsdp_config.optimizer_offload")
             nn = int(cfg.trainer.nnodes)
             numbers("trainer.nnodes", [nn * 2, nn * 4, nn * 8])
             per = int(cfg.trainer.n_gpus_per_node)
@@ -122,12 +129,11 @@ def candidates(cfg: Any, check: str, heads: int) -> list[list[list[str]]]:
                 out.append([[f"{A}actor.strategy={strategy}", *extra]])
     if check in ("ref", "GPU shared by all roles") or check.startswith("host"):
         flag(A + "ref.dtype", "bfloat16")
-        flag(A + "ref.fsdp_config.param_offload")
         rb = int(arr.ref.log_prob_max_token_len_per_gpu)
         rdyn = [] if arr.ref.log_prob_use_dynamic_bsz else [f"{A}ref.log_prob_use_dynamic_bsz=true"]
         numbers(
             A + "ref.log_prob_max_token_len_per_gpu",
-            [rb // 2**k for k in range(1, 8) if rb // 2**k >= 256],
+            _lower(rb, floor),
             rdyn,
         )
         flag(A + "model.use_remove_padding")
@@ -137,7 +143,7 @@ def candidates(cfg: Any, check: str, heads: int) -> list[list[list[str]]]:
         cb = int(cfg.critic.ppo_max_token_len_per_gpu)
         numbers(
             "critic.ppo_max_token_len_per_gpu",
-            [cb // 2**k for k in range(1, 8) if cb // 2**k >= 256],
+            _lower(cb, floor),
             ["critic.use_dynamic_bsz=true"],
         )
     if check in ("rollout", "GPU shared by all roles") or check.startswith("host"):
