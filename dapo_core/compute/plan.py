@@ -68,6 +68,8 @@ class ModelShape:
     """Bytes per value of the checkpoint's `torch_dtype` (what vLLM serves)."""
     source: str
     """Where the shape came from (a config.json path, a built-in entry with its reference, the tiny model)."""
+    qkv_bias: bool = True
+    """q, k, v projections carry biases (Qwen2; Llama's `attention_bias` is false)."""
 
     @property
     def kv_dim(self) -> int:
@@ -76,14 +78,15 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: q/k/v with biases (Qwen2), o, gate/up/down, two RMSNorms."""
+        """Parameters of one decoder layer: q/k/v (with biases in Qwen2), o, gate/up/down, two RMSNorms."""
         h, kv, i, q = (
             self.hidden_size,
             self.kv_dim,
             self.intermediate_size,
             self.num_attention_heads * self.head_dim,
         )
-        return (h * q + q) + 2 * (h * kv + kv) + q * h + 3 * h * i + 2 * h
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        return h * q + 2 * h * kv + bias + q * h + 3 * h * i + 2 * h
 
     @property
     def embedding_params(self) -> int:
@@ -124,6 +127,7 @@ class ModelShape:
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             dtype_bytes=_DTYPE_BYTES.get(dtype, 4),
             source=source or str(p),
+            qkv_bias=bool(c.get("attention_bias", c.get("model_type", "qwen2") == "qwen2")),
         )
 
 

@@ -3,8 +3,9 @@
 A candidate is a set of dotted overrides (what a user appends to `dapo train`). It is offered only if, applied
 to the config, the failing check passes and no check that passed starts failing. Candidates with a number
 (a token budget, a utilisation, a degree) take the value closest to the current one that fits. When no single
-candidate fits, the changes that each lower the check are applied together, in order, and offered as one
-combined change if that fits; otherwise nothing is offered.
+candidate fits, the changes that do not raise the check are applied together and offered as one
+combined change if that fits (then trimmed: a change not needed is dropped, a number moved back towards the
+current value); otherwise nothing is offered.
 """
 
 from __future__ import annotations
@@ -193,24 +194,40 @@ def search(cfg: Any, check: str, plan_of: Callable[[Any], Any]) -> list[str]:
 
     current = next(r.total for r in base.checks() if r.role == check)
     fixes: list[str] = []
-    lowering: list[list[str]] = []
+    helping: list[list[list[str]]] = []  # candidates that do not raise the check, each with its options
     for options in candidates(cfg, check, base.shape.num_attention_heads):
         for overrides in options:
-            ok, total = judge(overrides)
-            if ok:
+            if judge(overrides)[0]:
                 fixes.append(" ".join(overrides))
                 break
         else:
-            _, total = judge(options[-1])
-            if total is not None and total < current:
-                lowering.append(options[-1])
-    if fixes or not lowering:
+            total = judge(options[-1])[1]
+            if total is not None and total <= current:
+                helping.append(options)
+    if fixes or not helping:
         return fixes
-    together: list[str] = []
-    for overrides in lowering:
-        together = [
-            o for o in together if o.split("=")[0] not in {x.split("=")[0] for x in overrides}
-        ] + overrides
-        if judge(together)[0]:
-            return [" ".join(together)]
-    return []
+    # No single change fits: take every helping change at its strongest, then drop what is not needed and
+    # relax each number back towards the current value while the whole still fits.
+    chosen = [options[-1] for options in helping]
+    if not judge(_merge(chosen))[0]:
+        return []
+    for i in range(len(chosen)):
+        trial = [*chosen[:i], [], *chosen[i + 1 :]]
+        if judge(_merge(trial))[0]:
+            chosen = trial
+            continue
+        for overrides in helping[i]:  # closest to the current config first
+            trial = [*chosen[:i], overrides, *chosen[i + 1 :]]
+            if judge(_merge(trial))[0]:
+                chosen = trial
+                break
+    return [" ".join(_merge(chosen))]
+
+
+def _merge(groups: list[list[str]]) -> list[str]:
+    """The overrides of several changes in order, a later value of a key replacing an earlier one."""
+    out: dict[str, str] = {}
+    for group in groups:
+        for item in group:
+            out[item.split("=", 1)[0]] = item
+    return list(out.values())
