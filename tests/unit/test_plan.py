@@ -36,6 +36,14 @@ GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 BIG_32B = ["dapo_qwen2.5_32b.yaml", "dapo_wo_ds_qwen2.5_32b.yaml", "dapo_early_qwen2.5_32b.yaml"]
+DS = [  # the one-process DeepSpeed engine (ZeRO-3, both offloads, bf16) on the 32B config's data and lengths
+    "trainer.nnodes=1",
+    "actor_rollout_ref.actor.strategy=deepspeed",
+    "actor_rollout_ref.actor.deepspeed.zero_stage=3",
+    "actor_rollout_ref.actor.deepspeed.offload_optimizer=true",
+    "actor_rollout_ref.actor.deepspeed.offload_param=true",
+    "actor_rollout_ref.actor.deepspeed.bf16=true",
+]
 
 MEASURE = """
 import json, sys, tempfile, torch
@@ -107,9 +115,7 @@ def test_parameter_counts_match_the_published_models():
 
 def test_rows_can_be_checked_by_hand():
     # The one-process DeepSpeed engine of the 32B config (ZeRO-3, both offloads, bf16) on an 80 GiB GPU.
-    cfg = typed(
-        load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", ["actor_rollout_ref.actor.strategy=deepspeed"])
-    )
+    cfg = typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", DS))
     plan = make_plan(cfg, gpu_mem=parse_bytes("80GiB"))
     s = plan.shape
     P = s.num_params
@@ -141,7 +147,7 @@ def _fsdp2(cfg, nnodes=16):
 def test_recipe_layout_shards_over_128_gpus_and_says_what_does_not_fit(capsys):
     from dapo_core.compute.plan import run_plan
 
-    cfg = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", [])))
+    cfg = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", DS)))
     plan = make_plan(cfg, gpu_mem=parse_bytes("80GiB"), host_mem=parse_bytes("1800GiB"))
     lay, P, V_h = plan.layout, plan.shape.num_params, plan.shape.embedding_params
     assert (lay.world, lay.dp, lay.tp, lay.replicas, lay.colocated) == (128, 128, 4, 32, True)
@@ -166,9 +172,28 @@ def test_recipe_layout_shards_over_128_gpus_and_says_what_does_not_fit(capsys):
     assert not make_plan(cfg, gpu_mem=parse_bytes("141GiB"), host_mem=parse_bytes("1800GiB")).failures()
 
 
+@pytest.mark.parametrize("name", BIG_32B)
+def test_32b_configs_state_the_recipe_layout(name, capsys):
+    cfg = typed(load_config(CONFIGS / name, []))
+    lay = make_plan(cfg, gpu_mem=parse_bytes("80GiB")).layout
+    assert (lay.nnodes, lay.per_node, lay.dp, lay.tp, lay.replicas, lay.colocated) == (
+        16,
+        8,
+        128,
+        4,
+        32,
+        True,
+    )
+    assert (
+        main(["plan", "--config", str(CONFIGS / name), "--gpu-mem", "141GiB", "--host-mem", "1800GiB"]) == 0
+    )
+    assert main(["plan", "--config", str(CONFIGS / name), "--gpu-mem", "80GiB", "--host-mem", "1800GiB"]) == 2
+    assert "GPU shared by all roles needs" in capsys.readouterr().err
+
+
 def test_fsdp2_advice_adds_nodes_and_lowers_a_budget_above_the_width():
     short = ["data.max_response_length=4096", "reward_model.overlong_buffer.len=1024"]
-    base = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", short)), nnodes=1)
+    base = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", DS + short)), nnodes=1)
     gpu = parse_bytes("80GiB")
     plan = make_plan(base, gpu_mem=gpu)
     assert plan.gpu is not None and [r.role for r in plan.failures()] == [plan.gpu.role]
@@ -187,12 +212,14 @@ def test_sizes_and_shapes_fail_with_the_fix():
     assert parse_bytes("80GiB") == 80 << 30 and parse_bytes("141G") == 141 << 30
     with pytest.raises(PlanError, match="--gpu-mem 'lots'"):
         parse_bytes("lots")
-    cfg = typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", ["actor_rollout_ref.model.path=/no/Model-9B"]))
+    cfg = typed(
+        load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", [*DS, "actor_rollout_ref.model.path=/no/Model-9B"])
+    )
     with pytest.raises(PlanError, match="--model-config"):
         resolve_shape(cfg)
 
 
-SMALL = ["actor_rollout_ref.model.path=Qwen2.5-0.5B"]
+SMALL = [*DS, "actor_rollout_ref.model.path=Qwen2.5-0.5B"]
 ZERO1 = [
     "actor_rollout_ref.actor.deepspeed.zero_stage=1",
     "actor_rollout_ref.actor.deepspeed.offload_param=false",
@@ -342,12 +369,12 @@ def test_unknown_gpu_budget_is_said_and_train_refuses(capsys, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = ["--config", str(CONFIGS / BIG_32B[0])]
+    args = ["--config", str(CONFIGS / BIG_32B[0]), *DS]
     assert main(["plan", *args]) == EXIT_UNKNOWN_BUDGET
     assert "unknown budget" in capsys.readouterr().err
     assert main(["train", *args]) == 2
     assert "--gpu-mem 80GiB" in capsys.readouterr().err
-    cfg = typed(load_config(CONFIGS / BIG_32B[0], []))
+    cfg = typed(load_config(CONFIGS / BIG_32B[0], DS))
     assert gpu_budget_problem(cfg, None) and gpu_budget_problem(cfg, "80GiB") is None
     assert gpu_budget_problem(typed(load_config(CONFIGS / "tiny_cpu.yaml", [])), None) is None
 
@@ -393,6 +420,6 @@ def test_model_config_flag_reads_a_config_json(tmp_path, capsys):
         )
     )
     args = ["plan", "--config", str(CONFIGS / BIG_32B[0]), "--model-config", str(tmp_path / "config.json")]
-    args += ["--gpu-mem", "80GiB"]
+    args += ["--gpu-mem", "80GiB", *DS]
     assert main(args) == 0
     assert "P=494,032,768 parameters" in capsys.readouterr().out
