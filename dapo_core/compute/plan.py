@@ -36,6 +36,7 @@ __all__ = [
     "host_memory",
     "make_plan",
     "measure_actor_update",
+    "measure_rollout",
     "parse_bytes",
     "resolve_layout",
     "resolve_shape",
@@ -1274,3 +1275,50 @@ def measure_actor_update(
         r.bytes for r in actor.rows if r.phase in ("", "update") and r.name not in ("weights", "process")
     )
     return {"measured": int(measured), "estimated": int(estimated), "weights": int(weights)}
+
+
+def measure_rollout(cfg: Any, model_path: str, *, device: str = "cpu", seed: int = 0) -> dict[str, int]:
+    """Measure the peak memory of one HF-engine generation above the loaded weights, next to the plan's.
+
+    One batch of `min(gen batch × n, max_num_seqs)` rows: `n` samples of each of `rows / n` random prompts of
+    `max_prompt_length` tokens, `max_response_length` new tokens (EOS is an id the model almost never draws,
+    so rows run to full length: the plan's worst case). Measured as in `measure_actor_update`; `estimated` is
+    the plan's rollout rows except the weights, the process and the weight sync, `weights` its weight row.
+    """
+    import torch
+
+    from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
+    from dapo_core.compute.engines.rollout import SamplingParams
+
+    ro = cfg.actor_rollout_ref.rollout
+    n, P, R = int(ro.n), int(cfg.data.max_prompt_length), int(cfg.data.max_response_length)
+    rows = min(int(cfg.data.gen_batch_size or cfg.data.train_batch_size) * n, int(ro.max_num_seqs))
+    dtype = "float32" if str(ro.dtype) == "auto" else str(ro.dtype)
+    vocab = resolve_shape(cfg).vocab_size
+    if device == "cuda":
+        torch.cuda.synchronize()
+    engine = HFRolloutEngine(
+        model_path, device=device, seed=seed, dtype=dtype, max_batch_size=rows, eos_token_id=vocab - 1
+    )
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, vocab - 1, (P,), generator=g).tolist() for _ in range(-(-rows // n))]
+    batch = [prompts[i // n] for i in range(rows)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=R)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        engine.generate(batch, params, list(range(rows)))
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - base
+    else:
+        base = _rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        engine.generate(batch, params, list(range(rows)))
+        measured = _rss_bytes("VmHWM") - base
+    rollout = next(r for r in make_plan(cfg, device=device).roles if r.role == "rollout")
+    skip = ("weights", "process", "weight sync")
+    estimated = _peak([r for r in rollout.rows if r.name not in skip])
+    weights = sum(r.bytes for r in rollout.rows if r.name == "weights")
+    return {"measured": int(measured), "estimated": int(estimated), "weights": int(weights), "rows": rows}

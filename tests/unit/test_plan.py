@@ -78,9 +78,9 @@ MEMORY_ON = [
 ]
 
 
-def _measure(overrides: list[str]) -> dict[str, int]:
+def _measure(overrides: list[str], what: str = "measure_actor_update") -> dict[str, int]:
     out = subprocess.run(
-        [sys.executable, "-c", MEASURE, *overrides],
+        [sys.executable, "-c", MEASURE.replace("measure_actor_update", what), *overrides],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -96,6 +96,12 @@ def test_estimate_is_within_tolerance_of_the_measured_cpu_peak(features):
     r = _measure(SHAPE + features)
     ratio = r["measured"] / r["estimated"]
     assert 0.75 <= ratio <= 1.6, r
+
+
+def test_rollout_estimate_is_within_tolerance_of_the_measured_cpu_peak():
+    # HF engine: 32 prompts × n 4 = 128 rows of 64 + 192 tokens, KV cache, prefill and sampling tensors.
+    r = _measure(SHAPE, "measure_rollout")
+    assert r["rows"] == 128 and 0.75 <= r["measured"] / r["estimated"] <= 1.6, r
 
 
 def test_memory_features_lower_the_estimate():
