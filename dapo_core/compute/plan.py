@@ -513,12 +513,32 @@ def _logits_row(
             f"(response-position logits{', their grad' if grad else ''}; one chunk of {', '.join(parts)})",
             phase,
         )
+    block = _logit_block(tokens * V)
+    if block < tokens * V:  # blocked float32 work: the logits (and their grad) plus one block's temporaries
+        held = 2 if grad else 1
+        return Row(
+            "logits",
+            tokens * V * model_bytes * held + block * 4 * k,
+            f"N·V·b·{held} + block·4·{k} = {tokens}·{V}·{model_bytes}·{held} + {block:,}·{4 * k} (logits"
+            f"{', their grad' if grad else ''}; one block of {', '.join(parts)})",
+            phase,
+        )
     return Row(
         "logits",
         tokens * V * (model_bytes + 4 * k),
         f"N·V·(b + 4·{k}) = {tokens}·{V}·({model_bytes} + {4 * k}) ({', '.join(parts)})",
         phase,
     )
+
+
+def _logit_block(values: int) -> int:
+    """Logits whose float32 temporaries the padded log-prob code holds at once: all of them, or one block of
+    `dapo_core.compute.logits.CHUNK_ELEMENTS` where the code computes in blocks."""
+    try:
+        from dapo_core.compute.logits import CHUNK_ELEMENTS  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:  # no blocked log-prob code: the whole tensor at once
+        return values
+    return min(values, int(CHUNK_ELEMENTS))
 
 
 def _no_grad_row(s: ModelShape, tokens: int, b: int, attn_sq: int, how: str, phase: str) -> Row:
@@ -973,7 +993,7 @@ def _rollout_plan(
     scores = s.num_attention_heads * prompts * Pl * Pl if lay.device == "cpu" else 0
     r.rows.append(
         Row(
-            "prefill",
+            "logits + one layer",
             prompts * Pl * (V + 4 * s.hidden_size + 2 * s.intermediate_size) * db + scores * db,
             "prompts·P·(V + 4h + 2i)·b (+ CPU scores heads·prompts·P²·b): full-length logits and one layer",
             "prefill",
