@@ -34,6 +34,7 @@ __all__ = [
     "gpu_budget",
     "gpu_budget_problem",
     "host_memory",
+    "host_ram_problem",
     "make_plan",
     "measure_actor_update",
     "measure_rollout",
@@ -1142,6 +1143,31 @@ def advise(
         cfg,
         check,
         lambda c: make_plan(c, gpu_mem=gpu_mem, model_config=model_config, dp=dp, host_mem=host_mem),
+    )
+
+
+def host_ram_problem(
+    cfg: Any, available: int | None = None, *, model_config: str | None = None
+) -> str | None:
+    """For a CPU run's preflight: one paragraph when the plan's host RAM of this node (every process's peak,
+    Ray, the driver) exceeds `available` bytes (default: /proc/meminfo MemAvailable), with the config changes
+    that make it fit; None when it fits, the run is on GPUs, or no plan can be made."""
+    if _plan_device(cfg) != "cpu":
+        return None
+    available = available if available is not None else host_memory("MemAvailable")
+    try:
+        plan = make_plan(cfg, model_config=model_config, host_mem=available)
+    except PlanError:
+        return None
+    node = plan.hosts[0]
+    if node.fits() is not False:
+        return None
+    knobs = advise(cfg, node.role, gpu_mem=None, host_mem=available, model_config=model_config)
+    fix = "; or ".join(knobs) if knobs else f"a machine with more memory ({_largest(node)})"
+    return (
+        f"The run's processes need about {_gib(node.total)} of RAM on this machine (memory plan: "
+        f"{', '.join(f'{r.name} {_gib(r.bytes)}' for r in node.rows)}) but {_gib(available)} is available. "
+        f"Change: {fix} (`dapo plan --config ...` shows every row)."
     )
 
 

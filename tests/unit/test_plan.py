@@ -399,6 +399,24 @@ def test_cpu_plan_is_the_resident_memory_of_each_process():
     assert host.fits() is True
 
 
+def test_host_ram_problem_refuses_a_cpu_run_that_cannot_fit_and_its_change_fits():
+    from dapo_core.compute.plan import host_ram_problem
+
+    big = [
+        "actor_rollout_ref.model.tiny.hidden_size=1024",
+        "actor_rollout_ref.model.tiny.intermediate_size=4096",
+        "actor_rollout_ref.model.tiny.num_hidden_layers=8",
+    ]
+    cfg = typed(load_config(CONFIGS / "tiny_cpu.yaml", big))
+    assert host_ram_problem(cfg, parse_bytes("64GiB")) is None
+    msg = host_ram_problem(cfg, parse_bytes("6GiB"))
+    assert msg is not None and "is available" in msg and "Change: " in msg
+    for change in msg.split("Change: ", 1)[1].split(" (`dapo plan")[0].split("; or "):
+        fixed = typed(load_config(CONFIGS / "tiny_cpu.yaml", big + change.split()))
+        assert host_ram_problem(fixed, parse_bytes("6GiB")) is None, change
+    assert host_ram_problem(typed(load_config(CONFIGS / BIG_32B[0], DS)), 1) is None  # a GPU run
+
+
 def test_plan_names_the_role_and_the_change_when_it_does_not_fit(capsys):
     overrides, gpu, _ = SCENARIOS["zero1, no offload, no checkpointing"]
     args = ["--config", str(CONFIGS / BIG_32B[0]), "--gpu-mem", gpu, *overrides]
