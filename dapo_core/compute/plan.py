@@ -978,17 +978,17 @@ def _rollout_plan(
             r.host_rows = []
         return r
     db = _DTYPE_NAMES.get(dtype, 4)
-    rows = min(rows_all, int(ro.max_num_seqs))
+    rows = min(-(-rows_all // lay.replicas), int(ro.max_num_seqs))  # one replica's share
     prompts = -(-rows // n)
     per_tok = 2 * L * s.kv_dim * db
-    r = RolePlan("rollout", budget=gpu_mem)
+    r = RolePlan("rollout", budget=gpu_mem, procs_per_node=lay.per_node if lay.colocated else 1)
     r.rows.append(Row("weights", s.num_params * db, f"P·{db} B (HF engine, rollout.dtype {dtype})"))
     r.rows.append(
         Row(
             "kv cache",
             (prompts * Pl + rows * R) * per_tok,
             f"(prompts·P + rows·R)·2·layers·kv·b = ({prompts}·{Pl} + {rows}·{R})·2·{L}·{s.kv_dim}·{db} "
-            f"(rows = min(gen batch × n, max_num_seqs); a prompt's cache kept once)",
+            f"(rows = min(gen batch × n / replicas, max_num_seqs); a prompt's cache kept once)",
         )
     )
     scores = s.num_attention_heads * prompts * Pl * Pl if lay.device == "cpu" else 0
@@ -1070,7 +1070,7 @@ def _host_plans(
         for role in roles:
             if not lay.colocated and node:
                 continue
-            procs = role.procs_per_node if lay.device == "cuda" else 1
+            procs = role.procs_per_node
             per = role.total if lay.device == "cpu" else role.host_total
             h.rows.append(
                 Row(f"{role.role} × {procs}", per * procs, f"{procs} × {_gib(per)} (peak of one process)")
