@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         "eval": "evaluate a checkpoint: avg@k, pass@k, maj@k (flows.evaluate)",
         "deploy": "register the training pipeline as a Prefect deployment (flows.deploy)",
         "config": "print the resolved, validated config as YAML",
-        "plan": "per-GPU memory estimate of every role; exit 2 if one does not fit (dapo_core.compute.plan)",
+        "plan": "memory per GPU and host RAM per node of every role; exit 0 fits, 2 does not fit (with the "
+        "changes that fix it), 3 GPU budget unknown (dapo_core.compute.plan)",
     }
     for name, text in helps.items():
         p = sub.add_parser(name, help=text, description=text)
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 80GiB (default: CUDA dev 0)")
             p.add_argument("--model-config", default=None, help="the model's config.json if it is not here")
             p.add_argument("--dp", type=int, default=1, help="what-if data-parallel world (plan only)")
+            p.add_argument(
+                "--host-mem", default=None, help="RAM per node, e.g. 1800GiB (default: this machine's)"
+            )
     return parser
 
 
@@ -176,7 +180,14 @@ def _main(args: argparse.Namespace, state: dict) -> int:
         from dapo_core.compute.plan import run_plan
 
         dp = args.dp if args.command == "plan" else 1
-        code = run_plan(tcfg, args.command, gpu_mem=args.gpu_mem, model_config=args.model_config, dp=dp)
+        code = run_plan(
+            tcfg,
+            args.command,
+            gpu_mem=args.gpu_mem,
+            model_config=args.model_config,
+            dp=dp,
+            host_mem=args.host_mem,
+        )
         if args.command == "plan" or code:
             return code
     if args.command == "train":

@@ -193,6 +193,7 @@ def _ref_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, de
         max_token_len=arr.ref.log_prob_max_token_len_per_gpu if arr.ref.log_prob_use_dynamic_bsz else None,
         use_remove_padding=arr.model.use_remove_padding,
         use_shared_prompt=arr.model.use_shared_prompt,
+        dtype=arr.ref.dtype,
     )
     where = cfg.trainer.ray_resources.ref
     return proxy(cluster.create("ref", factory, num_gpus=_gpus(device), resources=where), RefWorker)

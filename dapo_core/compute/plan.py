@@ -1,36 +1,15 @@
-"""`dapo plan`: a per-GPU memory estimate of every role of a config, checkable by hand.
+"""`dapo plan`: the memory of every role per GPU and per host, each row with the formula that gives it.
 
-What it models is what our code does (read from flows/run_setup.py and the engines):
-
-- Placement: each model-holding role (rollout, actor, reference when a KL term needs it, critic when GAE needs
-  it) is its own Ray actor asking for one GPU; roles never share a GPU. Training is one process per role, so
-  the DeepSpeed data-parallel world is 1 (`trainer.nnodes` > 1 is refused; `n_gpus_per_node` only sizes the
-  cluster). ZeRO then shards nothing; what saves GPU memory is offload. `--dp N` shows the reference's
-  deployment (N ranks sharing the ZeRO partitions) as a what-if; it is not what `dapo train` runs.
-- Actor: the torch engine trains in float32 (weights 4 B, gradients 4 B, AdamW m and v 8 B per parameter). The
-  DeepSpeed engine with `bf16` holds bf16 weights and gradients (2 + 2 B) plus the fp32 master copy and m, v
-  (12 B); without `bf16` it is 4 + 4 + 8 B. ZeRO stage s divides optimizer states (s >= 1), gradients (s >= 2)
-  and weights (s = 3) by the dp world; `offload_optimizer` moves optimizer states (and, for s >= 2, the fp32
-  gradient partitions) to the CPU; `offload_param` (s = 3) moves the weights to the CPU, leaving the gathered
-  working set on the GPU, taken here as two decoder layers plus the embedding (a prefetch window).
-- Reference: the torch engine in float32, forward only (no gradients, no optimizer).
-- Critic: the policy's backbone plus a value head, torch AdamW in float32 (16 B per parameter).
-- Rollout: vLLM reserves `gpu_memory_utilization` of each GPU for weights (split over
-  `tensor_model_parallel_size`), activations and the KV cache; the KV cache is what is left. HF generate
-  (CPU/tests) holds the weights and a KV cache for `gen_batch_size × n` full-length sequences.
-- Activations of one micro-batch of N tokens (N = the token budget when `use_dynamic_bsz`, or the rows of a
-  micro-batch × the padded width; a row longer than the budget goes alone): per decoder layer and token, the
-  tensors autograd keeps are `8h + 4·kv + 4i` values (norm inputs/outputs, q, k, v, rotary q/k, attention
-  output, MLP gate, up, activation and product). With gradient checkpointing each layer's input (h per
-  layer) is kept, plus in backward one recomputed layer and its gradient working set. On CPU, SDPA builds one
-  layer's (heads, T, T) scores at a time (`heads·Σ T²` values); on CUDA the fused kernels keep O(T) and the
-  term is 0. A packed micro-batch also holds its (N, N) boolean block-diagonal mask.
-- Logits: padded, the LM head's (N, V) output in the model dtype plus the float32 tensors the log-prob /
-  entropy code makes (copy, log-softmax; softmax and product for the entropy; one gradient): `N·V·(b + 4·k)`.
-  Packed, the LM head runs on response positions only and the float32 work is chunked (`_logits_row`).
-
-Every number is bytes per GPU; each row prints its formula. The estimate is checked against the measured peak
-memory of CPU runs in tests/unit/test_plan.py and bench/bench_plan.py, on a GPU by bench/gpu_memory_check.sh.
+The layout is the config's: `trainer.nnodes × n_gpus_per_node` GPUs (processes on CPU). An FSDP actor
+(`strategy: fsdp2`) shards weights, gradients and AdamW state over that whole world and shares every GPU with
+a rollout replica of `tensor_model_parallel_size` GPUs (replicas = world // tp), as verl's hybrid engine does;
+the torch and DeepSpeed engines run one process per role, each on a GPU of its own. `make_plan` returns the
+per-role rows (what a process holds on its device: on CPU that is the process's resident memory), the sum for
+a GPU shared by several roles, and the host RAM of each node. A role's peak is what it holds throughout plus
+its largest pass; a "load" pass (weights arriving) stands alone. `advise` (plan_advice.py) finds the config
+changes that make a failing check pass by re-planning with each. `gpu_budget_problem` is the check that makes
+`dapo train` refuse a GPU config whose per-GPU memory it does not know. Checked against measured peaks in
+tests/unit/test_plan.py, bench/bench_plan.py (CPU) and bench/gpu_memory_check.sh (GPU).
 """
 
 from __future__ import annotations
@@ -41,17 +20,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dapo_core.compute.plan_advice import FSDP_STRATEGIES, search
+
 __all__ = [
     "BUILTIN_SHAPES",
+    "Layout",
     "MemoryPlan",
     "ModelShape",
     "PlanError",
     "RolePlan",
     "activation_bytes",
+    "advise",
     "gpu_budget",
+    "gpu_budget_problem",
+    "host_memory",
+    "host_ram_problem",
     "make_plan",
     "measure_actor_update",
+    "measure_rollout",
     "parse_bytes",
+    "resolve_layout",
     "resolve_shape",
     "run_plan",
 ]
@@ -82,6 +70,8 @@ class ModelShape:
     """Bytes per value of the checkpoint's `torch_dtype` (what vLLM serves)."""
     source: str
     """Where the shape came from (a config.json path, a built-in entry with its reference, the tiny model)."""
+    qkv_bias: bool = True
+    """q, k, v projections carry biases (Qwen2; Llama's `attention_bias` is false)."""
 
     @property
     def kv_dim(self) -> int:
@@ -90,14 +80,15 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: q/k/v with biases (Qwen2), o, gate/up/down, two RMSNorms."""
+        """Parameters of one decoder layer: q/k/v (with biases in Qwen2), o, gate/up/down, two RMSNorms."""
         h, kv, i, q = (
             self.hidden_size,
             self.kv_dim,
             self.intermediate_size,
             self.num_attention_heads * self.head_dim,
         )
-        return (h * q + q) + 2 * (h * kv + kv) + q * h + 3 * h * i + 2 * h
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        return h * q + 2 * h * kv + bias + q * h + 3 * h * i + 2 * h
 
     @property
     def embedding_params(self) -> int:
@@ -138,6 +129,7 @@ class ModelShape:
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             dtype_bytes=_DTYPE_BYTES.get(dtype, 4),
             source=source or str(p),
+            qkv_bias=bool(c.get("attention_bias", c.get("model_type", "qwen2") == "qwen2")),
         )
 
 
@@ -216,6 +208,30 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+PROCESS_BYTES = {"cpu": 433_620 << 10, "cuda": 3 * GiB}
+"""Resident memory of a worker process before it loads a model. cpu: measured (VmRSS after importing torch,
+transformers and the dapo workers, one thread); cuda: assumed (torch, the CUDA context's host side, NCCL)."""
+RAY_NODE_BYTES = 1 * GiB
+"""Assumed resident memory of Ray's own processes on a node (raylet, GCS, dashboard, log monitor)."""
+DRIVER_BYTES = 1 * GiB
+"""Assumed resident memory of the driver on node 0 (`dapo train`: the Prefect flow, its client, the store)."""
+
+
+FSDP_BYTES = 4
+"""Bytes per value of the fsdp2 engine's weights, gradients and activations: it trains in float32 (no mixed
+precision)."""
+
+
+def _opt(obj: Any, dotted: str, default: Any) -> Any:
+    """`obj.a.b`, or `default` where the schema has no such key (verl's `ulysses_sequence_parallel_size`,
+    followed when the config has it)."""
+    for part in dotted.split("."):
+        if obj is None or not hasattr(obj, part):
+            return default
+        obj = getattr(obj, part)
+    return default if obj is None else obj
+
+
 @dataclass
 class Row:
     """One line of a role's table: a name, its bytes and the formula that gives them."""
@@ -224,74 +240,175 @@ class Row:
     bytes: int
     formula: str
     phase: str = ""
-    """"" = held throughout; otherwise the pass it belongs to (the role's peak is the largest pass)."""
+    """"" = held throughout; otherwise the pass it belongs to (the role's peak is the largest pass). The
+    pass "load" (weights arriving, before anything else is allocated) stands alone."""
+
+
+def _peak(rows: list[Row]) -> int:
+    phases: dict[str, int] = {}
+    for r in rows:
+        if r.phase:
+            phases[r.phase] = phases.get(r.phase, 0) + r.bytes
+    held = sum(r.bytes for r in rows if not r.phase)
+    load = phases.pop("load", 0)
+    return max(held + max(phases.values(), default=0), load)
 
 
 @dataclass
 class RolePlan:
-    """The estimate of one role on one GPU."""
+    """The estimate of one role on one GPU (on CPU: one process's resident memory), or of a shared GPU, or
+    of a node's host RAM."""
 
     role: str
     rows: list[Row] = field(default_factory=list)
     knobs: list[str] = field(default_factory=list)
-    """What to turn, biggest saving first, when the role does not fit."""
+    """Config changes (dotted overrides) that each make this check pass; filled by `advise`."""
     budget: int | None = None
-    """The GPU memory this role may use (vLLM: gpu_memory_utilization × GPU), when known."""
+    """The memory this role may use (vLLM: gpu_memory_utilization × GPU), when known."""
+    host_rows: list[Row] = field(default_factory=list)
+    """Host RAM of one process of this role (GPU runs; on CPU the rows are the host RAM)."""
+    procs_per_node: int = 1
+    """Processes of this role on a node (ranks, or tensor-parallel workers)."""
+    note: str = ""
+    """A line printed under the role (what the numbers mean beyond the rows)."""
 
     @property
     def total(self) -> int:
-        """Rows held throughout plus the largest pass (update or log-prob: they never run together)."""
-        phases: dict[str, int] = {}
-        for r in self.rows:
-            if r.phase:
-                phases[r.phase] = phases.get(r.phase, 0) + r.bytes
-        return sum(r.bytes for r in self.rows if not r.phase) + max(phases.values(), default=0)
+        """Rows held throughout plus the largest pass; a "load" pass alone when it is larger."""
+        return _peak(self.rows)
+
+    @property
+    def host_total(self) -> int:
+        """Peak host RAM of one process of this role."""
+        return _peak(self.host_rows)
 
     def fits(self) -> bool | None:
         """True/False against `budget`, None when no budget is known."""
         return None if self.budget is None else self.total <= self.budget
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where the roles run: the cluster, the actor's sharding and the rollout's tensor parallel."""
+
+    device: str
+    nnodes: int
+    per_node: int
+    """GPUs per node (`trainer.n_gpus_per_node`); processes per node on CPU."""
+    strategy: str
+    dp: int
+    """Ranks the actor's weights, gradients and optimizer state are sharded over."""
+    sp: int
+    """Ulysses sequence-parallel degree (FSDP only): a micro-batch's tokens spread over sp GPUs."""
+    tp: int
+    replicas: int
+    colocated: bool
+    """True: every role has a rank on every GPU (FSDP worker groups); False: one GPU per role."""
+
+    @property
+    def world(self) -> int:
+        """GPUs (CPU: processes per role) of the cluster."""
+        return self.nnodes * self.per_node
+
+
+def _plan_device(cfg: Any) -> str:
+    device = str(cfg.trainer.device)
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_layout(cfg: Any, *, dp: int = 1, device: str | None = None) -> Layout:
+    """The layout `dapo train` runs `cfg` with; `dp` is the ZeRO what-if of one-process engines."""
+    dev = device or _plan_device(cfg)
+    tr, arr = cfg.trainer, cfg.actor_rollout_ref
+    nnodes, per_node = int(tr.nnodes), int(tr.n_gpus_per_node)
+    strategy = str(arr.actor.strategy)
+    tp = int(arr.rollout.tensor_model_parallel_size) if arr.rollout.name == "vllm" else 1
+    if strategy in FSDP_STRATEGIES:
+        world = nnodes * per_node
+        sp = int(_opt(arr.actor, "ulysses_sequence_parallel_size", 1))
+        return Layout(dev, nnodes, per_node, strategy, world, sp, tp, max(1, world // tp), True)
+    return Layout(dev, nnodes, per_node, strategy, dp, 1, tp, 1, False)
+
+
 @dataclass
 class MemoryPlan:
-    """Every role's estimate plus the assumptions used."""
+    """Every role's estimate, the shared GPU (colocated layouts), the host RAM per node, the assumptions."""
 
     shape: ModelShape
     roles: list[RolePlan]
     gpu_mem: int | None
     assumptions: list[str]
+    layout: Layout | None = None
+    gpu: RolePlan | None = None
+    """The sum on one GPU when roles share it (colocated), checked against the GPU."""
+    hosts: list[RolePlan] = field(default_factory=list)
+    """Host RAM of each distinct node (node 0 holds the driver)."""
+    host_mem: int | None = None
+
+    def checks(self) -> list[RolePlan]:
+        """Every table with a verdict: roles, the shared GPU, the hosts."""
+        return [*self.roles, *([self.gpu] if self.gpu else []), *self.hosts]
 
     def failures(self) -> list[RolePlan]:
-        """Roles that do not fit their budget."""
-        return [r for r in self.roles if r.fits() is False]
+        """Tables that do not fit their budget."""
+        return [r for r in self.checks() if r.fits() is False]
 
     def render(self) -> str:
-        """The table a person can check by hand."""
-        s = self.shape
+        """The tables a person can check by hand."""
+        s, lay = self.shape, self.layout
+        where = "host RAM per process" if lay and lay.device == "cpu" else "per GPU"
+        budget = f"{_gib(self.gpu_mem)} per GPU" if self.gpu_mem else "unknown (pass --gpu-mem)"
         out = [
             f"model: {s.source}",
             f"  h={s.hidden_size} layers={s.num_hidden_layers} heads={s.num_attention_heads} "
             f"kv_heads={s.num_key_value_heads} head_dim={s.head_dim} i={s.intermediate_size} "
-            f"V={s.vocab_size} "
-            f"tied={s.tie_word_embeddings} -> P={s.num_params:,} parameters",
-            f"GPU memory: {_gib(self.gpu_mem) + ' per GPU' if self.gpu_mem else 'unknown (pass --gpu-mem)'}",
-            *(f"assume: {a}" for a in self.assumptions),
-            "",
+            f"V={s.vocab_size} tied={s.tie_word_embeddings} -> P={s.num_params:,} parameters",
         ]
-        width = max((len(r.name) + len(r.phase) + 2 for role in self.roles for r in role.rows), default=10)
-        for role in self.roles:
-            out.append(f"[{role.role}]")
-            for r in role.rows:
-                name = f"{r.phase}: {r.name}" if r.phase else r.name
-                out.append(f"  {name:<{width}} {_gib(r.bytes):>11}   = {r.formula}")
-            verdict = {None: "", True: "  fits", False: "  DOES NOT FIT"}[role.fits()]
-            budget = f" of {_gib(role.budget)}" if role.budget is not None else ""
-            how = " (rows held throughout + the largest pass)" if any(r.phase for r in role.rows) else ""
-            out.append(f"  {'total':<{width}} {_gib(role.total):>11}{budget}{verdict}{how}")
-            if role.fits() is False:
-                out.append(f"  turn: {'; or '.join(role.knobs) or 'a GPU with more memory'}")
-            out.append("")
+        if lay is None or lay.device != "cpu":
+            out.append(f"GPU memory: {budget}")
+        out.append(f"host RAM: {_gib(self.host_mem) + ' per node' if self.host_mem else 'unknown'}")
+        out += [*(f"assume: {a}" for a in self.assumptions), ""]
+        for role in self.checks():
+            out += _render_role(role, where if role in self.roles else "")
         return "\n".join(out)
+
+
+def _render_role(role: RolePlan, where: str) -> list[str]:
+    width = max((len(r.name) + len(r.phase) + 2 for r in role.rows), default=10)
+    out = [f"[{role.role}]" + (f" ({where})" if where else "")]
+    for r in role.rows:
+        name = f"{r.phase}: {r.name}" if r.phase else r.name
+        out.append(f"  {name:<{width}} {_gib(r.bytes):>11}   = {r.formula}")
+    verdict = {None: "", True: "  fits", False: "  DOES NOT FIT"}[role.fits()]
+    budget = f" of {_gib(role.budget)}" if role.budget is not None else ""
+    how = " (held throughout + the largest pass)" if any(r.phase for r in role.rows) else ""
+    out.append(f"  {'total':<{width}} {_gib(role.total):>11}{budget}{verdict}{how}")
+    if role.host_rows:
+        out.append(f"  host RAM of each of its {role.procs_per_node} process(es) on a node:")
+        for r in role.host_rows:
+            name = f"{r.phase}: {r.name}" if r.phase else r.name
+            out.append(f"    {name:<{width - 2}} {_gib(r.bytes):>11}   = {r.formula}")
+        out.append(f"    {'peak':<{width - 2}} {_gib(role.host_total):>11}")
+    if role.note:
+        out.append(f"  note: {role.note}")
+    if role.fits() is False:
+        out.append(
+            "  turn: " + ("; or ".join(role.knobs) if role.knobs else "no single setting fits (see below)")
+        )
+    out.append("")
+    return out
+
+
+def _largest(role: RolePlan, k: int = 3) -> str:
+    """The `k` largest rows of a table, for saying what does not fit."""
+    rows = sorted(role.rows, key=lambda r: -r.bytes)[:k]
+    return "largest: " + ", ".join(
+        f"{(r.phase + ': ') if r.phase else ''}{r.name} {_gib(r.bytes)}" for r in rows
+    )
 
 
 def _gib(n: int | None) -> str:
@@ -312,8 +429,9 @@ def activation_bytes(
 ) -> tuple[int, str]:
     """Bytes of a micro-batch's activations at the update's peak (and the formula).
 
-    Without checkpointing: every layer's saved tensors, `N·layers·(8h+4kv+4i)`. With checkpointing: each
-    layer's input (`N·layers·h`) plus, in backward, one layer recomputed and its gradient working set
+    Without checkpointing: every layer's saved tensors (norm inputs/outputs, q, k, v, rotary q/k, attention
+    output, MLP gate, up, activation and product), `N·layers·(8h+4kv+4i)`. With checkpointing: each layer's
+    input (`N·layers·h`) plus, in backward, one layer recomputed and its gradient working set
     (`2·N·(8h+4kv+4i)`). `attn_sq_tokens` = Σ T² of the attention blocks when the kernel builds one layer's
     (heads, T, T) scores at a time (CPU SDPA); 0 on CUDA's fused kernels.
     """
@@ -332,78 +450,32 @@ def activation_bytes(
 
 
 def _micro_tokens(
-    *, dynamic: bool, budget: int, micro_rows: int, width: int, packed: bool
+    *, dynamic: bool, budget: int, micro_rows: int, width: int, packed: bool, sp: int = 1
 ) -> tuple[int, int, str]:
-    """(tokens N of the largest micro-batch, Σ T² of its attention blocks, how N was chosen)."""
+    """(tokens N of the largest micro-batch on one GPU, Σ T² of its attention blocks, how N was chosen).
+
+    With Ulysses sequence parallel (verl's convention) an sp group's budget is `budget·sp` and each GPU holds
+    1/sp of the group's tokens; a row longer than the budget still goes alone, split over the sp GPUs.
+    """
     if dynamic and packed:
-        n = max(budget, width)
-        return n, n * n, f"token budget {budget} (packed; a longer row goes alone, width {width})"
-    if dynamic:
-        rows = max(1, budget // width)
-        return (
+        n = max(budget * sp, width)
+        sq, how = n * n, f"token budget {budget} (packed; a longer row goes alone, width {width})"
+    elif dynamic:
+        rows = max(1, budget * sp // width)
+        n, sq, how = (
             rows * width,
             rows * width * width,
             f"{rows} row(s) × padded width {width} within budget {budget}",
         )
-    if packed:
-        return micro_rows * width, (micro_rows * width) ** 2, f"{micro_rows} rows × width {width}, packed"
-    return micro_rows * width, micro_rows * width * width, f"{micro_rows} rows × padded width {width}"
-
-
-def _training_rows(
-    role: RolePlan,
-    s: ModelShape,
-    *,
-    strategy: str,
-    zero_stage: int,
-    offload_optimizer: bool,
-    offload_param: bool,
-    bf16: bool,
-    dp: int,
-) -> int:
-    """Weights, gradients and optimizer rows of a trained model; returns the activation dtype's bytes."""
-    P = s.num_params
-    ds = strategy == "deepspeed"
-    wb = 2 if ds and bf16 else 4
-    opt_b = 12 if ds and bf16 else 8
-    stage = zero_stage if ds else 0
-    if ds:
-        role.rows.append(
-            Row(
-                "whole model",
-                P * wb,
-                f"P·{wb} B: DeepSpeed moves the whole module to the GPU before ZeRO "
-                "partitions it (we load it on the CPU for ZeRO-3)",
-                "load",
-            )
-        )
-    if stage == 3 and offload_param:
-        work = 2 * s.layer_params + s.embedding_params
-        role.rows.append(
-            Row(
-                "weights",
-                work * wb,
-                f"offload_param: 2 layers + embedding on GPU = (2·{s.layer_params:,} + "
-                f"{s.embedding_params:,})·{wb} B",
-            )
-        )
+    elif packed:
+        n = micro_rows * width
+        sq, how = n * n, f"{micro_rows} rows × width {width}, packed"
     else:
-        div = dp if stage == 3 else 1
-        role.rows.append(Row("weights", P * wb // div, f"P·{wb} B" + (f" / dp {dp}" if div > 1 else "")))
-    gdiv = dp if stage >= 2 else 1
-    if offload_optimizer and stage >= 2:
-        role.rows.append(Row("gradients", 0, "ZeRO-2/3 with offload_optimizer: fp32 partitions on the CPU"))
-    else:
-        role.rows.append(Row("gradients", P * wb // gdiv, f"P·{wb} B" + (f" / dp {dp}" if gdiv > 1 else "")))
-    if offload_optimizer:
-        role.rows.append(Row("optimizer", 0, "offload_optimizer: AdamW state on the CPU"))
-    else:
-        odiv = dp if stage >= 1 else 1
-        what = "fp32 master + m + v" if opt_b == 12 else "AdamW m + v"
-        role.rows.append(
-            Row("optimizer", P * opt_b // odiv, f"P·{opt_b} B ({what})" + (f" / dp {dp}" if odiv > 1 else ""))
-        )
-    return wb
+        n = micro_rows * width
+        sq, how = micro_rows * width * width, f"{micro_rows} rows × padded width {width}"
+    if sp > 1:
+        return -(-n // sp), sq // sp, how + f", spread over sp={sp} GPUs"
+    return n, sq, how
 
 
 def _logits_row(
@@ -442,12 +514,32 @@ def _logits_row(
             f"(response-position logits{', their grad' if grad else ''}; one chunk of {', '.join(parts)})",
             phase,
         )
+    block = _logit_block(tokens * V)
+    if block < tokens * V:  # blocked float32 work: the logits (and their grad) plus one block's temporaries
+        held = 2 if grad else 1
+        return Row(
+            "logits",
+            tokens * V * model_bytes * held + block * 4 * k,
+            f"N·V·b·{held} + block·4·{k} = {tokens}·{V}·{model_bytes}·{held} + {block:,}·{4 * k} (logits"
+            f"{', their grad' if grad else ''}; one block of {', '.join(parts)})",
+            phase,
+        )
     return Row(
         "logits",
         tokens * V * (model_bytes + 4 * k),
         f"N·V·(b + 4·{k}) = {tokens}·{V}·({model_bytes} + {4 * k}) ({', '.join(parts)})",
         phase,
     )
+
+
+def _logit_block(values: int) -> int:
+    """Logits whose float32 temporaries the padded log-prob code holds at once: all of them, or one block of
+    `dapo_core.compute.logits.CHUNK_ELEMENTS` where the code computes in blocks."""
+    try:
+        from dapo_core.compute.logits import CHUNK_ELEMENTS  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:  # no blocked log-prob code: the whole tensor at once
+        return values
+    return min(values, int(CHUNK_ELEMENTS))
 
 
 def _no_grad_row(s: ModelShape, tokens: int, b: int, attn_sq: int, how: str, phase: str) -> Row:
@@ -458,6 +550,118 @@ def _no_grad_row(s: ModelShape, tokens: int, b: int, attn_sq: int, how: str, pha
     )
 
 
+_DTYPE_NAMES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class _States:
+    """Weights, gradients and optimizer of one rank of a trained (or frozen) model, device and host rows."""
+
+    dev: list[Row] = field(default_factory=list)
+    host: list[Row] = field(default_factory=list)
+    compute_bytes: int = 4
+    gathered: int = 0
+    """Bytes of the full layers FSDP gathers around the running one (added to every pass)."""
+
+
+def _train_states(
+    s: ModelShape, lay: Layout, section: Any, *, params: int, trained: bool, dtype_bytes: int = 4
+) -> _States:
+    """Rows of the weights, gradients and AdamW state of one rank under `lay.strategy` (and where they live).
+
+    torch: everything float32 on the device (`dtype_bytes` for a frozen model). DeepSpeed: ZeRO stage s
+    shards optimizer (s ≥ 1), gradients (s ≥ 2) and weights (s = 3) over `lay.dp`; `offload_*` move them to
+    the host. FSDP2: float32 shards of weights, gradients and AdamW m, v over dp, each decoder layer gathered
+    in full while it runs (with the next one prefetched), float32 compute.
+    """
+    P, big, st = params, s.embedding_params, _States()
+    ds = section is not None and lay.strategy == "deepspeed" and hasattr(section, "deepspeed")
+    fsdp = lay.strategy in FSDP_STRATEGIES and section is not None
+    if fsdp:
+        dp = lay.dp
+        wb = FSDP_BYTES if trained else dtype_bytes
+        st.compute_bytes = wb
+        st.dev.append(
+            Row("load", big * wb // dp, f"meta device, then its rows of one tensor: V·h·{wb} B / dp", "load")
+        )
+        st.dev.append(Row("weights", P * wb // dp, f"P·{wb} B / dp {dp}"))
+        if trained:
+            st.dev.append(Row("gradients", P * 4 // dp, f"P·4 B / dp {dp}"))
+            st.dev.append(Row("optimizer", P * 8 // dp, f"P·8 B (AdamW m + v) / dp {dp}"))
+            st.dev.append(Row("weight sync", big * wb, f"one full tensor at a time: V·h·{wb} B", "sync"))
+        head = 0 if s.tie_word_embeddings else big
+        st.gathered = (2 * s.layer_params + big + head) * wb + (s.layer_params * 4 if trained else 0)
+        return st
+    if ds and trained:
+        d = section.deepspeed
+        stage, dp = int(d.zero_stage), lay.dp
+        wb, opt_b = (2, 12) if d.bf16 else (4, 8)
+        st.compute_bytes = wb
+        st.host.append(Row("load", P * 4, "P·4 B: the float32 model is read into host RAM", "load"))
+        st.dev.append(
+            Row(
+                "load",
+                P * wb,
+                f"P·{wb} B: DeepSpeed moves the whole module to the GPU (no zero.Init)",
+                "load",
+            )
+        )
+        if stage == 3 and d.offload_param:
+            work = 2 * s.layer_params + big
+            st.dev.append(Row("weights", work * wb, f"offload_param: (2 layers + embedding)·{wb} B gathered"))
+            st.host.append(Row("weights", P * wb // dp, f"P·{wb} B / dp {dp} (offload_param)"))
+        else:
+            div = dp if stage == 3 else 1
+            st.dev.append(Row("weights", P * wb // div, f"P·{wb} B" + (f" / dp {dp}" if div > 1 else "")))
+        gdiv = dp if stage >= 2 else 1
+        if d.offload_optimizer:
+            st.host.append(
+                Row(
+                    "optimizer",
+                    P * 16 // dp,
+                    f"P·16 B / dp {dp} (fp32 master, m, v, fp32 gradients; CPU Adam)",
+                )
+            )
+            if stage < 2:
+                st.dev.append(Row("gradients", P * wb, f"P·{wb} B"))
+        else:
+            st.dev.append(Row("gradients", P * wb // gdiv, f"P·{wb} B" + (f" / dp {dp}" if gdiv > 1 else "")))
+            odiv = dp if stage >= 1 else 1
+            what = "fp32 master + m + v" if opt_b == 12 else "AdamW m + v"
+            st.dev.append(
+                Row(
+                    "optimizer",
+                    P * opt_b // odiv,
+                    f"P·{opt_b} B ({what})" + (f" / dp {dp}" if odiv > 1 else ""),
+                )
+            )
+        if stage == 3:
+            st.dev.append(
+                Row("weight sync", 2 * P * wb, f"2·P·{wb} B: all weights gathered and cloned at once", "sync")
+            )
+        return st
+    wb = 4 if trained else dtype_bytes
+    st.compute_bytes = wb
+    if lay.device == "cuda":
+        st.host.append(Row("load", P * wb, f"P·{wb} B: read into host RAM, then moved", "load"))
+    st.dev.append(Row("weights", P * wb, f"P·{wb} B" + ("" if trained else " (forward only)")))
+    if trained:
+        st.dev.append(Row("gradients", P * 4, "P·4 B"))
+        st.dev.append(Row("optimizer", P * 8, "P·8 B (AdamW m + v)"))
+    return st
+
+
+def _place(role: RolePlan, st: _States, lay: Layout) -> None:
+    """Device rows to the role, host rows to its host table (on CPU both are the process's memory)."""
+    what = "measured on CPU" if lay.device == "cpu" else "with the CUDA context, assumed"
+    base = Row("process", PROCESS_BYTES[lay.device], f"Python, torch, transformers ({what})")
+    if lay.device == "cpu":
+        role.rows[:0] = [base, *[r for r in st.dev if r.phase != "load"], *st.host]
+    else:
+        role.rows[:0] = st.dev
+        role.host_rows[:0] = [base, *st.host]
+
+
 def make_plan(
     cfg: Any,
     *,
@@ -465,231 +669,423 @@ def make_plan(
     model_config: str | None = None,
     dp: int = 1,
     device: str | None = None,
+    host_mem: int | None = None,
 ) -> MemoryPlan:
-    """The per-GPU estimate of every role of the resolved config `cfg` (a DapoConfig)."""
+    """The estimate of every role of the resolved config `cfg` (a DapoConfig): per GPU (per process on CPU)
+    and per node's host RAM. `dp` is the what-if ZeRO world of the one-process engines (torch, DeepSpeed)."""
     from dapo_core.config.loading import need_reference_policy, use_critic
 
     if dp < 1:
         raise PlanError(f"--dp {dp} must be >= 1.")
     s = resolve_shape(cfg, model_config)
+    lay = resolve_layout(cfg, dp=dp, device=device)
+    if lay.colocated and lay.world % lay.tp:
+        raise PlanError(
+            f"trainer.nnodes × n_gpus_per_node = {lay.world} GPUs is not a multiple of "
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={lay.tp}; set a tp that divides it."
+        )
     arr = cfg.actor_rollout_ref
-    actor, ro, ref = arr.actor, arr.rollout, arr.ref
-    dev = device or ("cuda" if str(cfg.trainer.device) in ("cuda", "auto") else "cpu")
-    scores_on = dev == "cpu"
     width = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
-    n = int(ro.n)
-    mini_rows = int(actor.ppo_mini_batch_size) * n
-    ckpt = bool(arr.model.enable_gradient_checkpointing)
-    packed = bool(arr.model.use_remove_padding)
-    assumptions = [
-        "one GPU per model-holding role, no two roles on one GPU (flows/run_setup.py asks num_gpus=1 each)",
-        f"data-parallel world dp={dp} for ZeRO partitions"
-        + (
-            " (what dapo train runs: one process per role)" if dp == 1 else " (what-if; dapo train runs dp=1)"
-        ),
-        f"sequence width T = max_prompt_length + max_response_length = {width}",
-        "attention scores "
-        + ("materialised (CPU SDPA math path)" if scores_on else "not kept (CUDA fused kernels)"),
-    ]
-    roles: list[RolePlan] = []
+    assumptions = [_layout_line(lay), f"sequence width T = max_prompt_length + max_response_length = {width}"]
+    if lay.device == "cuda":
+        assumptions.append("attention scores not kept (CUDA fused kernels)")
+    else:
+        assumptions.append("CPU: each role is one process; its rows are that process's resident memory")
+    ckpt, packed = bool(arr.model.enable_gradient_checkpointing), bool(arr.model.use_remove_padding)
+    roles = [_actor_plan(cfg, s, lay, width, ckpt, packed, gpu_mem)]
+    if need_reference_policy(cfg):
+        roles.append(_ref_plan(cfg, s, lay, width, packed, gpu_mem))
+    if use_critic(cfg):
+        roles.append(_critic_plan(cfg, s, lay, width, ckpt, gpu_mem))
+    roles.append(_rollout_plan(cfg, s, lay, gpu_mem, width, assumptions))
+    plan = MemoryPlan(
+        shape=s, roles=roles, gpu_mem=gpu_mem, assumptions=assumptions, layout=lay, host_mem=host_mem
+    )
+    if lay.colocated and lay.device == "cuda":
+        plan.gpu = _shared_gpu(cfg, roles, gpu_mem)
+        for r in roles:
+            if r.role != "rollout":
+                r.budget = None  # checked together on the shared GPU
+    plan.hosts = _host_plans(cfg, s, lay, roles, host_mem)
+    return plan
 
-    # -- actor
-    ds = actor.deepspeed
-    a = RolePlan("actor", budget=gpu_mem)
-    wb = _training_rows(
+
+def _layout_line(lay: Layout) -> str:
+    unit = "GPUs" if lay.device == "cuda" else "processes"
+    if lay.colocated:
+        return (
+            f"layout: {lay.nnodes} node(s) × {lay.per_node} {unit} = {lay.world}; actor ({lay.strategy}) "
+            f"sharded over dp={lay.dp}"
+            + (f", Ulysses sp={lay.sp}" if lay.sp > 1 else "")
+            + f"; {lay.replicas} rollout "
+            f"replica(s) of tp={lay.tp}; every GPU holds an actor rank and a rollout shard (colocated)"
+        )
+    return (
+        f"layout: one {'GPU' if lay.device == 'cuda' else 'process'} per model role ({lay.strategy} engine, "
+        f"one process per role; ZeRO dp={lay.dp}"
+        + (" what-if" if lay.dp > 1 else "")
+        + f"); rollout tp={lay.tp}"
+    )
+
+
+def _pass_rows(
+    role: RolePlan,
+    s: ModelShape,
+    cb: int,
+    *,
+    phase: str,
+    dynamic: bool,
+    budget: int,
+    micro_rows: int,
+    width: int,
+    packed: bool,
+    sp: int,
+    scores: bool,
+    ckpt: bool | None,
+    entropy: bool,
+) -> None:
+    """Activation, mask and logits rows of one pass; `ckpt` None = a forward without gradients."""
+    n, sq, how = _micro_tokens(
+        dynamic=dynamic, budget=budget, micro_rows=micro_rows, width=width, packed=packed, sp=sp
+    )
+    if ckpt is None:
+        role.rows.append(_no_grad_row(s, n, cb, sq if scores else 0, how, phase))
+    else:
+        act, f = activation_bytes(s, n, cb, ckpt, sq if scores else 0)
+        role.rows.append(Row("activations" + (" (ckpt)" if ckpt else ""), act, f"{f}; N: {how}", phase))
+    if packed:
+        role.rows.append(Row("packed mask", n * n, f"N²·1 B (block-diagonal bool mask) = {n}²", phase))
+    role.rows.append(
+        _logits_row(s, n, cb, entropy=entropy, packed=packed, phase=phase, grad=ckpt is not None)
+    )
+
+
+def _sync_host(role: RolePlan, s: ModelShape, lay: Layout, nbytes: int) -> None:
+    """The full CPU copy of the weights `ActorWorker.weights` makes for the rollout (under FSDP2 on rank 0
+    only, gathered one tensor at a time)."""
+    row = Row("weight sync", s.num_params * nbytes, f"P·{nbytes} B: a CPU copy of every weight", "sync")
+    if lay.strategy in FSDP_STRATEGIES:
+        row.formula += " (rank 0 gathers them; the other ranks hold none)"
+        if lay.device == "cuda":
+            return  # counted once per cluster, on node 0 (`_host_plans`)
+    (role.rows if lay.device == "cpu" else role.host_rows).append(row)
+
+
+def _actor_plan(
+    cfg: Any, s: ModelShape, lay: Layout, width: int, ckpt: bool, packed: bool, gpu_mem: int | None
+) -> RolePlan:
+    arr = cfg.actor_rollout_ref
+    actor, ro = arr.actor, arr.rollout
+    n = int(ro.n)
+    a = RolePlan("actor", budget=gpu_mem, procs_per_node=lay.per_node if lay.colocated else 1)
+    st = _train_states(s, lay, actor, params=s.num_params, trained=True)
+    _place(a, st, lay)
+    scores = lay.device == "cpu"
+    mini_rows = int(actor.ppo_mini_batch_size) * n
+    data_dp = max(1, lay.dp // lay.sp) if lay.colocated else 1
+    common = {"width": width, "packed": packed, "sp": lay.sp, "scores": scores}
+    _pass_rows(
         a,
         s,
-        strategy=str(actor.strategy),
-        zero_stage=int(ds.zero_stage),
-        offload_optimizer=bool(ds.offload_optimizer),
-        offload_param=bool(ds.offload_param),
-        bf16=bool(ds.bf16),
-        dp=dp,
-    )
-    micro = int(actor.ppo_micro_batch_size_per_gpu or mini_rows)
-    tokens, sq, how = _micro_tokens(
+        st.compute_bytes,
+        phase="update",
         dynamic=bool(actor.use_dynamic_bsz),
         budget=int(actor.ppo_max_token_len_per_gpu),
-        micro_rows=micro,
-        width=width,
-        packed=packed,
+        micro_rows=max(1, int(actor.ppo_micro_batch_size_per_gpu or -(-mini_rows // data_dp))),
+        ckpt=ckpt,
+        entropy=True,
+        **common,  # type: ignore[arg-type]
     )
-    act, f = activation_bytes(s, tokens, wb, ckpt, sq if scores_on else 0)
-    a.rows.append(Row("activations" + (" (ckpt)" if ckpt else ""), act, f"{f}; N: {how}", "update"))
-    if packed:
-        a.rows.append(
-            Row("packed mask", tokens * tokens, f"N²·1 B (block-diagonal bool mask) = {tokens}²", "update")
-        )
-    a.rows.append(_logits_row(s, tokens, wb, entropy=True, packed=packed, phase="update"))
-    lp_tokens, lp_sq, lp_how = _micro_tokens(
+    gen_rows = int(cfg.data.train_batch_size) * n
+    _pass_rows(
+        a,
+        s,
+        st.compute_bytes,
+        phase="log-prob",
         dynamic=bool(ro.log_prob_use_dynamic_bsz),
         budget=int(ro.log_prob_max_token_len_per_gpu),
-        micro_rows=int(ro.log_prob_micro_batch_size_per_gpu or int(cfg.data.train_batch_size) * n),
+        micro_rows=max(1, int(ro.log_prob_micro_batch_size_per_gpu or -(-gen_rows // data_dp))),
+        ckpt=None,
+        entropy=True,
+        **common,  # type: ignore[arg-type]
+    )
+    if st.gathered:
+        for phase in ("update", "log-prob"):
+            a.rows.append(
+                Row(
+                    "gathered layers",
+                    st.gathered,
+                    "FSDP: (2 layers + embedding + head)·b + 1 layer's grads",
+                    phase,
+                )
+            )
+    _sync_host(a, s, lay, st.compute_bytes if lay.strategy != "torch" else 4)
+    return a
+
+
+def _ref_plan(
+    cfg: Any, s: ModelShape, lay: Layout, width: int, packed: bool, gpu_mem: int | None
+) -> RolePlan:
+    arr = cfg.actor_rollout_ref
+    ref = arr.ref
+    rb = _DTYPE_NAMES.get(str(_opt(ref, "dtype", "float32")), 4)
+    r = RolePlan("ref", budget=gpu_mem, procs_per_node=lay.per_node if lay.colocated else 1)
+    section = ref if lay.strategy in FSDP_STRATEGIES else None
+    st = _train_states(s, lay, section, params=s.num_params, trained=False, dtype_bytes=rb)
+    if lay.strategy not in FSDP_STRATEGIES:
+        st.dev[0].formula += " (actor_rollout_ref.ref.dtype)"
+    cb = rb if lay.strategy not in FSDP_STRATEGIES else st.compute_bytes
+    _place(r, st, lay)
+    gen_rows = int(cfg.data.train_batch_size) * int(arr.rollout.n)
+    data_dp = max(1, lay.dp // lay.sp) if lay.colocated else 1
+    _pass_rows(
+        r,
+        s,
+        cb,
+        phase="log-prob",
+        dynamic=bool(ref.log_prob_use_dynamic_bsz),
+        budget=int(ref.log_prob_max_token_len_per_gpu),
+        micro_rows=max(1, int(ref.log_prob_micro_batch_size_per_gpu or -(-gen_rows // data_dp))),
         width=width,
         packed=packed,
+        sp=lay.sp,
+        scores=lay.device == "cpu",
+        ckpt=None,
+        entropy=False,
     )
-    a.rows.append(_no_grad_row(s, lp_tokens, wb, lp_sq if scores_on else 0, lp_how, "log-prob"))
-    if packed:
-        a.rows.append(Row("packed mask", lp_tokens**2, f"N²·1 B = {lp_tokens}²", "log-prob"))
-    a.rows.append(_logits_row(s, lp_tokens, wb, entropy=True, packed=packed, phase="log-prob", grad=False))
-    a.knobs = _training_knobs(cfg=cfg, ckpt=ckpt, packed=packed)
-    roles.append(a)
-
-    # -- reference
-    if need_reference_policy(cfg):
-        r = RolePlan("ref", budget=gpu_mem)
-        r.rows.append(Row("weights", s.num_params * 4, "P·4 B (torch engine, float32, forward only)"))
-        rt, rsq, rhow = _micro_tokens(
-            dynamic=bool(ref.log_prob_use_dynamic_bsz),
-            budget=int(ref.log_prob_max_token_len_per_gpu),
-            micro_rows=int(ref.log_prob_micro_batch_size_per_gpu or int(cfg.data.train_batch_size) * n),
-            width=width,
-            packed=packed,
+    if st.gathered:
+        r.rows.append(
+            Row("gathered layers", st.gathered, "FSDP: (2 layers + embedding + head)·b", "log-prob")
         )
-        r.rows.append(_no_grad_row(s, rt, 4, rsq if scores_on else 0, rhow, ""))
-        r.rows.append(_logits_row(s, rt, 4, entropy=False, packed=packed, grad=False))
-        r.knobs = [
-            "lower actor_rollout_ref.ref.log_prob_max_token_len_per_gpu (ref.log_prob_use_dynamic_bsz=true)",
-            "set actor_rollout_ref.model.use_remove_padding=true",
-        ]
-        roles.append(r)
-
-    # -- critic
-    if use_critic(cfg):
-        c = RolePlan("critic", budget=gpu_mem)
-        crit = cfg.critic
-        cckpt = (
-            ckpt
-            if crit.model.enable_gradient_checkpointing is None
-            else bool(crit.model.enable_gradient_checkpointing)
-        )
-        cpacked = bool(crit.model.use_remove_padding)
-        cdyn = bool(actor.use_dynamic_bsz if crit.use_dynamic_bsz is None else crit.use_dynamic_bsz)
-        cbudget = int(crit.ppo_max_token_len_per_gpu)
-        cp = s.num_params - (0 if s.tie_word_embeddings else s.embedding_params)  # no LM head; + value head
-        c.rows.append(
-            Row("weights+grads+optim", cp * 16, f"P_backbone·(4+4+8) B = {cp:,}·16 (torch AdamW fp32)")
-        )
-        cmicro = int(crit.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu or mini_rows)
-        ct, csq, chow = _micro_tokens(
-            dynamic=cdyn, budget=cbudget, micro_rows=cmicro, width=width, packed=cpacked
-        )
-        cact, cf = activation_bytes(s, ct, 4, cckpt, csq if scores_on else 0)
-        c.rows.append(Row("activations" + (" (ckpt)" if cckpt else ""), cact, f"{cf}; N: {chow}", "update"))
-        if cpacked:
-            c.rows.append(Row("packed mask", ct * ct, f"N²·1 B (block-diagonal bool mask) = {ct}²", "update"))
-        c.rows.append(Row("values", ct * s.hidden_size * 4, "N·h·4 B (value head input)", "update"))
-        vt, vsq, vhow = _micro_tokens(
-            dynamic=cdyn,
-            budget=int(crit.forward_max_token_len_per_gpu or cbudget),
-            micro_rows=int(cfg.data.train_batch_size) * n,
-            width=width,
-            packed=cpacked,
-        )
-        c.rows.append(_no_grad_row(s, vt, 4, vsq if scores_on else 0, vhow, "values"))
-        if cpacked:
-            c.rows.append(Row("packed mask", vt * vt, f"N²·1 B = {vt}²", "values"))
-        c.knobs = [
-            "" if cckpt else "set critic.model.enable_gradient_checkpointing=true",
-            "" if cpacked else "set critic.model.use_remove_padding=true",
-            f"lower critic.ppo_max_token_len_per_gpu (now {cbudget}) and critic.forward_max_token_len_per_gpu"
-            if cdyn
-            else "set critic.use_dynamic_bsz=true with a ppo_max_token_len_per_gpu, or lower "
-            "critic.ppo_micro_batch_size_per_gpu",
-        ]
-        c.knobs = [k for k in c.knobs if k]
-        roles.append(c)
-
-    # -- rollout
-    roles.append(_rollout_plan(cfg, s, gpu_mem, width, assumptions))
-    return MemoryPlan(shape=s, roles=roles, gpu_mem=gpu_mem, assumptions=assumptions)
+    return r
 
 
-def _training_knobs(*, cfg: Any, ckpt: bool, packed: bool) -> list[str]:
-    actor = cfg.actor_rollout_ref.actor
-    ds = actor.deepspeed
-    knobs = []
-    if not ckpt:
-        knobs.append("set actor_rollout_ref.model.enable_gradient_checkpointing=true")
-    if not packed:
-        knobs.append("set actor_rollout_ref.model.use_remove_padding=true")
-    if actor.use_dynamic_bsz:
-        knobs.append(
-            f"lower actor_rollout_ref.actor.ppo_max_token_len_per_gpu (now {actor.ppo_max_token_len_per_gpu})"
-        )
-    else:
-        knobs.append(
-            "set actor_rollout_ref.actor.use_dynamic_bsz=true with a ppo_max_token_len_per_gpu, or lower "
-            "ppo_micro_batch_size_per_gpu"
-        )
-    if actor.strategy != "deepspeed":
-        knobs.append("set actor_rollout_ref.actor.strategy=deepspeed with deepspeed.bf16=true")
-    else:
-        if not ds.offload_optimizer:
-            knobs.append("set actor_rollout_ref.actor.deepspeed.offload_optimizer=true")
-        if int(ds.zero_stage) < 3:
-            knobs.append("raise actor_rollout_ref.actor.deepspeed.zero_stage to 3")
-        if not ds.offload_param:
-            knobs.append("set actor_rollout_ref.actor.deepspeed.offload_param=true (ZeRO-3)")
-        if not ds.bf16:
-            knobs.append("set actor_rollout_ref.actor.deepspeed.bf16=true")
-    return knobs
+def _critic_plan(
+    cfg: Any, s: ModelShape, lay: Layout, width: int, ckpt: bool, gpu_mem: int | None
+) -> RolePlan:
+    arr, crit = cfg.actor_rollout_ref, cfg.critic
+    actor = arr.actor
+    c = RolePlan("critic", budget=gpu_mem, procs_per_node=lay.per_node if lay.colocated else 1)
+    cp = s.num_params - (0 if s.tie_word_embeddings else s.embedding_params)  # no LM head; + value head
+    torch_lay = Layout(
+        lay.device, lay.nnodes, lay.per_node, "torch", 1, 1, lay.tp, lay.replicas, lay.colocated
+    )
+    st = _train_states(s, torch_lay, None, params=cp, trained=True)
+    st.dev[0].formula = f"P_backbone·4 B = {cp:,}·4 (torch engine, float32)"
+    _place(c, st, lay)
+    cckpt = (
+        ckpt
+        if crit.model.enable_gradient_checkpointing is None
+        else bool(crit.model.enable_gradient_checkpointing)
+    )
+    cpacked = bool(crit.model.use_remove_padding)
+    cdyn = bool(actor.use_dynamic_bsz if crit.use_dynamic_bsz is None else crit.use_dynamic_bsz)
+    cbudget = int(crit.ppo_max_token_len_per_gpu)
+    mini_rows = int(actor.ppo_mini_batch_size) * int(arr.rollout.n)
+    scores = lay.device == "cpu"
+    n, sq, how = _micro_tokens(
+        dynamic=cdyn,
+        budget=cbudget,
+        micro_rows=int(crit.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu or mini_rows),
+        width=width,
+        packed=cpacked,
+    )
+    act, f = activation_bytes(s, n, 4, cckpt, sq if scores else 0)
+    c.rows.append(Row("activations" + (" (ckpt)" if cckpt else ""), act, f"{f}; N: {how}", "update"))
+    if cpacked:
+        c.rows.append(Row("packed mask", n * n, f"N²·1 B (block-diagonal bool mask) = {n}²", "update"))
+    c.rows.append(Row("values", n * s.hidden_size * 4, "N·h·4 B (value head input)", "update"))
+    vt, vsq, vhow = _micro_tokens(
+        dynamic=cdyn,
+        budget=int(crit.forward_max_token_len_per_gpu or cbudget),
+        micro_rows=int(cfg.data.train_batch_size) * int(arr.rollout.n),
+        width=width,
+        packed=cpacked,
+    )
+    c.rows.append(_no_grad_row(s, vt, 4, vsq if scores else 0, vhow, "values"))
+    if cpacked:
+        c.rows.append(Row("packed mask", vt * vt, f"N²·1 B = {vt}²", "values"))
+    return c
 
 
 def _rollout_plan(
-    cfg: Any, s: ModelShape, gpu_mem: int | None, width: int, assumptions: list[str]
+    cfg: Any, s: ModelShape, lay: Layout, gpu_mem: int | None, width: int, assumptions: list[str]
 ) -> RolePlan:
+    """vLLM: what it needs (weights / tp, the profiled forward, the KV cache of the batch's concurrent
+    sequences) against what it reserves (gpu_memory_utilization × GPU); HF: weights, KV cache, prefill and
+    sampling tensors of one batch of `max_num_seqs` rows."""
     ro = cfg.actor_rollout_ref.rollout
-    kv_per_token = 2 * s.num_hidden_layers * s.kv_dim * s.dtype_bytes
+    n = int(ro.n)
+    R, Pl = int(cfg.data.max_response_length), int(cfg.data.max_prompt_length)
+    rows_all = int(cfg.data.gen_batch_size or cfg.data.train_batch_size) * n
+    V, L = s.vocab_size, s.num_hidden_layers
+    dtype = str(ro.dtype)
     if ro.name == "vllm":
-        tp = int(ro.tensor_model_parallel_size)
-        util = float(ro.gpu_memory_utilization)
-        r = RolePlan("rollout", budget=None if gpu_mem is None else int(util * gpu_mem))
-        w = s.num_params * s.dtype_bytes // tp
-        r.rows.append(Row("weights", w, f"P·{s.dtype_bytes} B / tp {tp}"))
-        one_seq = width * kv_per_token // tp
-        if gpu_mem is None:
-            r.rows.append(
-                Row(
-                    "kv cache (1 seq)",
-                    one_seq,
-                    f"T·2·layers·kv·b / tp = {width}·2·{s.num_hidden_layers}·{s.kv_dim}·"
-                    f"{s.dtype_bytes} / {tp} (vLLM takes all it is given: util × GPU)",
-                )
+        tp = lay.tp
+        db = _DTYPE_NAMES.get(dtype, 2 if lay.device == "cuda" else 4)
+        kv_heads = -(-s.num_key_value_heads // tp)
+        per_tok = 2 * L * kv_heads * s.head_dim * db
+        r = RolePlan("rollout", procs_per_node=lay.per_node if lay.colocated else tp)
+        r.rows.append(Row("weights", s.num_params * db // tp, f"P·{db} B / tp {tp}"))
+        tokens, seqs = int(ro.max_num_batched_tokens), int(ro.max_num_seqs)
+        work = tokens * (4 * s.hidden_size + 2 * s.intermediate_size // tp) * db + seqs * V * 4 * 2
+        r.rows.append(
+            Row(
+                "profiled forward",
+                work,
+                f"max_num_batched_tokens·(4h + 2i/tp)·b + max_num_seqs·V·4·2 = {tokens}·(4·{s.hidden_size} + "
+                f"2·{s.intermediate_size}/{tp})·{db} + {seqs}·{V}·8",
             )
+        )
+        rows = -(-rows_all // lay.replicas)
+        conc = min(rows, seqs)
+        need = conc * width * per_tok
+        kvf = f"2·layers·ceil(kv_heads/tp)·head_dim·b = 2·{L}·{kv_heads}·{s.head_dim}·{db} B per token"
+        if lay.device == "cpu":
+            from dapo_core.compute.engines.vllm_rollout import CPU_KV_CACHE_BYTES
+
+            r.rows.append(Row("kv cache", CPU_KV_CACHE_BYTES, "kv_cache_memory_bytes (vLLM-CPU, fixed)"))
+        elif gpu_mem is None:
+            r.rows.append(Row("kv cache", need, f"{conc} concurrent sequences × T {width} × {kvf}"))
         else:
-            kv = max(0, int(util * gpu_mem) - w)
+            r.budget = int(float(ro.gpu_memory_utilization) * gpu_mem)
+            room = r.budget - r.rows[0].bytes - work
+            one = width * per_tok
+            held = max(one, min(need, room))
             r.rows.append(
                 Row(
                     "kv cache",
-                    kv,
-                    f"util·GPU − weights = {util}·{_gib(gpu_mem)} − weights (vLLM fills the rest)",
+                    held,
+                    f"min(batch, room): the batch's {conc} concurrent sequences need {_gib(need)}; "
+                    f"util·GPU − weights − forward leaves {_gib(max(room, 0))} ({max(room, 0) // one} full "
+                    f"sequences; at least 1 is needed); {kvf}",
                 )
             )
-            seqs = kv // max(1, one_seq)
-            assumptions.append(
-                f"rollout KV cache holds {seqs} full-length sequences per tp group "
-                f"({kv_per_token // tp:,} B per token per GPU); vLLM needs at least 1"
+            r.note = (
+                f"vLLM reserves gpu_memory_utilization × GPU = {_gib(r.budget)} on each of its GPUs whatever "
+                "it needs; the rest of its cache goes unused"
+                if need < room
+                else f"vLLM reserves {_gib(r.budget)} per GPU; sequences beyond "
+                f"{max(room, 0) // one} wait for room (slower, not an error)"
             )
-            if seqs < 1:
-                r.rows.append(Row("kv shortfall", one_seq - kv, "one full sequence does not fit"))
-        r.knobs = [
-            "raise actor_rollout_ref.rollout.gpu_memory_utilization",
-            "raise actor_rollout_ref.rollout.tensor_model_parallel_size",
+        r.host_rows = [
+            Row("process", PROCESS_BYTES[lay.device], "vLLM worker: Python, torch, CUDA context (assumed)"),
+            Row("weight sync", s.num_params * db // tp, f"P·{db} B / tp: received weights", "sync"),
         ]
+        if lay.device == "cpu":
+            r.rows[:0] = [r.host_rows[0]]
+            r.rows.append(r.host_rows[1])
+            r.host_rows = []
         return r
-    r = RolePlan("rollout", budget=gpu_mem)
-    rows = int(cfg.data.gen_batch_size or cfg.data.train_batch_size) * int(ro.n)
-    r.rows.append(Row("weights", s.num_params * 4, "P·4 B (HF generate, float32)"))
+    db = _DTYPE_NAMES.get(dtype, 4)
+    rows = min(-(-rows_all // lay.replicas), int(ro.max_num_seqs))  # one replica's share
+    prompts = -(-rows // n)
+    per_tok = 2 * L * s.kv_dim * db
+    r = RolePlan("rollout", budget=gpu_mem, procs_per_node=lay.per_node if lay.colocated else 1)
+    r.rows.append(Row("weights", s.num_params * db, f"P·{db} B (HF engine, rollout.dtype {dtype})"))
     r.rows.append(
         Row(
             "kv cache",
-            rows * width * kv_per_token * 4 // s.dtype_bytes,
-            f"rows·T·2·layers·kv·4 B = {rows}·{width}·2·{s.num_hidden_layers}·{s.kv_dim}·4",
+            (prompts * Pl + rows * R) * per_tok,
+            f"(prompts·P + rows·R)·2·layers·kv·b = ({prompts}·{Pl} + {rows}·{R})·2·{L}·{s.kv_dim}·{db} "
+            f"(rows = min(gen batch × n / replicas, max_num_seqs); a prompt's cache kept once)",
         )
     )
-    r.knobs = ["set actor_rollout_ref.rollout.name=vllm", "lower data.gen_batch_size"]
+    scores = s.num_attention_heads * prompts * Pl * Pl if lay.device == "cpu" else 0
+    r.rows.append(
+        Row(
+            "logits + one layer",
+            prompts * Pl * (V + 4 * s.hidden_size + 2 * s.intermediate_size) * db + scores * db,
+            "prompts·P·(V + 4h + 2i)·b (+ CPU scores heads·prompts·P²·b): full-length logits and one layer",
+            "prefill",
+        )
+    )
+    block = max(1, min(R, (1 << 20) // V))
+    r.rows.append(
+        Row(
+            "sampling",
+            rows * V * 4 * (6 + block),
+            f"rows·V·4·(6 + block) = {rows}·{V}·4·(6 + {block}) (logits, scaled, log-softmax, filtered, "
+            f"softmax, ratio; exponential variates for {block} steps)",
+            "decode",
+        )
+    )
+    if lay.device == "cpu":
+        r.rows.insert(0, Row("process", PROCESS_BYTES["cpu"], "Python, torch, transformers (measured)"))
+        r.rows.append(
+            Row("weight sync", s.num_params * 4, "P·4 B: received weights before the copy in", "sync")
+        )
+    else:
+        r.host_rows = [
+            Row("process", PROCESS_BYTES["cuda"], "Python, torch, CUDA context (assumed)"),
+            Row("load", s.num_params * db, f"P·{db} B read into host RAM, then moved", "load"),
+            Row("weight sync", s.num_params * 4, "P·4 B: received weights", "sync"),
+        ]
     return r
+
+
+def _shared_gpu(cfg: Any, roles: list[RolePlan], gpu_mem: int | None) -> RolePlan:
+    """The sum on one GPU of a colocated layout: every role's held rows, plus the largest pass of any role.
+    The rollout holds util·GPU while it generates; with `free_cache_engine` its cache is released for the
+    training passes and only its weights stay."""
+    free = bool(cfg.actor_rollout_ref.rollout.free_cache_engine)
+    g = RolePlan("GPU shared by all roles", budget=gpu_mem)
+    for role in roles:
+        for row in role.rows:
+            phase = f"{role.role} {row.phase}" if row.phase else ""
+            if role.role == "rollout" and row.name != "weights":
+                phase = "rollout generate" if free else ""
+            name = row.name if phase and phase.startswith(role.role) else f"{role.role} {row.name}"
+            g.rows.append(Row(name, row.bytes, row.formula, phase))
+        if role.role == "rollout" and role.budget is not None:
+            reserved = role.budget - role.total
+            g.rows.append(
+                Row(
+                    "rollout reserved rest",
+                    max(0, reserved),
+                    "util·GPU − what it needs",
+                    "rollout generate" if free else "",
+                )
+            )
+    g.note = "passes never overlap (sync step order); " + (
+        "free_cache_engine: the rollout's cache is released while training"
+        if free
+        else "the rollout keeps its reservation throughout"
+    )
+    return g
+
+
+def _host_plans(
+    cfg: Any, s: ModelShape, lay: Layout, roles: list[RolePlan], host_mem: int | None
+) -> list[RolePlan]:
+    """Host RAM of node 0 (the driver's) and, for several nodes, of every other node."""
+    out = []
+    for node in [0, 1] if lay.colocated and lay.nnodes > 1 else [0]:
+        h = RolePlan(
+            f"host RAM, node {node}" if not node else f"host RAM, nodes 1-{lay.nnodes - 1}", budget=host_mem
+        )
+        h.rows.append(Row("Ray", RAY_NODE_BYTES, "raylet, GCS, dashboard (assumed)"))
+        if node == 0:
+            h.rows.append(Row("driver", DRIVER_BYTES, "dapo train: flow, Prefect client, store (assumed)"))
+        for role in roles:
+            if not lay.colocated and node:
+                continue
+            procs = role.procs_per_node
+            per = role.total if lay.device == "cpu" else role.host_total
+            h.rows.append(
+                Row(f"{role.role} × {procs}", per * procs, f"{procs} × {_gib(per)} (peak of one process)")
+            )
+        full = s.num_params * (FSDP_BYTES if lay.strategy in FSDP_STRATEGIES else 0)
+        if node == 0 and full and lay.device == "cuda":
+            h.rows.append(
+                Row("actor rank 0 weight sync", full, f"P·{FSDP_BYTES} B: rank 0 gathers every weight")
+            )
+        host_rows = roles[0].rows if lay.device == "cpu" else roles[0].host_rows
+        sync = next((r.bytes for r in host_rows if r.name == "weight sync"), full)
+        if node == 0 and sync:
+            h.rows.append(Row("object store", sync, "the weights in transit to the rollout (Ray)"))
+        out.append(h)
+    return out
 
 
 def gpu_budget(gpu_mem: str | None) -> tuple[int | None, str]:
@@ -704,6 +1100,82 @@ def gpu_budget(gpu_mem: str | None) -> tuple[int | None, str]:
     return None, "no GPU budget known"
 
 
+def host_memory(field_name: str = "MemTotal") -> int | None:
+    """This machine's RAM (`MemTotal`, or `MemAvailable`) from /proc/meminfo; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def gpu_budget_problem(cfg: Any, gpu_mem: str | None) -> str | None:
+    """For `dapo train`: one paragraph when `cfg` runs on GPUs but their memory is unknown (no `--gpu-mem`, no
+    CUDA device visible to the driver), else None. A plan with no budget checks nothing, so the run is refused
+    rather than guessed."""
+    if gpu_mem or str(cfg.trainer.device) != "cuda":
+        return None
+    budget, _ = gpu_budget(None)
+    if budget is not None:
+        return None
+    return (
+        "dapo train: trainer.device=cuda but this machine sees no GPU, so the memory plan has no per-GPU "
+        "budget and cannot tell whether the run fits. Pass the memory of one GPU of the cluster, e.g. "
+        "`dapo train --gpu-mem 80GiB ...` (`dapo plan --gpu-mem 80GiB ...` shows the plan first)."
+    )
+
+
+def advise(
+    cfg: Any,
+    check: str,
+    *,
+    gpu_mem: int | None,
+    host_mem: int | None,
+    model_config: str | None = None,
+    dp: int = 1,
+) -> list[str]:
+    """Config changes (dotted overrides, space-separated) that make the failing `check` (a role, the shared
+    GPU or a host) fit; each one verified by re-planning (plan_advice.py)."""
+    return search(
+        cfg,
+        check,
+        lambda c: make_plan(c, gpu_mem=gpu_mem, model_config=model_config, dp=dp, host_mem=host_mem),
+    )
+
+
+def host_ram_problem(
+    cfg: Any, available: int | None = None, *, model_config: str | None = None
+) -> str | None:
+    """For a CPU run's preflight: one paragraph when the plan's host RAM of this node (every process's peak,
+    Ray, the driver) exceeds `available` bytes (default: /proc/meminfo MemAvailable), with the config changes
+    that make it fit; None when it fits, the run is on GPUs, or no plan can be made."""
+    if _plan_device(cfg) != "cpu":
+        return None
+    available = available if available is not None else host_memory("MemAvailable")
+    try:
+        plan = make_plan(cfg, model_config=model_config, host_mem=available)
+    except PlanError:
+        return None
+    node = plan.hosts[0]
+    if node.fits() is not False:
+        return None
+    knobs = advise(cfg, node.role, gpu_mem=None, host_mem=available, model_config=model_config)
+    fix = "; or ".join(knobs) if knobs else f"a machine with more memory ({_largest(node)})"
+    return (
+        f"The run's processes need about {_gib(node.total)} of RAM on this machine (memory plan: "
+        f"{', '.join(f'{r.name} {_gib(r.bytes)}' for r in node.rows)}) but {_gib(available)} is available. "
+        f"Change: {fix} (`dapo plan --config ...` shows every row)."
+    )
+
+
+EXIT_UNKNOWN_BUDGET = 3
+"""`dapo plan`'s exit status when a GPU config's per-GPU memory is unknown: the plan is printed, nothing is
+checked (0 = it fits, 2 = it does not fit or cannot be made)."""
+
+
 def run_plan(
     cfg: Any,
     command: str,
@@ -712,34 +1184,59 @@ def run_plan(
     model_config: str | None = None,
     dp: int = 1,
     out: Any = None,
+    host_mem: str | None = None,
 ) -> int:
-    """Print the plan of `cfg`; return 0 when it fits (or no budget is known), 2 when a role does not fit.
+    """Print the plan of `cfg`; return 0 when it fits, 2 when a check fails (with the changes that fix it),
+    `EXIT_UNKNOWN_BUDGET` for `dapo plan` on a GPU config without a GPU budget.
 
     `command` is "plan" or "train": for `dapo train` a plan that cannot be made (no model shape known) is a
-    note, not an error, and the run goes on.
+    note, not an error, and a GPU config without a known GPU budget is refused (`gpu_budget_problem`).
     """
     import sys
 
     out = out or sys.stdout
     try:
+        device = _plan_device(cfg)
         budget, where = gpu_budget(gpu_mem)
-        if gpu_mem is None and str(cfg.trainer.device) == "cpu":
-            budget, where = None, "trainer.device=cpu: no GPU budget"
-        plan = make_plan(cfg, gpu_mem=budget, model_config=model_config, dp=dp)
+        if device == "cpu":
+            budget, where = None, "trainer.device=cpu: memory of each process (host RAM)"
+        here = device == "cpu" or (
+            gpu_mem is None and budget is not None
+        )  # this machine is a node of the run
+        hmem = parse_bytes(host_mem) if host_mem else (host_memory() if here else None)
+        plan = make_plan(cfg, gpu_mem=budget, model_config=model_config, dp=dp, host_mem=hmem)
     except PlanError as e:
         if command == "train":
             print(f"dapo train: note: no memory plan ({e})", file=sys.stderr)
             return 0
         print(f"dapo {command}: {e}", file=sys.stderr)
         return 2
-    print(f"dapo {command}: per-GPU memory plan ({where})", file=out)
-    print(plan.render(), file=out, flush=True)
+    print(f"dapo {command}: memory plan ({where})", file=out)
     failures = plan.failures()
+    for check in failures:
+        check.knobs = advise(cfg, check.role, gpu_mem=budget, host_mem=hmem, model_config=model_config, dp=dp)
+    print(plan.render(), file=out, flush=True)
+    if device == "cuda" and budget is None:
+        if command == "train":
+            print(gpu_budget_problem(cfg, None) or "", file=sys.stderr, flush=True)
+            return 2
+        print(
+            f"dapo plan: unknown budget: no --gpu-mem and no GPU here, so nothing was checked (exit "
+            f"{EXIT_UNKNOWN_BUDGET}); pass --gpu-mem, e.g. 80GiB.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_UNKNOWN_BUDGET
     if not failures:
         return 0
     lines = [
-        f"dapo {command}: role {r.role} needs {_gib(r.total)} but has {_gib(r.budget)} per GPU; "
-        f"turn: {'; or '.join(r.knobs) or 'a GPU with more memory'}."
+        f"dapo {command}: {r.role} needs {_gib(r.total)} but has {_gib(r.budget)}; change: "
+        + (
+            "; or ".join(r.knobs)
+            if r.knobs
+            else f"no setting of the memory keys fits ({_largest(r)}); more or larger GPUs/RAM"
+        )
+        + "."
         for r in failures
     ]
     if command == "train":
@@ -820,5 +1317,54 @@ def measure_actor_update(
     plan = make_plan(cfg, device=device)
     actor = next(r for r in plan.roles if r.role == "actor")
     weights = sum(r.bytes for r in actor.rows if r.name == "weights")
-    estimated = sum(r.bytes for r in actor.rows if r.phase in ("", "update") and r.name != "weights")
+    estimated = sum(
+        r.bytes for r in actor.rows if r.phase in ("", "update") and r.name not in ("weights", "process")
+    )
     return {"measured": int(measured), "estimated": int(estimated), "weights": int(weights)}
+
+
+def measure_rollout(cfg: Any, model_path: str, *, device: str = "cpu", seed: int = 0) -> dict[str, int]:
+    """Measure the peak memory of one HF-engine generation above the loaded weights, next to the plan's.
+
+    One batch of `min(gen batch × n, max_num_seqs)` rows: `n` samples of each of `rows / n` random prompts of
+    `max_prompt_length` tokens, `max_response_length` new tokens (EOS is an id the model almost never draws,
+    so rows run to full length: the plan's worst case). Measured as in `measure_actor_update`; `estimated` is
+    the plan's rollout rows except the weights, the process and the weight sync, `weights` its weight row.
+    """
+    import torch
+
+    from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
+    from dapo_core.compute.engines.rollout import SamplingParams
+
+    ro = cfg.actor_rollout_ref.rollout
+    n, P, R = int(ro.n), int(cfg.data.max_prompt_length), int(cfg.data.max_response_length)
+    rows = min(int(cfg.data.gen_batch_size or cfg.data.train_batch_size) * n, int(ro.max_num_seqs))
+    dtype = "float32" if str(ro.dtype) == "auto" else str(ro.dtype)
+    vocab = resolve_shape(cfg).vocab_size
+    if device == "cuda":
+        torch.cuda.synchronize()
+    engine = HFRolloutEngine(
+        model_path, device=device, seed=seed, dtype=dtype, max_batch_size=rows, eos_token_id=vocab - 1
+    )
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, vocab - 1, (P,), generator=g).tolist() for _ in range(-(-rows // n))]
+    batch = [prompts[i // n] for i in range(rows)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=R)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        engine.generate(batch, params, list(range(rows)))
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - base
+    else:
+        base = _rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        engine.generate(batch, params, list(range(rows)))
+        measured = _rss_bytes("VmHWM") - base
+    rollout = next(r for r in make_plan(cfg, device=device).roles if r.role == "rollout")
+    skip = ("weights", "process", "weight sync")
+    estimated = _peak([r for r in rollout.rows if r.name not in skip])
+    weights = sum(r.bytes for r in rollout.rows if r.name == "weights")
+    return {"measured": int(measured), "estimated": int(estimated), "weights": int(weights), "rows": rows}

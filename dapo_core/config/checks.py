@@ -47,6 +47,7 @@ _ENUMS: dict[str, tuple[tuple[str, ...], str]] = {
     "trainer.resume_mode": (("auto", "disable", "resume_path"), ""),
     "trainer.step_order": (("sync", "replay_buffer"), ""),
     "actor_rollout_ref.rollout.dtype": (("auto", "float32", "bfloat16"), "auto: the engine's default"),
+    "actor_rollout_ref.ref.dtype": (("float32", "bfloat16"), ""),
     "trainer.max_off_policy_strategy": (("drop", "wait"), ""),
     "trainer.device": (("cpu", "cuda", "auto"), ""),
 }

@@ -406,6 +406,8 @@ class RefConfig:
     """Form reference micro-batches by a token budget instead of a trajectory count."""
     log_prob_max_token_len_per_gpu: int = 16384
     """Token budget of a reference micro-batch when `log_prob_use_dynamic_bsz`."""
+    dtype: str = "float32"
+    """Reference weights' precision: float32 | bfloat16 (halves its memory; verl's FSDP reference is bf16)."""
 
 
 @dataclass

@@ -328,11 +328,19 @@ class RefWorker:
         max_token_len: int | None = None,
         use_remove_padding: bool = False,
         use_shared_prompt: bool = False,
+        dtype: str = "float32",
     ):
         """`max_token_len`: `ref.log_prob_max_token_len_per_gpu` when `ref.log_prob_use_dynamic_bsz`, else
-        None. The reference never runs backward, so gradient checkpointing does not apply to it."""
+        None. The reference never runs backward, so gradient checkpointing does not apply to it. `dtype`:
+        `ref.dtype`, the precision its weights are loaded in."""
         self.engine = make_train_engine(
-            "torch", model_path, {"lr": 0.0}, total_steps=1, grad_clip=1.0, device=device
+            "torch",
+            model_path,
+            {"lr": 0.0},
+            total_steps=1,
+            grad_clip=1.0,
+            device=device,
+            dtype=getattr(torch, dtype),
         )
         self.max_token_len = max_token_len
         self.remove_padding = bool(use_remove_padding)
