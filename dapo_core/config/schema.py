@@ -66,6 +66,8 @@ class SyntheticDataConfig:
 
     enable: bool = False
     """Generate the dataset instead of reading `train_files`/`val_files` from disk."""
+    kind: str = "arith"
+    """"arith" (expressions) or "word" (word problems of 1..num_operands−1 steps; ops may add "/")."""
     num_train: int = 4000
     """Number of generated training problems."""
     num_val: int = 200
