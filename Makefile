@@ -13,7 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: train test test-all check lint format setup test-vllm-cpu repro
+.PHONY: train test test-all check lint format setup test-vllm-cpu repro train-real
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,13 @@ setup: $(STAMP)
 ## make train: the main job on the embedded CPU default (prepare -> base model -> DAPO -> evaluate)
 train: $(STAMP)
 	$(BIN)/dapo train --config configs/tiny_cpu.yaml $(ARGS)
+
+## make train-real: SmolLM2-135M-Instruct learns word problems on CPU (README "A real model"):
+## import the GGUF -> prepare -> evaluate base (mean@4 and greedy) -> DAPO -> evaluate
+REAL_MODEL := models/smollm2_135m
+train-real: $(STAMP)
+	test -f $(REAL_MODEL)/import.json || $(BIN)/dapo import-model --out $(REAL_MODEL)
+	OMP_NUM_THREADS=2 $(BIN)/dapo train --config configs/smollm2_cpu.yaml $(ARGS)
 
 ## make test: the fast default (unit tests without the `slow` marker)
 test: $(STAMP)

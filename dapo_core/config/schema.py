@@ -662,6 +662,8 @@ class EvalConfig:
     """Top-k (-1 = off)."""
     output: str = "metrics/eval.json"
     """Where the metrics JSON is written."""
+    greedy: bool = False
+    """`dapo train` also evaluates greedily (one sample) before and after DAPO."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Generated word problems: verl rows, 1-3 operations, integer answers, disjoint splits, scored by math_dapo."""
+"""Generated word problems: verl rows, 1-3 operations, integer answers, disjoint splits, math_dapo scores."""
 
 from __future__ import annotations
 
