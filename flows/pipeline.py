@@ -50,11 +50,18 @@ def pipeline(cfg_yaml: str, run_id: str) -> dict:
     model_path = base_model_flow(cfg_yaml)
     run_dir = Path(cfg.trainer.runs_dir) / run_id
     before = evaluate_flow(cfg_yaml, model_path, output=str(run_dir / "eval_before.json"))
+    greedy_yaml = greedy_config(cfg_yaml) if cfg.eval.greedy else None
+    if greedy_yaml:
+        before_g = evaluate_flow(greedy_yaml, model_path, output=str(run_dir / "eval_before_greedy.json"))
     t_train = time.perf_counter()
     result = dapo_train(cfg_yaml, run_id)
     train_s = time.perf_counter() - t_train
     final = export_final(run_dir, Path(cfg.trainer.models_dir) / "dapo_final")
     after = evaluate_flow(cfg_yaml, str(final), output=cfg.eval.output)
+    extra: list[str] = []
+    if greedy_yaml:
+        after_g = evaluate_flow(greedy_yaml, str(final), output=str(run_dir / "eval_after_greedy.json"))
+        extra = comparison_lines(before, after, before_g, after_g)
     acc0, acc1 = headline_accuracy(before), headline_accuracy(after)
     wall = time.perf_counter() - t0
     summary = {
@@ -79,6 +86,7 @@ def pipeline(cfg_yaml: str, run_id: str) -> dict:
         ),
         f"held-out accuracy (mean@{cfg.eval.n}): before {_pct(acc0)}  ->  after {_pct(acc1)}"
         + (f"   ({(acc1 - acc0) * 100:+.1f} points)" if acc0 is not None and acc1 is not None else ""),
+        *extra,
         f"data:        {', '.join(st['path'] for st in stats.values())}",
         f"base model:  {model_path}",
         f"run store:   {run_dir}  (metrics.jsonl, tensorboard/, curves.png, ckpt/)",
@@ -88,6 +96,40 @@ def pipeline(cfg_yaml: str, run_id: str) -> dict:
     ]
     print("\n".join(lines))
     return summary
+
+
+def greedy_config(cfg_yaml: str) -> str:
+    """The same config with greedy evaluation (`eval.temperature=0`, `eval.n=1`)."""
+    cfg = load_config_text(cfg_yaml)
+    cfg.eval.temperature, cfg.eval.n = 0.0, 1
+    return to_safe_yaml(cfg)
+
+
+def _first(metrics: dict, part: str) -> float | None:
+    vals = [v for k, v in sorted(metrics.items()) if part in k]
+    return vals[0] if vals else None
+
+
+def comparison_lines(before: dict, after: dict, before_g: dict, after_g: dict) -> list[str]:
+    """Greedy accuracy before -> after, and for both evaluations the share of answers that parse (an
+    `Answer:` line or a box) and the accuracy among those, so a gain in format is told apart from one in
+    arithmetic. The standard error of a greedy accuracy p on N prompts is sqrt(p(1-p)/N)."""
+    lines = []
+    g0, g1 = headline_accuracy(before_g), headline_accuracy(after_g)
+    n = _first(before_g, "eval/num_prompts") or 0
+    se = [((p * (1 - p) / n) ** 0.5 if p is not None and n else None) for p in (g0, g1)]
+    lines.append(
+        f"held-out accuracy (greedy):  before {_pct(g0)}  ->  after {_pct(g1)}"
+        + (f"   (±1 SE {_pct(se[0])} / {_pct(se[1])})" if se[0] is not None and se[1] is not None else "")
+    )
+    for name, m0, m1 in (("mean@k", before, after), ("greedy", before_g, after_g)):
+        parts = []
+        for m in (m0, m1):
+            rate, acc = _first(m, "/format/answer_line_rate"), headline_accuracy(m)
+            among = acc / rate if rate and acc is not None else None
+            parts.append(f"parse {_pct(rate)}, accuracy among parsed {_pct(among)}")
+        lines.append(f"answers ({name}): before {parts[0]}  ->  after {parts[1]}")
+    return lines
 
 
 def export_final(run_dir: Path, out: Path) -> Path:

@@ -18,6 +18,7 @@ from prefect import flow, get_run_logger, task
 from dapo_core.config import load_config_text, typed
 from dapo_core.data.datasets import load_dapo_math, make_synthetic_splits, read_parquet, write_parquet
 from dapo_core.data.schemas import validate_dataset
+from dapo_core.data.word_problems import make_word_problem_splits
 from flows.progress import say
 
 
@@ -25,7 +26,8 @@ from flows.progress import say
 def synthetic_data(cfg_yaml: str) -> dict:
     """Generate the synthetic train/val splits."""
     syn = typed(load_config_text(cfg_yaml)).data.synthetic
-    train, val = make_synthetic_splits(
+    make_splits = make_word_problem_splits if syn.kind == "word" else make_synthetic_splits
+    train, val = make_splits(
         syn.num_train,
         syn.num_val,
         seed=syn.seed,

@@ -317,9 +317,14 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
     syn = data["synthetic"]
     if syn["min_value"] > syn["max_value"]:
         errs.append("data.synthetic.min_value: must be <= max_value.")
-    bad_ops = [op for op in syn["ops"] if op not in ("+", "-", "*")]
+    allowed = ["+", "-", "*", "/"] if syn.get("kind") == "word" else ["+", "-", "*"]
+    bad_ops = [op for op in syn["ops"] if op not in allowed]
     if bad_ops or not syn["ops"]:
-        errs.append(f"data.synthetic.ops: {syn['ops']} — use a non-empty subset of ['+', '-', '*'].")
+        errs.append(f"data.synthetic.ops: {syn['ops']} — use a non-empty subset of {allowed}.")
+    if syn.get("kind", "arith") not in ("arith", "word"):
+        errs.append(f"data.synthetic.kind: {syn['kind']!r} — use 'arith' or 'word'.")
+    elif syn.get("kind") == "word" and not 2 <= syn["num_operands"] <= 4:
+        errs.append("data.synthetic.num_operands: word problems take 2..4 numbers (1 to 3 operations).")
     tiny = arr["model"]["tiny"]
     if tiny["num_key_value_heads"] >= 1 and tiny["num_attention_heads"] % tiny["num_key_value_heads"]:
         errs.append("actor_rollout_ref.model.tiny.num_key_value_heads: must divide num_attention_heads.")

@@ -66,6 +66,8 @@ class SyntheticDataConfig:
 
     enable: bool = False
     """Generate the dataset instead of reading `train_files`/`val_files` from disk."""
+    kind: str = "arith"
+    """"arith" (expressions) or "word" (word problems of 1..num_operands−1 steps; ops may add "/")."""
     num_train: int = 4000
     """Number of generated training problems."""
     num_val: int = 200
@@ -670,6 +672,8 @@ class EvalConfig:
     """Top-k (-1 = off)."""
     output: str = "metrics/eval.json"
     """Where the metrics JSON is written."""
+    greedy: bool = False
+    """`dapo train` also evaluates greedily (one sample) before and after DAPO."""
 
 
 @dataclass

@@ -11,7 +11,9 @@ from typing import Any
 
 from dapo_core.rewards import math_dapo
 
-MATH_DAPO_SOURCES = frozenset({"math_dapo", "math", "math_dapo_reasoning", "synthetic_arith"})
+MATH_DAPO_SOURCES = frozenset(
+    {"math_dapo", "math", "math_dapo_reasoning", "synthetic_arith", "synthetic_word"}
+)
 """Data sources scored by :func:`math_dapo.compute_score` (plus any source starting with ``"aime"``)."""
 
 

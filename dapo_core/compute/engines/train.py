@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.utils.checkpoint
 
+from dapo_core.compute.logits import token_entropy, token_log_probs
 from dapo_core.compute.microbatch import (
     GroupedRows,
     PackedRows,
@@ -77,9 +78,9 @@ class OptimConfigError(ValueError):
 
 # --------------------------------------------------------------------------- log-probs and entropy
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy `logsumexp(z) − Σ softmax(z)·z` over the last dim (docs/REFERENCE.md §1.4)."""
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+    """Per-position entropy `logsumexp(z) − Σ softmax(z)·z` over the last dim (docs/REFERENCE.md §1.4); in
+    blocks above `logits.CHUNK_ELEMENTS` logits (`dapo_core.compute.logits.token_entropy`)."""
+    return token_entropy(logits)
 
 
 def response_log_probs(
@@ -92,7 +93,9 @@ def response_log_probs(
     """Log-probs (B, L) of the last `response_length` tokens of `input_ids` under `logits / temperature`.
 
     `logits` (B, T, V) come from a forward over the whole (prompt + response) sequence; the logit at
-    position t predicts token t+1. Computation is in float32, or float64 when the logits are float64.
+    position t predicts token t+1. Computation is in float32, or float64 when the logits are float64, in
+    blocks of rows or positions above `logits.CHUNK_ELEMENTS` logits (`logits.token_log_probs`: the same
+    values, one block's float32 temporaries at a time).
     """
     if response_length < 1 or response_length >= input_ids.shape[1]:
         raise ValueError(
@@ -102,13 +105,7 @@ def response_log_probs(
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 for log-probs; greedy rollouts use 1.0.")
     z = logits[:, -response_length - 1 : -1, :]
-    z = z.double() if z.dtype == torch.float64 else z.float()
-    if temperature != 1.0:
-        z = z / temperature
-    labels = input_ids[:, -response_length:]
-    log_probs = torch.log_softmax(z, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(z) if calculate_entropy else None
-    return log_probs, entropy
+    return token_log_probs(z, input_ids[:, -response_length:], temperature, calculate_entropy)
 
 
 LOGIT_CHUNK_TOKENS = 1024
@@ -119,12 +116,8 @@ chunk × V × 4 B each)."""
 def _chunk_log_probs(
     z: torch.Tensor, labels: torch.Tensor, temperature: float, calculate_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    z = z.double() if z.dtype == torch.float64 else z.float()
-    if temperature != 1.0:
-        z = z / temperature
-    log_probs = torch.log_softmax(z, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(z) if calculate_entropy else log_probs.new_zeros(0)
-    return log_probs, entropy
+    log_probs, entropy = token_log_probs(z, labels, temperature, calculate_entropy)
+    return log_probs, (entropy if entropy is not None else log_probs.new_zeros(0))
 
 
 def _response_grid(
