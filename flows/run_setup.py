@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from dapo_core.algo.dynamic_sampling import KeepRateEstimator, surplus_bounded_size
 from dapo_core.algo.kl import get_kl_controller
 from dapo_core.compute.cluster import Cluster, proxy, worker_threads
+from dapo_core.compute.groups import create_role
 from dapo_core.compute.models import load_tokenizer
 from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
 from dapo_core.config import (
@@ -112,6 +113,14 @@ def _sampling(ro: RolloutConfig | ValKwargsConfig, max_new_tokens: int) -> dict:
     }
 
 
+def _dp_layout(cfg: DapoConfig) -> dict[str, int]:
+    """The data-parallel ranks of the actor and reference: with `actor.strategy: fsdp2`, `trainer.nnodes`
+    nodes × `trainer.n_gpus_per_node` ranks (GPUs, or on CPU processes of one core each); one otherwise."""
+    if cfg.actor_rollout_ref.actor.strategy != "fsdp2":
+        return {"nnodes": 1, "per_node": 1}
+    return {"nnodes": cfg.trainer.nnodes, "per_node": cfg.trainer.n_gpus_per_node}
+
+
 def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: str) -> RolloutWorker:
     ro = cfg.actor_rollout_ref.rollout
     engine_opts: dict[str, Any] = {"max_batch_size": ro.max_num_seqs}  # hf: rows per forward
@@ -164,7 +173,8 @@ def _actor_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, 
         use_shared_prompt=arr.model.use_shared_prompt,
     )
     where = cfg.trainer.ray_resources.actor
-    return proxy(cluster.create("actor", factory, num_gpus=_gpus(device), resources=where), ActorWorker)
+    group = create_role(cluster, "actor", factory, num_gpus=_gpus(device), resources=where, **_dp_layout(cfg))
+    return proxy(group, ActorWorker)
 
 
 def _reward_worker(cfg: DapoConfig, cluster: Cluster, tokenizer_path: str) -> RewardWorker:
@@ -196,7 +206,8 @@ def _ref_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, de
         dtype=arr.ref.dtype,
     )
     where = cfg.trainer.ray_resources.ref
-    return proxy(cluster.create("ref", factory, num_gpus=_gpus(device), resources=where), RefWorker)
+    group = create_role(cluster, "ref", factory, num_gpus=_gpus(device), resources=where, **_dp_layout(cfg))
+    return proxy(group, RefWorker)
 
 
 def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, device: str) -> CriticWorker:
@@ -322,7 +333,8 @@ def record_attempt(rt: TrainRun) -> Path:
     if rt.changed_inputs and (root / INPUTS_FILE).exists():
         atomic_write_bytes(root / f"inputs.{n}.replaced.json", (root / INPUTS_FILE).read_bytes())
     rt.store.write_json(INPUTS_FILE, rt.inputs)
-    rt.store.write_json("workers.json", rt.cluster.placement)  # this attempt's Ray node per role ({}: local)
+    # this attempt's workers: every rank of every role with its Ray node ("in-process" without Ray)
+    rt.store.write_json("workers.json", {"workers": rt.cluster.workers})
     return path
 
 

@@ -179,6 +179,16 @@ class Handle:
             return _ray_get(ref)
         return ref
 
+    def passable(self, ref: Any) -> Any:
+        """The Ray ObjectRef of a `submit` result to hand to another actor (`chain`)."""
+        return ref
+
+    def kill(self) -> None:
+        """Kill the Ray actor(s) behind this handle."""
+        import ray
+
+        ray.kill(self.ray_actor)
+
 
 class Future(Generic[R]):
     """The pending result of a worker call started with `submit`; `result()` waits for it."""
@@ -255,7 +265,7 @@ def chain(source: Callable[[], R], sink: Callable[[R], S]) -> S:
         return sink(source())
     ref = source.handle.submit(source.name)
     if source.handle.is_ray and sink.handle.is_ray:
-        return cast(S, sink.handle.wait(sink.handle.submit(sink.name, ref)))
+        return cast(S, sink.handle.wait(sink.handle.submit(sink.name, source.handle.passable(ref))))
     return cast(S, sink(source.handle.wait(ref)))
 
 
@@ -479,7 +489,10 @@ class Cluster:
         self.run_id = run_id
         self.use_ray = use_ray
         self.placement: dict[str, dict[str, str]] = {}
-        """Where each Ray worker runs: role -> {"node_id", "node_ip"} (empty for in-process workers)."""
+        """Where each Ray worker runs: role -> {"node_id", "node_ip"} (of rank 0 for a group; empty for
+        in-process workers)."""
+        self.workers: list[dict[str, Any]] = []
+        """Every rank of every role: {"role", "rank", "node_id", "node_ip"} ("in-process" without Ray)."""
         self.device = device
         self.num_threads = num_threads
         self._started_ray = False
@@ -536,6 +549,7 @@ class Cluster:
                     role,
                 )
             handle = Handle(role=role, local=factory())
+            self.workers.append({"role": role, "rank": 0, "node_id": "in-process", "node_ip": None})
             with _REGISTRY_LOCK:
                 _LOCAL_REGISTRY[(self.run_id, role)] = handle
             self._owned[role] = handle
@@ -574,10 +588,15 @@ class Cluster:
                 ),
             ) from None
         self.placement[role] = _ray_get(actor.where.remote(), timeout=self.start_timeout_s)
+        self.workers.append({"role": role, "rank": 0, **self.placement[role]})
         log.info("worker %s runs on node %s (%s)", role, self.placement[role]["node_id"][:8], name)
         handle = Handle(role=role, ray_actor=actor)
         self._owned[role] = handle
         return handle
+
+    def own(self, role: str, handle: Handle) -> None:
+        """Take `handle` (e.g. a worker group's) into the workers `shutdown` kills."""
+        self._owned[role] = handle
 
     @staticmethod
     def lookup(run_id: str, role: str) -> Handle:
@@ -597,10 +616,8 @@ class Cluster:
         """Kill the actors this object created; stop Ray only if this object started it."""
         for role, handle in list(self._owned.items()):
             if handle.is_ray:
-                import ray
-
                 try:
-                    ray.kill(handle.ray_actor)
+                    handle.kill()
                 except Exception as exc:
                     log.warning("could not kill %s: %s", role, exc)
             else:

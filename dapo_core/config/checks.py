@@ -120,13 +120,31 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
         if v not in allowed:
             errs.append(f"{key}: {v!r} is not one of {list(allowed)}" + (f" — {hint}" if hint else ""))
     strategy = actor["strategy"]
-    if strategy in ("fsdp", "fsdp2", "megatron"):
+    if strategy in ("fsdp", "megatron"):
         errs.append(
             f"actor_rollout_ref.actor.strategy: {strategy!r} (a verl engine) is not available here — use "
-            "'deepspeed' for sharded GPU training (ZeRO-3 ~ FSDP) or 'torch' for one device."
+            "'fsdp2' for data-parallel sharded training, 'deepspeed' (ZeRO, one device) or 'torch' for one "
+            "device."
         )
-    elif strategy not in ("torch", "deepspeed"):
-        errs.append(f"actor_rollout_ref.actor.strategy: {strategy!r} is not one of ['torch', 'deepspeed'].")
+    elif strategy not in ("torch", "deepspeed", "fsdp2"):
+        errs.append(
+            f"actor_rollout_ref.actor.strategy: {strategy!r} is not one of ['torch', 'deepspeed', 'fsdp2']."
+        )
+    tr = c["trainer"]
+    ranks = tr["nnodes"] * tr["n_gpus_per_node"]
+    if tr["nnodes"] < 1 or tr["n_gpus_per_node"] < 1:
+        errs.append("trainer.nnodes / trainer.n_gpus_per_node: must be >= 1.")
+    elif strategy == "fsdp2" and ranks > 1 and not tr["use_ray"]:
+        errs.append(
+            f"trainer.nnodes × trainer.n_gpus_per_node = {ranks} data-parallel ranks run as Ray actors, but "
+            "trainer.use_ray=false — set trainer.use_ray=true, or both to 1."
+        )
+    elif strategy != "fsdp2" and tr["nnodes"] > 1:
+        errs.append(
+            f"trainer.nnodes: {tr['nnodes']} nodes, but actor_rollout_ref.actor.strategy={strategy!r} trains "
+            "in one process on one node — set actor_rollout_ref.actor.strategy=fsdp2 (data-parallel ranks "
+            "over trainer.nnodes × trainer.n_gpus_per_node), or trainer.nnodes=1."
+        )
     if actor["deepspeed"]["zero_stage"] not in (0, 1, 2, 3):
         errs.append("actor_rollout_ref.actor.deepspeed.zero_stage: must be 0, 1, 2 or 3.")
     if actor["deepspeed"]["offload_param"] and actor["deepspeed"]["zero_stage"] != 3:

@@ -290,7 +290,7 @@ class ActorConfig:
     """The trained policy: PPO/DAPO loss, mini-batching and optimizer."""
 
     strategy: str = "torch"
-    """Training engine: torch | deepspeed (verl's fsdp/megatron are not available here)."""
+    """Training engine: torch (one process) | deepspeed (one device) | fsdp2 (sharded over the ranks)."""
     ppo_mini_batch_size: int = 256
     """Prompts per optimizer step (x rollout.n trajectories)."""
     ppo_micro_batch_size_per_gpu: int | None = None
@@ -637,9 +637,9 @@ class TrainerConfig:
     ray_resources: RayResourcesConfig = field(default_factory=RayResourcesConfig)
     """Which nodes each worker runs on (Ray custom resources per role; README "Several machines")."""
     nnodes: int = 1
-    """Nodes in the cluster. Not implemented yet (default only)."""
+    """Nodes the actor and reference ranks span (more than 1 needs actor.strategy fsdp2)."""
     n_gpus_per_node: int = 8
-    """GPUs per node (ignored on CPU). No-op here."""
+    """Ranks per node (GPUs, or on CPU one-core processes); actor/ref use them with actor.strategy fsdp2."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     """Metric sinks: console | jsonl | tensorboard."""
     seed: int = 1

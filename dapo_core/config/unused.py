@@ -39,7 +39,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "trainer.max_critic_ckpt_to_keep": (
         "actor and critic share each checkpoint folder: trainer.max_actor_ckpt_to_keep prunes both"
     ),
-    "trainer.nnodes": "multi-node (data-parallel) training: each model worker runs on one device",
 }
 """Keys accepted only at their schema default (key -> what the code does instead / why)."""
 
@@ -58,10 +57,6 @@ NO_OPS: dict[str, str] = {
     ),
     "trainer.project_name": (
         "names the project in verl's trackers (wandb, ...); our sinks write under runs/<run_id>/"
-    ),
-    "trainer.n_gpus_per_node": (
-        "each model worker takes one GPU and Ray places the workers; data parallelism over several GPUs "
-        "is refused through trainer.nnodes"
     ),
 }
 """Keys accepted with any valid value and ignored on purpose (key -> reason)."""

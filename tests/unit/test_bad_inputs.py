@@ -476,10 +476,10 @@ CASES: list[Case] = [
         before="clear",
     ),
     Case(
-        "nnodes 2",
-        "unused key",
+        "nnodes 2 with a one-process engine",
+        "config",
         _config("trainer.nnodes=2"),
-        ("trainer.nnodes", "not implemented"),
+        ("trainer.nnodes", "strategy=fsdp2"),
         "ConfigError",
         before="clear",
     ),
@@ -492,16 +492,6 @@ CASES: list[Case] = [
         error="",
         before="silent",
     ),
-    Case(
-        "n_gpus_per_node set (no-op)",
-        "unused key",
-        _train("trainer.n_gpus_per_node=4"),
-        ("trainer.n_gpus_per_node", "no effect"),
-        code=0,
-        error="",
-        before="silent",
-    ),
-    # --- data files (read by training: checked before any worker starts)
     Case(
         "train file missing",
         "data",

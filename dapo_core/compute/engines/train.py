@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.utils.checkpoint
 
+from dapo_core.compute.dist import DataParallel, dp_split
 from dapo_core.compute.logits import token_entropy, token_log_probs
 from dapo_core.compute.microbatch import (
     GroupedRows,
@@ -531,8 +532,10 @@ TRAIN_ENGINES: dict[str, str] = {
     "torch": "dapo_core.compute.engines.torch_train:TorchTrainEngine",
     "deepspeed": "dapo_core.compute.engines.deepspeed_train:DeepSpeedTrainEngine",
     "fsdp": "dapo_core.compute.engines.torch_train:TorchTrainEngine",
+    "fsdp2": "dapo_core.compute.engines.fsdp2_train:FSDP2TrainEngine",
 }
-"""Strategy -> "module:Class". "fsdp" (verl's default name) maps to the single-process torch engine."""
+"""Strategy -> "module:Class". "fsdp" (verl's default name) maps to the single-process torch engine; "fsdp2"
+shards the model over the role's data-parallel ranks (`trainer.nnodes × trainer.n_gpus_per_node`)."""
 
 
 def make_train_engine(
@@ -601,6 +604,7 @@ def minibatch_update(
     row_tokens: torch.Tensor | None = None,
     row_groups: torch.Tensor | None = None,
     row_lengths: torch.Tensor | None = None,
+    dp: DataParallel | None = None,
 ) -> dict[str, float]:
     """The PPO mini-batch / micro-batch loop shared by the actor (`ppo_update`) and the critic.
 
@@ -623,7 +627,30 @@ def minibatch_update(
     groups, and with `row_lengths` (B,) (each row's response tokens) the groups go longest first, so that a
     micro-batch holds groups of similar length and pads less; the mini-batches themselves, and so the update,
     are unchanged (float summation order aside).
+
+    With `dp` (data-parallel ranks, each holding the whole batch), each rank takes its share of every
+    mini-batch (`dist.dp_split` by tokens; the same split on every rank) and `global_batch_info` carries
+    `dp_size` and the whole mini-batch's token count, so with FSDP's gradient averaging the step equals one
+    process's over the whole mini-batch. Ranks run the same number of micro-batches (a rank with fewer adds
+    passes over the mini-batch's first row with zero loss), and the metrics are combined over the ranks.
     """
+    if dp is not None and dp.size > 1:
+        return _dp_minibatch_update(
+            batch_tensors,
+            micro_loss=micro_loss,
+            backward=backward,
+            optimizer_step=optimizer_step,
+            device=device,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+            epochs=epochs,
+            shuffle=shuffle,
+            seed=seed,
+            sum_keys=sum_keys,
+            token_budget=token_budget,
+            row_tokens=row_tokens,
+            dp=dp,
+        )
     n = int(batch_tensors["response_mask"].shape[0])
     if token_budget is not None and (row_tokens is None or int(row_tokens.shape[0]) != n):
         raise ValueError(f"ppo_update: a token budget needs row_tokens with one entry per row ({n} rows).")
@@ -681,6 +708,94 @@ def minibatch_update(
     return {k: float(np.mean(v)) for k, v in per_mini.items()}
 
 
+def _check_sizes(n: int, mini_batch_size: int, micro_batch_size: int, epochs: int) -> None:
+    if mini_batch_size < 1 or n % mini_batch_size != 0:
+        raise ValueError(
+            f"ppo_update: batch of {n} rows is not a multiple of mini_batch_size={mini_batch_size} "
+            "(ppo_mini_batch_size × rollout.n); make them divide."
+        )
+    if micro_batch_size < 1:
+        raise ValueError(
+            f"ppo_update: micro_batch_size={micro_batch_size} must be >= 1 (ppo_micro_batch_size_per_gpu)."
+        )
+    if epochs < 1:
+        raise ValueError(f"ppo_update: epochs={epochs} must be >= 1 (ppo_epochs).")
+
+
+def _dp_minibatch_update(
+    batch_tensors: Mapping[str, torch.Tensor],
+    *,
+    micro_loss: MicroLoss,
+    backward: Callable[[torch.Tensor], None],
+    optimizer_step: Callable[[], Mapping[str, float]],
+    device: torch.device | str,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    epochs: int,
+    shuffle: bool,
+    seed: int,
+    sum_keys: tuple[str, ...],
+    token_budget: int | None,
+    row_tokens: torch.Tensor | None,
+    dp: DataParallel,
+) -> dict[str, float]:
+    """`minibatch_update` on this rank's share of each mini-batch (see there)."""
+    n = int(batch_tensors["response_mask"].shape[0])
+    _check_sizes(n, mini_batch_size, micro_batch_size, epochs)
+    if token_budget is not None and row_tokens is None:
+        raise ValueError(f"ppo_update: a token budget needs row_tokens with one entry per row ({n} rows).")
+    gen = torch.Generator().manual_seed(int(seed))
+    per_mini: dict[str, list[float]] = {}
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
+        for start in range(0, n, mini_batch_size):
+            idx = order[start : start + mini_batch_size]
+            mini = {k: v[idx] for k, v in batch_tensors.items() if isinstance(v, torch.Tensor)}
+            info = {
+                "dp_size": dp.size,
+                "batch_num_tokens": int(mini["response_mask"].sum().item()),
+                "global_batch_size": int(idx.numel()),
+            }
+            costs = mini["attention_mask"].sum(dim=-1).tolist()
+            mine = torch.tensor(dp_split(costs, dp.size)[dp.rank], dtype=torch.long)
+            if token_budget is None:
+                splits = [mine[m0 : m0 + micro_batch_size] for m0 in range(0, mine.numel(), micro_batch_size)]
+            else:
+                assert row_tokens is not None
+                groups = token_budget_split(row_tokens[idx][mine], token_budget)
+                splits = [mine[torch.tensor(g, dtype=torch.long)] for g in groups]
+            weights = [1.0] * len(splits)
+            for _pad in range(dp.max_int(len(splits)) - len(splits)):
+                splits.append(torch.zeros(1, dtype=torch.long))  # a zero-loss pass keeps the ranks in step
+                weights.append(0.0)
+            sums: dict[str, float] = {}
+            msum: dict[str, float] = {}
+            mcnt: dict[str, float] = {}
+            for part, w in zip(splits, weights, strict=True):
+                micro = {k: v[part].to(device) for k, v in mini.items()}
+                loss, metrics = micro_loss(micro, info)
+                backward(loss * w)
+                for k, v in metrics.items():
+                    if k in sum_keys:
+                        sums[k] = sums.get(k, 0.0) + w * _as_float(v)
+                    else:
+                        msum[k] = msum.get(k, 0.0) + w * _as_float(v)
+                        mcnt[k] = mcnt.get(k, 0.0) + w
+            total = dp.mean_metrics(
+                {
+                    **{f"s/{k}": v for k, v in sums.items()},
+                    **{f"m/{k}": v for k, v in msum.items()},
+                    **{f"c/{k}": v for k, v in mcnt.items()},
+                }
+            )
+            row = {k: total[f"s/{k}"] for k in sums}
+            row.update({k: total[f"m/{k}"] / total[f"c/{k}"] for k in msum if total[f"c/{k}"] > 0})
+            row.update(optimizer_step())
+            for k, v in row.items():
+                per_mini.setdefault(k, []).append(v)
+    return {k: float(np.mean(v)) for k, v in per_mini.items()}
+
+
 def ppo_update(
     engine: TrainEngine,
     batch_tensors: Mapping[str, torch.Tensor],
@@ -697,6 +812,7 @@ def ppo_update(
     max_token_len: int | None = None,
     remove_padding: bool = False,
     share_prompt: bool = False,
+    dp: DataParallel | None = None,
 ) -> dict[str, float]:
     """Run `epochs` passes of mini-batch updates of `engine` over `batch_tensors` (`minibatch_update`).
 
@@ -756,6 +872,7 @@ def ppo_update(
         ),
         row_groups=_prompt_groups(batch_tensors, resp_len) if share_prompt else None,
         row_lengths=batch_tensors["response_mask"].sum(dim=-1) if share_prompt else None,
+        dp=dp,
     )
 
 

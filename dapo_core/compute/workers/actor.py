@@ -18,6 +18,7 @@ import pyarrow as pa
 import torch
 
 from dapo_core.algo.losses import PolicyLossParams, actor_objective, agg_loss
+from dapo_core.compute import dist as dpd
 from dapo_core.compute.engines.train import make_train_engine, ppo_update
 from dapo_core.compute.microbatch import grouped_order, token_budget_split
 from dapo_core.data import batch as B
@@ -35,6 +36,8 @@ def _log_prob_table(
     max_token_len: int | None = None,
     remove_padding: bool = False,
     share_prompt: bool = False,
+    dp: dpd.DataParallel | None = None,
+    pad_row: pa.Table | None = None,
 ) -> tuple[pa.Array, pa.Array | None]:
     """Teacher-forced log-probs (and entropy) of every row's response as list<float32> columns.
 
@@ -44,6 +47,9 @@ def _log_prob_table(
     each distinct prompt of a micro-batch runs once (`TrainEngine.forward`), and fixed-size micro-batches
     take the rows of a prompt together, longest groups first (`grouped_order`). The output rows are in the
     table's order whatever the grouping.
+
+    With `dp` (this is one rank's share of a stage), every rank runs as many forwards as the busiest one:
+    the missing ones run on `pad_row` and are dropped (a sharded model's forward is a collective).
     """
     engine.eval()
     lengths = torch.tensor(B.response_lengths(table), dtype=torch.long)
@@ -68,7 +74,19 @@ def _log_prob_table(
         groups = token_budget_split(costs, max_token_len)
     logps, ents = [], []
     order: list[int] = []
+    padding = 0 if dp is None else dp.max_int(len(groups)) - len(groups)
     with torch.no_grad():
+        for _ in range(padding):
+            assert pad_row is not None
+            t = B.to_padded(pad_row, pad_token_id)
+            engine.forward(
+                t["input_ids"],
+                t["attention_mask"],
+                t["position_ids"],
+                t["responses"].shape[1],
+                temperature=temperature,
+                remove_padding=remove_padding,
+            )
         for group in groups:
             part = table.take(pa.array(group, type=pa.int64()))
             t = B.to_padded(part, pad_token_id)
@@ -86,6 +104,9 @@ def _log_prob_table(
             if calculate_entropy:
                 ents.append(ent)
             order.extend(group)
+    if not order:
+        empty = pa.array([], type=pa.list_(pa.float32()))
+        return empty, (empty if calculate_entropy else None)
     order_t = torch.tensor(order, dtype=torch.long)
     lp_col = _to_list_column(logps, lengths[order_t])
     ent_col = _to_list_column(ents, lengths[order_t]) if calculate_entropy else None
@@ -103,6 +124,27 @@ def _to_list_column(chunks: list[torch.Tensor], lengths: torch.Tensor) -> pa.Arr
         out.append(B.from_padded(c, lengths[pos : pos + c.shape[0]], dtype="float32"))
         pos += c.shape[0]
     return pa.concat_arrays(out)
+
+
+def _sharded_log_prob_table(
+    engine, table: pa.Table, dp: dpd.DataParallel | None, **kwargs: Any
+) -> tuple[pa.Array | None, pa.Array | None]:
+    """`_log_prob_table` over the data-parallel ranks: each computes its rows (`dist.dp_split` by tokens,
+    a prompt's `uid` group together) and rank 0 gathers the columns in the table's order; the other ranks
+    get (None, None). Without `dp` (or with one rank) it is `_log_prob_table` itself."""
+    if dp is None or dp.size == 1:
+        return _log_prob_table(engine, table, **kwargs)
+    costs = (B.prompt_lengths(table).astype("int64") + B.response_lengths(table).astype("int64")).tolist()
+    uid = table.column("uid").to_pylist() if "uid" in table.column_names else None
+    parts = dpd.dp_split(costs, dp.size, uid)
+    mine = table.take(pa.array(parts[dp.rank], type=pa.int64()))
+    lp, ent = _log_prob_table(engine, mine, dp=dp, pad_row=table.slice(0, 1), **kwargs)
+    cols = {"lp": lp, **({"ent": ent} if ent is not None else {})}
+    full = dpd.gather_table(dp, pa.table(cols), parts)
+    if full is None:
+        return None, None
+    lp_all = full.column("lp").combine_chunks()
+    return lp_all, (full.column("ent").combine_chunks() if "ent" in full.column_names else None)
 
 
 class ActorWorker:
@@ -131,9 +173,11 @@ class ActorWorker:
         `actor_cfg`'s `ppo_max_token_len_per_gpu` when its `use_dynamic_bsz`. `gradient_checkpointing`,
         `use_remove_padding` and `use_shared_prompt` are `actor_rollout_ref.model`'s switches."""
         self.cfg = dict(actor_cfg)
+        self.dp = dpd.current()
         self.log_prob_max_token_len = log_prob_max_token_len
         self.remove_padding = bool(use_remove_padding)
-        self.shared_prompt = bool(use_shared_prompt)
+        # a sharded forward must be one module call on every rank: no shared-prompt forward under fsdp2
+        self.shared_prompt = bool(use_shared_prompt) and self.cfg.get("strategy") != "fsdp2"
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.n = int(rollout_n)
@@ -174,10 +218,12 @@ class ActorWorker:
 
     # -- log-probs -------------------------------------------------------------------------------------------
     def compute_log_prob(self, table: pa.Table, calculate_entropy: bool = True) -> pa.Table:
-        """Add `old_log_probs` (and `entropy`) computed by the current weights."""
-        logps, ents = _log_prob_table(
+        """Add `old_log_probs` (and `entropy`) computed by the current weights. With data-parallel ranks each
+        computes its share and rank 0 returns the whole table; the other ranks return `table` unchanged."""
+        logps, ents = _sharded_log_prob_table(
             self.engine,
             table,
+            self.dp,
             pad_token_id=self.pad_token_id,
             temperature=self.temperature,
             micro_batch_size=self.log_prob_mbs,
@@ -186,6 +232,8 @@ class ActorWorker:
             remove_padding=self.remove_padding,
             share_prompt=self.shared_prompt,
         )
+        if logps is None:
+            return table
         table = B.set_column(table, "old_log_probs", logps)
         if ents is not None:
             table = B.set_column(table, "entropy", ents)
@@ -196,7 +244,14 @@ class ActorWorker:
     ) -> tuple[str, dict[str, float]]:
         """The old_log_prob stage on the batch at `job.input_uri`, committed by this worker: the current
         weights' log-probs and `actor/entropy` (aggregated with `entropy_agg_mode`), or the rollout's own
-        log-probs in bypass mode."""
+        log-probs in bypass mode. With data-parallel ranks, rank 0 commits the stage and returns its URI; the
+        other ranks return ("", {})."""
+        rank = self.dp.rank if self.dp is not None else 0
+        if bypass and rank != 0:
+            return "", {}
+        if not bypass and rank != 0:
+            self.compute_log_prob(job.read(), True)
+            return "", {}
 
         def compute(table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
             if bypass:
@@ -288,13 +343,15 @@ class ActorWorker:
             ),
             remove_padding=self.remove_padding,
             share_prompt=self.shared_prompt,
+            dp=self.dp,
         )
         self.engine.lr_step()
         return metrics
 
     # -- weights and checkpoints -----------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
-        """Current weights under HF parameter names (CPU tensors), for the rollout engine."""
+        """Current weights under HF parameter names (CPU tensors), for the rollout engine. With data-parallel
+        ranks every rank takes part in the gather and rank 0 returns them ({} elsewhere)."""
         return {k: v.detach().to("cpu").clone() for k, v in self.engine.state_dict_for_sync().items()}
 
     def save_checkpoint(self, path: str) -> None:
@@ -332,9 +389,12 @@ class RefWorker:
     ):
         """`max_token_len`: `ref.log_prob_max_token_len_per_gpu` when `ref.log_prob_use_dynamic_bsz`, else
         None. The reference never runs backward, so gradient checkpointing does not apply to it. `dtype`:
-        `ref.dtype`, the precision its weights are loaded in."""
+        `ref.dtype`, the precision its weights are loaded in. With data-parallel ranks (a process group is
+        up) the model is sharded with FSDP2 and each rank computes its share of a stage."""
+        self.dp = dpd.current()
+        sharded = self.dp is not None and self.dp.size > 1
         self.engine = make_train_engine(
-            "torch",
+            "fsdp2" if sharded else "torch",
             model_path,
             {"lr": 0.0},
             total_steps=1,
@@ -344,16 +404,17 @@ class RefWorker:
         )
         self.max_token_len = max_token_len
         self.remove_padding = bool(use_remove_padding)
-        self.shared_prompt = bool(use_shared_prompt)
+        self.shared_prompt = bool(use_shared_prompt) and not sharded
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.mbs = micro_batch_size
 
     def compute_ref_log_prob(self, table: pa.Table) -> pa.Table:
-        """Add `ref_log_probs`."""
-        logps, _ = _log_prob_table(
+        """Add `ref_log_probs` (with data-parallel ranks: on rank 0; the others return `table` unchanged)."""
+        logps, _ = _sharded_log_prob_table(
             self.engine,
             table,
+            self.dp,
             pad_token_id=self.pad_token_id,
             temperature=self.temperature,
             micro_batch_size=self.mbs,
@@ -362,8 +423,12 @@ class RefWorker:
             remove_padding=self.remove_padding,
             share_prompt=self.shared_prompt,
         )
-        return B.set_column(table, "ref_log_probs", logps)
+        return table if logps is None else B.set_column(table, "ref_log_probs", logps)
 
     def ref_log_prob_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
-        """`compute_ref_log_prob` on the view at `job.input_uri`, committed by this worker."""
+        """`compute_ref_log_prob` on the view at `job.input_uri`, committed by this worker (rank 0; the other
+        ranks compute their share and return ("", {}))."""
+        if self.dp is not None and self.dp.rank != 0:
+            self.compute_ref_log_prob(job.read())
+            return "", {}
         return run_job(job, lambda table: (self.compute_ref_log_prob(table), {}))

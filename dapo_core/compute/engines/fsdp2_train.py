@@ -1,0 +1,358 @@
+"""FSDP2 training engine (`actor.strategy: fsdp2`): the model, its gradients and AdamW state sharded over the
+role's data-parallel ranks with `torch.distributed.fsdp.fully_shard` (each decoder layer, then the root).
+
+Loading: the model is built with its parameters on the meta device (buffers such as rotary frequencies are
+computed for real), sharded, then each rank reads only its rows of every tensor from the safetensors files
+(`safe_open(...).get_slice`): no process holds the full model. Gradients are averaged over the ranks by FSDP;
+the loss is multiplied by `dp_size` (`global_batch_info`), so the update equals one process's over the whole
+mini-batch. Each forward is one module call (the shared-prompt forward, which makes two, is not used).
+
+Checkpoint written by `save(dir)`: per rank `model.rank<r>.safetensors` (its parameter shards),
+`optim.rank<r>.{json,tensors}` and `extra_state.rank<r>.{json,tensors}` (scheduler, counters, RNG), plus
+`fsdp2.json` (world size, each parameter's global shape and each rank's rows) and a full HF export written
+by rank 0 (`model.safetensors`, config, tokenizer) for evaluation. Resuming needs the same world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from dapo_core.compute import dist as dpd
+from dapo_core.compute.engines.train import (
+    TrainEngine,
+    adamw_kwargs,
+    enable_gradient_checkpointing,
+    get_rng_state,
+    lr_lambda_for,
+    set_rng_state,
+)
+from dapo_core.errors import DapoUserError
+
+__all__ = ["FSDP2TrainEngine", "ShardedCheckpointMismatch"]
+
+MANIFEST = "fsdp2.json"
+
+
+class ShardedCheckpointMismatch(DapoUserError):
+    """A sharded checkpoint was written by a different number of data-parallel ranks."""
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside create their parameters on the meta device; buffers stay real (CPU)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        p = module._parameters[name]
+        if p is not None and p.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _rows(n: int, rank: int, size: int) -> tuple[int, int]:
+    """FSDP2's dim-0 shard of `n` rows on `rank`: torch.chunk's split, [start, stop)."""
+    chunk = math.ceil(n / size) if n else 0
+    start = min(rank * chunk, n)
+    return start, min(start + chunk, n)
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
+                where[k] = f
+    if not where:
+        raise FileNotFoundError(
+            f"no *.safetensors in {folder}; set actor_rollout_ref.model.path to an HF folder"
+        )
+    return where
+
+
+class FSDP2TrainEngine(TrainEngine):
+    """The HF model sharded with FSDP2 over the process group (`dapo_core.compute.dist`); a single process
+    makes a group of one."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        optim_cfg: Mapping[str, Any],
+        *,
+        total_steps: int,
+        grad_clip: float | None,
+        device: str = "cpu",
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.dp = dpd.current() or _single_process_group(device)
+        self.model_path = Path(model_path)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+        )
+        self.seed = int(seed)
+        self.total_steps = int(total_steps)
+        self.grad_clip = None if grad_clip is None or grad_clip <= 0 else float(grad_clip)
+        torch.manual_seed(self.seed)
+        config = AutoConfig.from_pretrained(str(self.model_path))
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        mesh = init_device_mesh(self.device.type, (self.dp.size,))
+        for layer in _decoder_layers(model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
+        self.model = model
+        self._load_hf_shards(self.model_path)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(optim_cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda_for(optim_cfg, self.total_steps)
+        )
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+
+    # -- loading -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _load_hf_shards(self, folder: Path) -> None:
+        """Copy this rank's rows of every parameter from the HF safetensors of `folder`."""
+        from safetensors import safe_open
+
+        where = _tensor_files(folder)
+        handles: dict[Path, Any] = {}
+        try:
+            for name, p in self.model.named_parameters():
+                if name not in where:
+                    raise KeyError(f"{folder}: no tensor {name!r}; it was written for a different model")
+                h = handles.get(where[name]) or handles.setdefault(
+                    where[name], safe_open(str(where[name]), framework="pt").__enter__()
+                )
+                self._local(p).copy_(self._my_rows(h.get_slice(name), tuple(p.shape)))
+        finally:
+            for h in handles.values():
+                h.__exit__(None, None, None)
+
+    def _my_rows(self, sl: Any, shape: tuple[int, ...]) -> torch.Tensor:
+        start, stop = _rows(shape[0], self.dp.rank, self.dp.size)
+        return sl[start:stop]
+
+    @staticmethod
+    def _local(p: torch.Tensor) -> torch.Tensor:
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    # -- training ----------------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`TrainEngine.forward` with one module call per micro-batch (no shared-prompt forward), so every
+        rank issues the same collectives."""
+        kwargs["share_prompt"] = False
+        return super().forward(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of `loss` (reduce-scattered and averaged over the ranks by FSDP)."""
+        loss.backward()
+
+    def step(self) -> float:
+        """Clip to `grad_clip` by the global norm, AdamW step (skipped on a non-finite norm, the same on
+        every rank), zero grads; return the norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip is not None else math.inf
+        norm_t = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
+        norm = float(norm_t.full_tensor() if isinstance(norm_t, DTensor) else norm_t)
+        if math.isfinite(norm):
+            self.optimizer.step()
+            self.optimizer_steps += 1
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @property
+    def lr(self) -> float:
+        """Current learning rate."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # -- weights -----------------------------------------------------------------------------------------
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """Full weights under HF names on rank 0 (gathered one tensor at a time); {} on the other ranks.
+        A collective: every rank must call it."""
+        out: dict[str, torch.Tensor] = {}
+        for k, v in self.model.state_dict().items():
+            full = v.full_tensor() if isinstance(v, DTensor) else v
+            if self.dp.rank == 0:
+                out[k] = full.detach().to("cpu")
+        return out
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Rank 0 writes the full weights as an HF folder (config and tokenizer copied from the model path).
+        A collective."""
+        from safetensors.torch import save_file
+
+        full = self.state_dict_for_sync()
+        out = Path(out_dir)
+        if self.dp.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            if getattr(self.model.config, "tie_word_embeddings", False):
+                full.pop("lm_head.weight", None)
+            save_file(
+                {k: v.contiguous() for k, v in full.items()},
+                str(out / "model.safetensors"),
+                metadata={"format": "pt"},
+            )
+            self.model.config.save_pretrained(str(out))
+            for name in (
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "special_tokens_map.json",
+                "chat_template.jinja",
+                "tokenizer",
+            ):
+                src = self.model_path / name
+                if src.is_dir():
+                    shutil.copytree(src, out / name, dirs_exist_ok=True)
+                elif src.is_file():
+                    shutil.copy2(src, out / name)
+        if dist.is_initialized():
+            dist.barrier(group=self.dp.cpu_group)
+        return out
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def save(self, out_dir: str | Path) -> Path:
+        """Every rank writes its shards and states; rank 0 the manifest and the full HF export."""
+        from safetensors.torch import save_file
+
+        from dapo_core.store.state_files import save_state
+
+        out = self.export_hf(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        r = self.dp.rank
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        shards = {n: self._local(p).detach().contiguous().cpu() for n, p in self.model.named_parameters()}
+        save_file(shards, str(out / f"model.rank{r}.safetensors"))
+        optim = {
+            names[id(p)]: {
+                k: (self._local(v).cpu() if isinstance(v, torch.Tensor) else v) for k, v in st.items()
+            }
+            for p, st in self.optimizer.state.items()
+        }
+        save_state(out, f"optim.rank{r}", optim)
+        save_state(
+            out,
+            f"extra_state.rank{r}",
+            {
+                "scheduler": self.scheduler.state_dict(),
+                "optimizer_steps": self.optimizer_steps,
+                "skipped_steps": self.skipped_steps,
+                "rng": get_rng_state(),
+                "engine": "fsdp2",
+            },
+        )
+        if r == 0:
+            manifest = {
+                "engine": "fsdp2",
+                "world_size": self.dp.size,
+                "params": {
+                    n: {
+                        "shape": list(p.shape),
+                        "rows": [list(_rows(p.shape[0], k, self.dp.size)) for k in range(self.dp.size)],
+                    }
+                    for n, p in self.model.named_parameters()
+                },
+            }
+            (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        if dist.is_initialized():
+            dist.barrier(group=self.dp.cpu_group)
+        return out
+
+    @torch.no_grad()
+    def load(self, ckpt_dir: str | Path) -> None:
+        """Restore this rank's shards, optimizer state, scheduler, counters and RNG (same world size only)."""
+        from safetensors.torch import load_file
+
+        from dapo_core.store.state_files import load_state
+
+        d = Path(ckpt_dir)
+        if not (d / MANIFEST).is_file():
+            raise ShardedCheckpointMismatch(
+                f"{d} has no {MANIFEST}: it was not written by the fsdp2 engine",
+                where=str(d),
+                fix="set actor_rollout_ref.actor.strategy to the engine that wrote it, or start a new run",
+            )
+        man = json.loads((d / MANIFEST).read_text())
+        if int(man["world_size"]) != self.dp.size:
+            raise ShardedCheckpointMismatch(
+                f"checkpoint {d} holds the model in {man['world_size']} shards (one per data-parallel rank) "
+                f"but this run has {self.dp.size} ranks; a sharded checkpoint resumes only at the world size "
+                f"that wrote it (resharding is not supported)",
+                where="trainer.n_gpus_per_node / trainer.nnodes",
+                fix=(
+                    f"set trainer.nnodes × trainer.n_gpus_per_node back to {man['world_size']} to resume, "
+                    "or start a new run from the checkpoint's HF export (actor_rollout_ref.model.path)"
+                ),
+            )
+        r = self.dp.rank
+        shards = load_file(str(d / f"model.rank{r}.safetensors"))
+        params = dict(self.model.named_parameters())
+        for n, p in params.items():
+            self._local(p).copy_(shards[n])
+        optim = load_state(d, f"optim.rank{r}")
+        for n, st in optim.items():
+            p = params[n]
+            self.optimizer.state[p] = {
+                k: (
+                    DTensor.from_local(
+                        v.to(self.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
+                    if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0
+                    else (v.to(self.device) if isinstance(v, torch.Tensor) else v)
+                )
+                for k, v in st.items()
+            }
+        extra = load_state(d, f"extra_state.rank{r}")
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.optimizer_steps = int(extra["optimizer_steps"])
+        self.skipped_steps = int(extra["skipped_steps"])
+        set_rng_state(extra["rng"])
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks (`model.model.layers` in HF causal LMs), each its own FSDP unit."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def _single_process_group(device: str) -> dpd.DataParallel:
+    """A process group of one for an fsdp2 engine outside a worker group (dp=1, in-process runs)."""
+    if not dist.is_initialized():
+        dp = dpd.init_data_parallel(0, 1, "127.0.0.1", dpd.free_port("127.0.0.1"), device)
+        dpd.set_current(dp)
+        return dp
+    return dpd.DataParallel(rank=dist.get_rank(), size=dist.get_world_size())
