@@ -635,7 +635,7 @@ class TrainerConfig:
     nnodes: int = 1
     """Nodes in the cluster. Not implemented yet (default only)."""
     n_gpus_per_node: int = 8
-    """GPUs per node (ignored on CPU). No-op here."""
+    """Devices per node (processes on CPU); rollout replicas = nnodes × this // tensor_model_parallel_size."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     """Metric sinks: console | jsonl | tensorboard."""
     seed: int = 1

@@ -59,10 +59,6 @@ NO_OPS: dict[str, str] = {
     "trainer.project_name": (
         "names the project in verl's trackers (wandb, ...); our sinks write under runs/<run_id>/"
     ),
-    "trainer.n_gpus_per_node": (
-        "each model worker takes one GPU and Ray places the workers; data parallelism over several GPUs "
-        "is refused through trainer.nnodes"
-    ),
 }
 """Keys accepted with any valid value and ignored on purpose (key -> reason)."""
 

@@ -425,12 +425,11 @@ CASES: list[Case] = [
         before="silent",
     ),
     Case(
-        "n_gpus_per_node set (no-op)",
-        "unused key",
-        _train("trainer.n_gpus_per_node=4"),
-        ("trainer.n_gpus_per_node", "no effect"),
-        code=0,
-        error="",
+        "rollout TP does not divide the devices",
+        "config",
+        _config("trainer.n_gpus_per_node=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+        ("tensor_model_parallel_size", "does not divide", "trainer.n_gpus_per_node"),
+        "ConfigError",
         before="silent",
     ),
     # --- data files (read by training: checked before any worker starts)
