@@ -1,18 +1,17 @@
 """Rollout replicas: `M` rollout engines, each generating a share of a stage's prompt groups.
 
-`M = trainer.nnodes × trainer.n_gpus_per_node // rollout.tensor_model_parallel_size` (`replica_layout`,
-verl's colocated layout: every device belongs to one replica; on CPU `n_gpus_per_node` counts processes per
-node). Each replica is a named worker `rollout-<i>` holding one engine. A stage's rows are split by whole
-groups (all rows of a uid on one replica), dealt largest first by expected tokens (`split_groups`); each
-replica commits its share as stage `<stage>_r<i>of<M>` (a delta over the input; an earlier attempt's share
-is reused only when made with the current weights), and the driver commits the
-stage as a row selection over the shares in the input's order (`gather_positions`): no generated table passes
-through the driver and no row is lost or duplicated. A single share is committed as the stage itself. Sampling
-seeds derive from the uid, so the tokens do not depend on the split. Weights: `push` sends one copy to every
-replica and records the version each reports; a replica that did not confirm the current version is never
-used (`StaleWeights`), and each checks the version again when it generates. The device seam is
-`replica_layout`: tensor parallelism (vLLM, each replica reserving TP GPUs and running its TP ranks with
-vLLM's multiprocessing executor) is GPU-only, refused on CPU and for the HF engine.
+`M = trainer.nnodes × trainer.n_gpus_per_node // rollout.tensor_model_parallel_size` (`replica_layout`: every
+device belongs to one replica, as verl lays it out; on CPU `n_gpus_per_node` counts processes per node); each
+replica is a named worker `rollout-<i>`. A stage's rows are split by whole groups (all rows of a uid on one
+replica), largest expected tokens first (`split_groups`); each commits its share as `<stage>_r<i>of<M>`
+(an earlier attempt's share is reused only if made with the current weights) and the driver commits the stage
+as a row selection over the shares in input order (`gather_positions`): no generated table passes through the
+driver, no row is lost or duplicated; a single share is committed as the stage itself. Seeds derive from the
+uid, so the tokens do not depend on the split (log-probs to float precision: a share pads to its own longest
+prompt). `push` sends one copy of the weights to every replica and records the version each reports; a replica
+that did not confirm the current version is never used (`StaleWeights`), and each checks again when it
+generates. Device seam, `replica_layout`: tensor parallelism (vLLM; a replica reserves TP GPUs and runs its TP
+ranks with vLLM's multiprocessing executor) is GPU-only, refused on CPU and for the HF engine.
 """
 
 from __future__ import annotations

@@ -176,12 +176,17 @@ def test_two_replicas_generate_and_commit_the_rows_one_replica_does(model_path, 
         stored = files.read_uri(gen_uri)
         assert stored.column("uid").equals(table.column("uid"))  # input order, no row lost or duplicated
         assert stored.column("sample_idx").equals(table.column("sample_idx"))
-        for col in GEN:
+        for col in GEN:  # the same shares as the in-memory split: bit for bit
             assert stored.column(col).equals(in_memory.column(col)), col
         outs[m] = (stored, metrics, files.read_uri(val_uri), files.committed_stages(1))
     one, two = outs[1], outs[2]
-    for col in ("uid", "sample_idx", "prompt_ids", *GEN):
-        assert two[0].column(col).equals(one[0].column(col)), col  # the tokens do not depend on the split
+    for col in ("uid", "sample_idx", "prompt_ids", *GEN):  # the tokens do not depend on the split
+        if col == "rollout_log_probs":  # a share pads to its own longest prompt: equal to float precision
+            for a, b in ((one[0], two[0]), (one[2], two[2])):
+                la, lb = (np.concatenate(t.column(col).to_numpy(zero_copy_only=False)) for t in (a, b))
+                np.testing.assert_allclose(la, lb, rtol=0, atol=1e-5)
+            continue
+        assert two[0].column(col).equals(one[0].column(col)), col
         assert two[2].column(col).equals(one[2].column(col)), f"validation {col}"
     assert {k: v for k, v in two[1].items() if not k.startswith("timing")} == {
         k: v for k, v in one[1].items() if not k.startswith("timing")

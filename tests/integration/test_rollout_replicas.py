@@ -1,0 +1,89 @@
+"""Two rollout replicas in the real dapo-train flow (`trainer.n_gpus_per_node=2` on CPU: two processes per
+node, so two HF engines): the run learns exactly as with one replica, every generation stage is committed as
+two shares plus a row selection, and the replicas are named Ray actors that received every weight version.
+
+The actor still trains on one process here: these runs compare the rollout side only (the data-parallel actor
+is tested with the worker groups)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from safetensors.torch import load_file
+
+from dapo_core.config import load_config, to_yaml
+from tests.integration.conftest import CONFIG, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+STEPS = {
+    "trainer.total_training_steps": 2,
+    "trainer.save_freq": 2,
+    "trainer.test_freq": 2,
+    "trainer.val_before_train": "false",
+    "algorithm.filter_groups.enable": "false",
+}
+
+
+def _run(root: Path, name: str, **extra: str) -> Path:
+    from flows.dapo_train import dapo_train
+
+    cfg = load_config(CONFIG, tiny_overrides(root, **STEPS, **{"trainer.experiment_name": name}, **extra))
+    out = dapo_train(to_yaml(cfg), name)
+    assert out["train_step"] == 2
+    return Path(out["run_dir"])
+
+
+def _same_rows(a: pa.Table, b: pa.Table) -> None:
+    """Every column equal, in the same row order; the sampled tokens' log-probs to float precision (a share
+    pads its prompts to its own longest one, which moves the last bits of the logits)."""
+    assert a.column_names == b.column_names
+    for col in a.column_names:
+        if col != "rollout_log_probs":
+            assert a.column(col).equals(b.column(col)), col
+    la = np.concatenate(a.column("rollout_log_probs").to_numpy(zero_copy_only=False))
+    lb = np.concatenate(b.column("rollout_log_probs").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(la, lb, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(900)
+def test_two_replicas_on_ray_train_bitwise_as_one_in_process(tiny_assets):
+    from dapo_core.store import RunStore
+
+    one = _run(tiny_assets, "rep1", **{"trainer.use_ray": "false"})
+    two = _run(tiny_assets, "rep2", **{"trainer.use_ray": "true", "trainer.n_gpus_per_node": "2"})
+
+    a = load_file(str(one / "ckpt" / "step_2" / "actor" / "model.safetensors"))
+    b = load_file(str(two / "ckpt" / "step_2" / "actor" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]).all(), k  # same rows generated, so the same updates, bit for bit
+
+    s1, s2 = RunStore(one), RunStore(two)
+    try:
+        for step in (1, 2):
+            g1, g2 = s1.read_stage(step, "generate_g0"), s2.read_stage(step, "generate_g0")
+            _same_rows(g1, g2)
+            assert set(g2.column("weight_version").to_pylist()) == {step - 1}
+            shares = [s2.read_stage(step, f"generate_g0_r{i}of2") for i in (0, 1)]
+            assert sum(t.num_rows for t in shares) == g2.num_rows and all(t.num_rows for t in shares)
+            assert not set(shares[0].column("uid").to_pylist()) & set(shares[1].column("uid").to_pylist())
+            assert s2.manifest(step, "generate_g0")["selection"]
+            assert "generate_g0_r0of2" not in s1.committed_stages(step)
+        _same_rows(s1.read_stage(2, "val_generate"), s2.read_stage(2, "val_generate"))
+        assert s2.is_committed(2, "val_generate_r1of2")
+    finally:
+        s1.close()
+        s2.close()
+    m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    m2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    for r1, r2 in zip(m1, m2, strict=True):
+        for key in ("response_length/gen_mean", "perf/gen_tokens", "critic/score/mean", "actor/pg_loss"):
+            assert r1.get(key) == r2.get(key), key
+    placed = json.loads((two / "workers.json").read_text())
+    assert {"rollout-0", "rollout-1"} <= set(placed) and "rollout" not in placed
+    assert all(placed[r]["node_id"] for r in ("rollout-0", "rollout-1"))
