@@ -248,3 +248,31 @@ def test_weights_reach_every_replica_with_their_version_and_a_stale_one_is_never
         ]
     finally:
         cluster.shutdown()
+
+
+class _Box:
+    def __init__(self, value: int = 0):
+        self.value = value
+        self.calls = 0
+
+    def weights(self) -> dict:
+        self.calls += 1
+        return {"w": self.value}
+
+    def load(self, named: dict) -> int:
+        self.value = named["w"]
+        return self.value
+
+
+def test_broadcast_computes_the_source_once_and_feeds_every_sink():
+    from dapo_core.compute.cluster import broadcast
+
+    cluster = Cluster("bcast", use_ray=False)
+    try:
+        src = proxy(cluster.create("src", functools.partial(_Box, 7)), _Box)
+        sinks = [proxy(cluster.create(f"dst-{i}", _Box), _Box) for i in range(3)]
+        assert broadcast(src.weights, [s.load for s in sinks]) == [7, 7, 7]
+        assert cluster._owned["src"].local.calls == 1
+        assert broadcast(lambda: {"w": 2}, [s.load for s in sinks]) == [2, 2, 2]  # plain callables compose
+    finally:
+        cluster.shutdown()
