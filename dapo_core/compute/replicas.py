@@ -271,8 +271,8 @@ class RolloutReplicas:
             groups, lens = list(np.repeat(np.arange(len(plens)), n)), np.repeat(plens, n)
         shares = split_groups(groups, lens + self.max_new_tokens, len(self))
         live = [(i, s) for i, s in enumerate(shares) if len(s)]
-        if len(live) == 1:  # every row on one replica: it commits the stage itself
-            only = start(self.workers[live[0][0]], job, None)
+        if len(live) <= 1:  # every row (or none) on one replica: it commits the stage itself
+            only = start(self.workers[live[0][0] if live else 0], job, None)
             return PendingStage(only.result)
         parts: list[tuple[np.ndarray, str, Future[StageResult] | StageResult]] = []
         for i, rows in live:

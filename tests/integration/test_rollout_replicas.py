@@ -119,7 +119,7 @@ def test_replay_order_with_two_replicas_generates_ahead_and_trains_as_one(tiny_a
 
 @pytest.mark.timeout(900)
 def test_a_run_killed_between_two_shares_resumes_bitwise_and_keeps_the_committed_share(tiny_assets):
-    """SIGKILL the training process once replica 0 committed its share of step 3's generation: the resumed
+    """SIGKILL the training process once replica 0 committed its share of step 2's generation: the resumed
     run keeps that share (made with the checkpoint's weights), generates the other and ends with the weights
     of an uninterrupted two-replica run, bit for bit."""
     import os
@@ -130,7 +130,6 @@ def test_a_run_killed_between_two_shares_resumes_bitwise_and_keeps_the_committed
 
     common = {
         **STEPS,
-        "trainer.total_training_steps": 3,
         "trainer.save_freq": 1,
         "trainer.test_freq": -1,
         "trainer.use_ray": "false",
@@ -145,21 +144,21 @@ def test_a_run_killed_between_two_shares_resumes_bitwise_and_keeps_the_committed
 
     subprocess.run(cmd("rep-straight"), check=True, env=env, cwd=root, capture_output=True)
     run = tiny_assets / "runs" / "rep-resumed"
-    share = run / "step_000003" / "generate_g0_r0of2.manifest.json"
+    share = run / "step_000002" / "generate_g0_r0of2.manifest.json"
     victim = subprocess.Popen(
         cmd("rep-resumed"), env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
     kill_at(victim, share)
-    assert (run / "ckpt" / "latest").read_text().strip() == "2"
+    assert (run / "ckpt" / "latest").read_text().strip() == "1"
     kept = share.read_bytes()
     done = subprocess.run(cmd("rep-resumed"), env=env, cwd=root, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert share.read_bytes() == kept  # the committed share was replayed, not generated again
     a = load_file(
-        str(tiny_assets / "runs" / "rep-straight" / "ckpt" / "step_3" / "actor" / "model.safetensors")
+        str(tiny_assets / "runs" / "rep-straight" / "ckpt" / "step_2" / "actor" / "model.safetensors")
     )
-    b = load_file(str(run / "ckpt" / "step_3" / "actor" / "model.safetensors"))
+    b = load_file(str(run / "ckpt" / "step_2" / "actor" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         assert (a[k] == b[k]).all(), k
