@@ -72,7 +72,9 @@ def replica_layout(nnodes: int, n_gpus_per_node: int, tp: int, engine: str, devi
 
     On GPU a replica with TP > 1 reserves `tp` GPUs for its Ray actor and vLLM starts its TP ranks on them
     with its multiprocessing executor (`distributed_executor_backend="mp"`; vLLM's Ray executor would ask Ray
-    for GPUs the replica already holds). This path needs several GPUs and is not exercised on CPU."""
+    for GPUs the replica already holds). This path needs several GPUs and is not exercised on CPU. The
+    replicas then hold every GPU of the cluster in Ray's accounting: training workers that also ask Ray for
+    GPUs find none left unless they are placed on the same devices (colocated, as in verl)."""
     world = int(nnodes) * int(n_gpus_per_node)
     key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     if tp < 1 or world < 1 or world % tp:
