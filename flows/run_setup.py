@@ -9,6 +9,7 @@ import functools
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from dapo_core.algo.kl import get_kl_controller
 from dapo_core.compute.cluster import Cluster, proxy, worker_threads
 from dapo_core.compute.groups import create_role
 from dapo_core.compute.models import load_tokenizer
+from dapo_core.compute.replicas import RolloutReplicas, create_replicas, replica_layout
 from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
 from dapo_core.config import (
     DapoConfig,
@@ -121,8 +123,13 @@ def _dp_layout(cfg: DapoConfig) -> dict[str, int]:
     return {"nnodes": cfg.trainer.nnodes, "per_node": cfg.trainer.n_gpus_per_node}
 
 
-def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: str) -> RolloutWorker:
+def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: str) -> RolloutReplicas:
+    """The rollout replicas: `trainer.nnodes × trainer.n_gpus_per_node // tensor_model_parallel_size` engines
+    (`dapo_core.compute.replicas`)."""
     ro = cfg.actor_rollout_ref.rollout
+    layout = replica_layout(
+        cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, ro.tensor_model_parallel_size, ro.name, device
+    )
     engine_opts: dict[str, Any] = {"max_batch_size": ro.max_num_seqs}  # hf: rows per forward
     if ro.name == "vllm":
         engine_opts = {
@@ -130,21 +137,31 @@ def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: 
             "tensor_parallel_size": ro.tensor_model_parallel_size,
             "enforce_eager": ro.enforce_eager,
             "max_num_seqs": ro.max_num_seqs,
+            **layout.engine_opts,
         }
     if ro.dtype != "auto":
         engine_opts["dtype"] = ro.dtype
-    factory = functools.partial(
-        RolloutWorker,
-        model_path,
-        engine=ro.name,
-        device=device,
-        seed=cfg.trainer.seed,
-        train_sampling=_sampling(ro, cfg.data.max_response_length),
-        val_sampling=_sampling(ro.val_kwargs, cfg.data.max_response_length),
-        engine_opts=engine_opts,
+
+    def factory(num_threads: int | None) -> Callable[[], RolloutWorker]:
+        return functools.partial(
+            RolloutWorker,
+            model_path,
+            engine=ro.name,
+            device=device,
+            seed=cfg.trainer.seed,
+            train_sampling=_sampling(ro, cfg.data.max_response_length),
+            val_sampling=_sampling(ro.val_kwargs, cfg.data.max_response_length),
+            engine_opts=engine_opts,
+            num_threads=num_threads,
+        )
+
+    return create_replicas(
+        cluster,
+        factory,
+        layout,
+        max_new_tokens=cfg.data.max_response_length,
+        resources=cfg.trainer.ray_resources.rollout,
     )
-    where = cfg.trainer.ray_resources.rollout
-    return proxy(cluster.create("rollout", factory, num_gpus=_gpus(device), resources=where), RolloutWorker)
 
 
 def _actor_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, device: str) -> ActorWorker:

@@ -37,7 +37,6 @@ import numpy as np
 import pyarrow as pa
 from prefect import task
 
-from dapo_core.compute.cluster import submit
 from dapo_core.data import batch as B
 from dapo_core.stages import apply_group_filter, filter_column
 from dapo_core.store.replay import ReplayBuffer
@@ -124,7 +123,7 @@ def launch_generation(run_id: str, step: int, tag: str, gen_step: int, prompts_u
     # the gen_step tag lets a re-issued prompt be regenerated with the same seeds (regenerate_reissued)
     rt.store.update_tags(todo, status="running", gen_step=gen_step)
     job = stage_job(rt, step, stage, input_uri=input_uri, schema="generate", n=rt.n)
-    rt.launches[(step, tag)] = runtime.Launch(submit(rt.rollout.generate_stage, job, gen_step), todo)
+    rt.launches[(step, tag)] = runtime.Launch(rt.rollout.submit_generate_stage(job, gen_step), todo)
     return len(todo)
 
 

@@ -93,7 +93,7 @@ def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: b
 @task(name="generate", task_run_name="generate-step{step}-g{gen_idx}", **_OPTS)
 def generate(run_id: str, step: int, gen_idx: int, gen_step: int, num_prompts: int) -> StageResult:
     """Draw `num_prompts` prompts (stage `prompts_g<gen_idx>`, `draw_prompts`) and sample n responses per
-    prompt on the rollout worker (seeded by gen_step, uid, sample_idx).
+    prompt on the rollout replicas (each a share of whole groups; seeded by gen_step, uid, sample_idx).
 
     Drawing is part of this task (no task of its own: it is plumbing, and idempotent, so a retry of this task
     redraws nothing). The groups enter the ledger `running` in one transaction just before the generation

@@ -16,8 +16,9 @@ import numpy as np
 import pyarrow as pa
 
 from dapo_core.algo.kl import AdaptiveKLController, FixedKLController
-from dapo_core.compute.cluster import Cluster, Future
-from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
+from dapo_core.compute.cluster import Cluster
+from dapo_core.compute.replicas import PendingStage, RolloutReplicas
+from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker
 from dapo_core.config import DapoConfig
 from dapo_core.data.datasets import PromptSampler
 from dapo_core.store import RunStore
@@ -61,8 +62,8 @@ class ChunkSampler:
 class Launch:
     """A generation submitted to the rollout worker and not collected yet (replay-buffer order)."""
 
-    future: Future[tuple[str, dict[str, float]]]
-    """The URI and metrics of the generation stage the rollout worker commits, once it has finished."""
+    future: PendingStage
+    """The URI and metrics of the generation stage the rollout replicas commit, once they have finished."""
     uids: list[str]
     """The prompt groups it generates."""
 
@@ -82,8 +83,9 @@ class Runtime:
     """The tokenizer's padding id (tables ⇄ padded tensors)."""
     vocab_size: int
     """The tokenizer's vocabulary size (stage validation checks token ids against it)."""
-    rollout: RolloutWorker
-    """Generates responses (HF or vLLM engine); receives the actor's weights after each update."""
+    rollout: RolloutReplicas
+    """Generates responses on its replicas (HF or vLLM engines); receives the actor's weights after each
+    update."""
     actor: ActorWorker
     """The trained policy: old log-probs and the DAPO update."""
     reward: RewardWorker

@@ -16,7 +16,6 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from dapo_core.compute.cluster import chain
 from dapo_core.errors import find_user_error
 from dapo_core.store.replay import referenced_steps
 from dapo_core.store.retention import apply_retention
@@ -105,10 +104,10 @@ def sync_weights(run_id: str, step: int, weight_version: int) -> int:
 
 
 def push_weights(rt: runtime.Runtime, weight_version: int) -> None:
-    """Copy the actor's weights into the rollout worker and stamp them `weight_version` (with Ray the tensors
-    go from actor to rollout through the object store, not through the driver)."""
-    chain(rt.actor.weights, rt.rollout.sync_weights)
-    rt.rollout.set_weight_version(weight_version)
+    """Copy the actor's weights into every rollout replica and stamp them `weight_version` (with Ray the
+    tensors go from actor to replicas through the object store, not through the driver); each replica
+    confirms the version, else no replica generates."""
+    rt.rollout.push(rt.actor.weights, weight_version)
 
 
 @task(

@@ -5,8 +5,9 @@ Validation is a worker job like the training stages, in three committed stages o
 
 1. `val_prompts`: the distinct held-out prompts (the driver loaded and fingerprinted them when the run opened;
    it writes them once per validation, not repeated);
-2. `val_generate`: the rollout worker reads them, repeats each `val_kwargs.n` times (uids seeded by the run's
-   seed and the step), generates with the validation sampling settings, validates and commits;
+2. `val_generate`: the rollout replicas read them, repeat each `val_kwargs.n` times (uids seeded by the run's
+   seed and the step), generate their shares (whole prompts) with the validation sampling settings, validate
+   and commit (`dapo_core.compute.replicas`);
 3. `val`: the reward worker reads that, scores it, validates it and computes the metrics
    (`dapo_core.metrics.validation.validation_summary`) next to the data, and commits.
 

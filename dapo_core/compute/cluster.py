@@ -269,6 +269,20 @@ def chain(source: Callable[[], R], sink: Callable[[R], S]) -> S:
     return cast(S, sink(source.handle.wait(ref)))
 
 
+def broadcast(source: Callable[[], R], sinks: list[Callable[[R], S]]) -> list[S]:
+    """`[sink(source()) for sink in sinks]` with `source()` computed once, the sinks started together and
+    waited in order; between Ray actor proxies every sink's actor fetches the result from the object store
+    (weight sync to every rollout replica), not through the driver."""
+    if not (isinstance(source, _RemoteMethod) and all(isinstance(s, _RemoteMethod) for s in sinks)):
+        value = source()
+        return [sink(value) for sink in sinks]
+    ref = source.handle.submit(source.name)
+    if not (source.handle.is_ray and all(cast(_RemoteMethod, s).handle.is_ray for s in sinks)):
+        ref = source.handle.wait(ref)
+    started = [(s.handle, s.handle.submit(s.name, ref)) for s in cast(list[_RemoteMethod], sinks)]
+    return [cast(S, handle.wait(r)) for handle, r in started]
+
+
 RAY_BIND_ENV = "DAPO_RAY_BIND"
 """Environment variable: the address a *local* Ray listens on. Unset = loopback only (127.0.0.1); `all` =
 Ray's own default (the machine's address, every interface for the gRPC servers); an IP = that address."""

@@ -367,6 +367,23 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
         if not ok:
             errs.append(f"{key}: {v!r} must be in {'[0' if zero_ok else '(0'}, 1] — {what}.")
 
+    # --- the rollout replicas' layout (dapo_core.compute.replicas.replica_layout)
+    tp, tr = rollout["tensor_model_parallel_size"], c["trainer"]
+    world = tr["nnodes"] * tr["n_gpus_per_node"]
+    if tr["n_gpus_per_node"] < 1:
+        errs.append("trainer.n_gpus_per_node: must be >= 1 (devices per node; processes per node on CPU).")
+    elif tp >= 1 and world % tp:
+        errs.append(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size: {tp} does not divide the {world} devices "
+            "of trainer.nnodes × trainer.n_gpus_per_node (each rollout replica takes that many) — choose one "
+            "that divides them, or change trainer.n_gpus_per_node."
+        )
+    elif tp > 1 and rollout["name"] != "vllm":
+        errs.append(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size: {tp} needs the vllm engine "
+            f"(rollout.name={rollout['name']!r} has no tensor parallelism) — set rollout.name=vllm, or 1."
+        )
+
     # --- keys accepted only at their default until implemented (dapo_core.config.unused)
     errs.extend(not_implemented_problems(c))
     return errs, warns

@@ -197,15 +197,15 @@ def test_rollout_and_actor_run_on_different_nodes_and_the_run_resumes(tiny_asset
     _kill_sessions([victim.pid], grace_s=0.0)
     victim.wait()
     assert (run / "ckpt" / "latest").read_text().strip() == "1"
-    assert first["rollout"]["node_id"] != first["actor"]["node_id"], first
+    assert first["rollout-0"]["node_id"] != first["actor"]["node_id"], first
 
     # second attempt: the same run id resumes from checkpoint 1 on the same cluster and finishes
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     second = json.loads((run / "workers.json").read_text())
-    assert second["rollout"]["node_id"] != second["actor"]["node_id"], second
+    assert second["rollout-0"]["node_id"] != second["actor"]["node_id"], second
     # placed by resource, not by chance: each role is on the node that offers its resource, both times
-    assert second["rollout"]["node_id"] == first["rollout"]["node_id"]
+    assert second["rollout-0"]["node_id"] == first["rollout-0"]["node_id"]
     assert second["actor"]["node_id"] == first["actor"]["node_id"]
     assert (run / "ckpt" / "latest").read_text().strip() == "2"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

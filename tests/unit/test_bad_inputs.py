@@ -493,6 +493,15 @@ CASES: list[Case] = [
         before="silent",
     ),
     Case(
+        "rollout TP does not divide the devices",
+        "config",
+        _config("trainer.n_gpus_per_node=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+        ("tensor_model_parallel_size", "does not divide", "trainer.n_gpus_per_node"),
+        "ConfigError",
+        before="silent",
+    ),
+    # --- data files (read by training: checked before any worker starts)
+    Case(
         "train file missing",
         "data",
         _train(),

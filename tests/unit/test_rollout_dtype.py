@@ -30,7 +30,7 @@ def test_rollout_dtype_sets_the_hf_engines_model_precision(tmp_path):
         cfg = typed(load_config("configs/tiny_cpu.yaml", overrides))
         rt = open_run(cfg, f"dtype-{dtype}")
         try:
-            engine = rt.rollout._handle.local.engine  # the in-process worker object behind the proxy
+            engine = rt.rollout.workers[0]._handle.local.engine  # the in-process worker behind the proxy
             assert engine.model.dtype == expected
             greedy = SamplingParams(max_new_tokens=6, do_sample=False)
             outs[dtype] = engine.generate(prompts, greedy, [0, 1, 2])

@@ -5,7 +5,9 @@ Input rows are already one per sample (the driver repeats each prompt `n` times 
 regenerating a committed step after a crash gives the same tokens where the engine is deterministic (HF on CPU
 is). `generate_stage` reads its prompts from the run store and commits its output itself (`StageJob`);
 `validation_stage` does the same for the held-out prompts (it repeats them `val_kwargs.n` times itself, so
-only the distinct prompts are ever written by the driver).
+only the distinct prompts are ever written by the driver). With several rollout replicas
+(`dapo_core.compute.replicas`) each replica gets the same job with `rows`, the positions of its share of the
+(repeated) rows, commits that share, and refuses to generate unless its weights are `expect_version`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from dapo_core.compute.engines.rollout import SamplingParams, make_rollout_engine
 from dapo_core.data import batch as B
+from dapo_core.errors import DapoUserError
 from dapo_core.seeding import request_seed, uid_factory
 from dapo_core.store.jobs import StageJob, run_job
 
@@ -31,8 +34,13 @@ def generation_metrics(out: pa.Table) -> dict[str, float]:
     }
 
 
+class StaleWeights(DapoUserError):
+    """A rollout replica was asked to generate with weights other than the version the driver pushed last."""
+
+
 class RolloutWorker:
-    """Holds one rollout engine. `train_sampling` / `val_sampling` are dicts of SamplingParams fields."""
+    """Holds one rollout engine. `train_sampling` / `val_sampling` are dicts of SamplingParams fields;
+    `num_threads`, when given, sets this process's torch threads (one replica's share of the cores)."""
 
     def __init__(
         self,
@@ -44,7 +52,10 @@ class RolloutWorker:
         train_sampling: Mapping[str, Any],
         val_sampling: Mapping[str, Any],
         engine_opts: Mapping[str, Any] | None = None,
+        num_threads: int | None = None,
     ):
+        if num_threads is not None:
+            torch.set_num_threads(int(num_threads))
         self.seed = int(seed)
         self.engine = make_rollout_engine(
             engine, model_path, device=device, seed=seed, **dict(engine_opts or {})
@@ -52,9 +63,12 @@ class RolloutWorker:
         self.train_params = SamplingParams(**dict(train_sampling))
         self.val_params = SamplingParams(**dict(val_sampling))
 
-    def generate(self, table: pa.Table, gen_step: int, validate: bool = False) -> pa.Table:
+    def generate(
+        self, table: pa.Table, gen_step: int, validate: bool = False, expect_version: int | None = None
+    ) -> pa.Table:
         """Add `response_ids`, `rollout_log_probs`, `finish_reason`, `weight_version`, `gen_step` to
-        `table`."""
+        `table`; with `expect_version`, raise `StaleWeights` unless the engine holds that weight version."""
+        self.check_version(expect_version)
         params = self.val_params if validate else self.train_params
         uids = table.column("uid").to_pylist()
         sample_idx = table.column("sample_idx").to_pylist()
@@ -76,29 +90,58 @@ class RolloutWorker:
             table = B.set_column(table, name, col)
         return table
 
-    def generate_stage(self, job: StageJob, gen_step: int) -> tuple[str, dict[str, float]]:
-        """`generate` on the prompts at `job.input_uri`, committed by this worker as `job.stage`; returns its
-        URI and the generation metrics."""
+    def generate_stage(
+        self,
+        job: StageJob,
+        gen_step: int,
+        rows: list[int] | None = None,
+        expect_version: int | None = None,
+    ) -> tuple[str, dict[str, float]]:
+        """`generate` on the prompts at `job.input_uri` (only the rows at positions `rows`, in that order,
+        when given), committed by this worker as `job.stage`; returns its URI and the generation metrics."""
+        self.check_version(expect_version)
 
         def compute(table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
-            out = self.generate(table, gen_step)
+            out = self.generate(_take(table, rows), gen_step, False, expect_version)
             return out, generation_metrics(out)
 
         return run_job(job, compute)
 
     def validation_stage(
-        self, job: StageJob, gen_step: int, *, n: int, uid_seed: int
+        self,
+        job: StageJob,
+        gen_step: int,
+        *,
+        n: int,
+        uid_seed: int,
+        rows: list[int] | None = None,
+        expect_version: int | None = None,
     ) -> tuple[str, dict[str, float]]:
         """The validation generation: the distinct held-out prompts at `job.input_uri`, each repeated `n`
-        times with uids seeded by (`uid_seed`, "val", `job.step`), generated with the validation sampling
-        settings and committed by this worker as `job.stage` (no metrics: validation's are the scorer's)."""
+        times with uids seeded by (`uid_seed`, "val", `job.step`) (only the repeated rows at positions `rows`
+        when given), generated with the validation sampling settings and committed by this worker as
+        `job.stage` (no metrics: validation's are the scorer's)."""
+        self.check_version(expect_version)
 
         def compute(prompts: pa.Table) -> tuple[pa.Table, dict[str, float]]:
             uid_fn = uid_factory(uid_seed, "val", job.step)
-            table = B.repeat_interleave_prompts(prompts, n, uid_fn=uid_fn)
-            return self.generate(table, gen_step, True), {}
+            table = _take(B.repeat_interleave_prompts(prompts, n, uid_fn=uid_fn), rows)
+            return self.generate(table, gen_step, True, expect_version), {}
 
         return run_job(job, compute)
+
+    def weight_version(self) -> int:
+        """The version of the weights the engine holds (what it stamps on the rows it generates)."""
+        return int(self.engine.weight_version)
+
+    def check_version(self, expect: int | None) -> None:
+        """Raise `StaleWeights` when `expect` is given and the engine holds another weight version."""
+        if expect is not None and int(expect) != self.engine.weight_version:
+            raise StaleWeights(
+                f"this rollout replica holds weight version {self.engine.weight_version}, but the driver "
+                f"expects version {expect}: it missed the last weight update, so it generates nothing",
+                fix="resume the run (new rollout replicas load the checkpoint's weights)",
+            )
 
     def sync_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -108,13 +151,19 @@ class RolloutWorker:
         self.engine.sync_weights(items)
         return self.engine.weight_version
 
-    def set_weight_version(self, version: int) -> None:
+    def set_weight_version(self, version: int) -> int:
         """Stamp the engine's weight version (after a resume the loaded weights carry the checkpoint's
-        version)."""
+        version); returns it."""
         self.engine.weight_version = int(version)
+        return self.engine.weight_version
 
     def close(self) -> None:
         """Release the engine."""
         close = getattr(self.engine, "close", None)
         if callable(close):
             close()
+
+
+def _take(table: pa.Table, rows: list[int] | None) -> pa.Table:
+    """The rows of `table` at positions `rows` (all of it when None)."""
+    return table if rows is None else table.take(pa.array(rows, type=pa.int64()))
