@@ -4,10 +4,12 @@
 - Every `§N` / `§N.M` citation names a section that `docs/REFERENCE.md` has, and a file that cites sections
   also names `docs/REFERENCE.md` (the convention: `docs/REFERENCE.md §N.M`, or a bare `§N.M` once the file has
   named it).
+- Every `file.py:function` (or `file.py:Class.method`) that `docs/DAPO.md` names is defined in that file.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "REFERENCE.md"
+DAPO_DOC = ROOT / "docs" / "DAPO.md"
 
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ".cfg", ".ini"}
 TEXT_NAMES = {"Makefile", "run"}  # run = .ci/run
@@ -147,3 +150,53 @@ def test_files_that_cite_sections_name_the_reference():
 )
 def test_citation_parser(text, expected):
     assert _cited(text) == expected
+
+
+CODE_REF = re.compile(r"`((?:[\w-]+/)*[\w-]+\.py):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)`")
+"""A `path/to/file.py:name` or `path/to/file.py:Class.method` reference in backticks."""
+
+
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _defines(path: Path, qualname: str) -> bool:
+    """Whether the Python file at `path` defines `qualname` (a top-level function or class, or a dotted path
+    through classes to a method or nested class)."""
+    body: list[ast.stmt] = ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body
+    for part in qualname.split("."):
+        found = next(
+            (node for node in body if isinstance(node, _DEFINITIONS) and node.name == part),
+            None,
+        )
+        if found is None:
+            return False
+        body = found.body
+    return True
+
+
+def test_dapo_doc_names_functions_that_exist():
+    refs = CODE_REF.findall(DAPO_DOC.read_text(encoding="utf-8"))
+    assert len(refs) >= 20, f"docs/DAPO.md should name its functions as `file.py:function`; found {refs}"
+    bad = []
+    for rel, qualname in sorted(set(refs)):
+        path = ROOT / rel
+        if not path.is_file():
+            bad.append(f"{rel}:{qualname}: no file {rel}")
+        elif not _defines(path, qualname):
+            bad.append(f"{rel}:{qualname}: {rel} defines no {qualname}")
+    assert not bad, "docs/DAPO.md points at code that is not there (update the page):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("ref", "exists"),
+    [
+        ("`dapo_core/algo/losses/core.py:agg_loss`", True),
+        ("`dapo_core/compute/workers/actor.py:ActorWorker.update_actor`", True),
+        ("`dapo_core/algo/losses/core.py:no_such_function`", False),
+        ("`dapo_core/compute/workers/actor.py:ActorWorker.no_such_method`", False),
+        ("`dapo_core/compute/workers/actor.py:update_actor`", False),  # a method is not a module function
+    ],
+)
+def test_code_reference_resolver(ref, exists):
+    (rel, qualname) = CODE_REF.fullmatch(ref).groups()
+    assert _defines(ROOT / rel, qualname) is exists
