@@ -208,9 +208,10 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-PROCESS_BYTES = {"cpu": 433_620 << 10, "cuda": 3 * GiB}
-"""Resident memory of a worker process before it loads a model. cpu: measured (VmRSS after importing torch,
-transformers and the dapo workers, one thread); cuda: assumed (torch, the CUDA context's host side, NCCL)."""
+PROCESS_BYTES = {"cpu": 481_932 << 10, "cuda": 3 * GiB}
+"""Resident memory of a worker process before it loads a model. cpu: measured (VmRSS of a Ray actor after
+importing torch, transformers and the dapo workers, one thread, 2026-12-02); cuda: assumed (torch, the CUDA
+context's host side, NCCL)."""
 RAY_NODE_BYTES = 1 * GiB
 """Assumed resident memory of Ray's own processes on a node (raylet, GCS, dashboard, log monitor)."""
 DRIVER_BYTES = 1 * GiB
