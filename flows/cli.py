@@ -13,7 +13,9 @@ unless `--debug` or `DAPO_DEBUG=1`. SIGTERM / Ctrl-C stop the run (workers and t
 flow run is marked Crashed), print how to resume and exit 143 / 130. Each flow module is imported only by
 the subcommand that runs it, so `dapo config` answers without starting Prefect or Ray (it imports torch: the
 config checks ask the algorithm's registries which loss modes, estimators and KL kinds exist).
-Exit codes: 0 ok, 2 a problem with the input (config, data, model, checkpoint, store), 130/143 stopped.
+Any other failure ends in one paragraph naming the log file with the traceback (exit 1).
+Exit codes: 0 ok, 1 another failure, 2 a problem with the input (config, data, model, checkpoint, store),
+130/143 stopped.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from flows.preflight import (
     cli_preflight,
     debug_enabled,
     quiet_user_error_tracebacks,
+    report_crash,
     report_error,
     resolve_eval_checkpoint,
     stop_on_signals,
@@ -130,8 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stopped(stop, args, state)
     except Exception as exc:
         code = report_error(exc, args.command, debug=debug, run_dir=state.get("run_dir"))
-        if code is None:
-            raise
+        if code is None:  # not the input: one paragraph naming the log file with the traceback
+            return report_crash(exc, args.command, debug=debug, run_dir=state.get("run_dir"))
         return code
 
 
@@ -212,7 +215,8 @@ def _main(args: argparse.Namespace, state: dict) -> int:
     )
     if state.get("new_run"):
         print(f"run id: {run_id}  (resume with trainer.experiment_name={run_id})", flush=True)
-    quiet_user_error_tracebacks()  # imports prefect, which configures its logging: quiet it afterwards
+    # imports prefect, which configures its logging: quiet it afterwards
+    quiet_user_error_tracebacks(debug_enabled(args.debug))
     _quiet_task_run_logs()
     quiet_worker_noise()
     if args.command == "prepare":

@@ -12,6 +12,7 @@
 - `StopRequested` and `stop_on_signals`: SIGTERM / SIGINT become an exception in the main thread, so the flow
   unwinds through its `finally` blocks (workers killed, local Ray stopped, flow run marked Crashed), Python
   exits normally (Prefect's ephemeral server stops with it), and the CLI prints how to resume.
+- `report_crash`: any other exception: one paragraph (what failed, the log file, `--debug`), exit code 1.
 - `report_error`: one paragraph on stderr, the full traceback in a log file (the run's `logs/` folder when the
   run exists, else a temporary file), and `--debug` / `DAPO_DEBUG=1` to see the traceback on the console.
 - `UserErrorConsoleFilter`: Prefect logs a failed task/flow with its traceback; for a `DapoUserError` the
@@ -46,6 +47,7 @@ __all__ = [
     "debug_enabled",
     "prefect_startup_timeout",
     "quiet_user_error_tracebacks",
+    "report_crash",
     "report_error",
     "resolve_eval_checkpoint",
     "stop_on_signals",
@@ -188,9 +190,27 @@ class UserErrorConsoleFilter(logging.Filter):
         return exc is None or find_user_error(exc) is None
 
 
-def quiet_user_error_tracebacks() -> None:
-    """Attach `UserErrorConsoleFilter` to the console handlers of the root and `prefect` loggers (once).
-    Importing prefect configures its logging, so the handlers exist afterwards."""
+class NoTracebackFormatter(logging.Formatter):
+    """Formats a console record with `inner` but without its traceback (the CLI's last paragraph names the
+    log file that has it); the record itself is left intact for the other handlers (the Prefect API)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def quiet_user_error_tracebacks(debug: bool = False) -> None:
+    """Attach `UserErrorConsoleFilter` to the console handlers of the root and `prefect` loggers (once), and
+    unless `debug`, format their records without tracebacks (a failed task's traceback reaches the log file
+    through `report_crash`). Importing prefect configures its logging, so the handlers exist afterwards."""
     import prefect.main  # noqa: F401  (runs prefect.logging.configuration.setup_logging)
 
     for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
@@ -198,6 +218,8 @@ def quiet_user_error_tracebacks() -> None:
             is_console = isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
             if is_console and not any(isinstance(f, UserErrorConsoleFilter) for f in h.filters):
                 h.addFilter(UserErrorConsoleFilter())
+            if is_console and not debug and not isinstance(h.formatter, NoTracebackFormatter):
+                h.setFormatter(NoTracebackFormatter(h.formatter))
 
 
 def _log_path(command: str, run_dir: Path | None) -> Path:
@@ -209,6 +231,28 @@ def _log_path(command: str, run_dir: Path | None) -> Path:
         folder = Path(tempfile.gettempdir()) / "dapo-errors"
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"{command}-{stamp}-{os.getpid()}.log"
+
+
+def report_crash(exc: BaseException, command: str, *, debug: bool, run_dir: Path | None = None) -> int:
+    """Any other failure (a bug, a lost worker, a full disk): one paragraph on stderr — what failed, where
+    the full traceback was written, and `--debug` — and exit code 1. With `debug` the traceback too."""
+    text = "".join(traceback.format_exception(exc))
+    if debug:
+        sys.stderr.write(text)
+    try:
+        path = _log_path(command, run_dir)
+        path.write_text(text)
+        where = f"the full traceback is in {path}"
+    except OSError as e:
+        where = f"the traceback could not be written ({e.strerror or e})"
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    print(
+        f"dapo {command}: failed with {type(exc).__name__}: {first or '(no message)'}. This is not a problem "
+        f"with the input we could name; {where}. Run again with --debug (or DAPO_DEBUG=1) to see it here.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
 
 
 last_user_error: DapoUserError | None = None

@@ -11,7 +11,8 @@
   telemetry notice (which only honours `DO_NOT_TRACK`) is off too. Must run before `prefect` is imported.
 - `start_local_prefect`: start the temporary local Prefect server with a start-up timeout a loaded machine
   survives, say what it waits for every 15 s (`DAPO_PROGRESS_INTERVAL_S`), and turn a timeout into one
-  paragraph naming the fix.
+  paragraph naming the fix. Its stop (at exit) lets the server finish its last flush (SIGTERM, then up to
+  `SERVER_DRAIN_S` s) and keeps what the server prints while it stops off the console (`quiet_server_class`).
 - `quiet_worker_noise`: transformers' and the HF hub's progress bars and info lines off (`DAPO_WORKER_LOGS=1`
   keeps them).
 """
@@ -19,10 +20,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -315,8 +319,6 @@ def start_local_prefect(
         f"dapo {command}: starting a temporary local Prefect server (waits up to {timeout} s; set "
         "PREFECT_API_URL to use a running one)"
     )
-    from prefect.server.api.server import SubprocessASGIServer
-
     for key, value in TEMPORARY_SERVER_ENV.items():  # the server process inherits the environment
         os.environ.setdefault(key, value)
     t0 = time.monotonic()
@@ -332,7 +334,7 @@ def start_local_prefect(
 
     watcher = threading.Thread(target=report, name="prefect-startup-report", daemon=True)
     watcher.start()
-    server: Any = SubprocessASGIServer()
+    server: Any = quiet_server_class()()
     try:
         server.start(timeout=timeout)
     except RuntimeError as e:
@@ -350,6 +352,91 @@ def start_local_prefect(
         watcher.join()
     say(f"dapo {command}: Prefect server ready at {server.api_url} after {time.monotonic() - t0:.0f} s")
     return str(server.api_url)
+
+
+_APP = "prefect.server.api.server:create_app"
+
+SERVER_DRAIN_S = 15.0
+"""Seconds a stopping temporary server gets to finish (its recorder's last flush) before it is killed."""
+
+
+def quiet_server_class() -> type:
+    """Prefect's `SubprocessASGIServer` with a quiet, complete stop: the server's output passes through to the
+    console while it serves; once `stop()` (at exit) begins, it goes to a log file instead, so a recorder
+    flush that shutdown interrupts ("Error flushing N events" and its `CancelledError` traceback) never
+    reaches the console. `stop()` sends SIGTERM, which lets the server's lifespan run the recorders' final
+    flush, waits up to `SERVER_DRAIN_S` s, and only then kills it."""
+    import prefect
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
+
+    class QuietTemporaryServer(SubprocessASGIServer):
+        """See `quiet_server_class`."""
+
+        _quiet = False
+        _pumps: list[threading.Thread]
+        shutdown_log: Path | None = None
+
+        def _run_uvicorn_command(self) -> Any:
+            """Prefect's uvicorn command (UI off, ephemeral), with its stdout/stderr pumped by threads."""
+            app = ["--app-dir", str(prefect.__module_path__.parent), "--factory", _APP]
+            where = ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error"]
+            proc = subprocess.Popen(
+                args=[sys.executable, "-m", "uvicorn", *app, *where, "--lifespan", "on"],
+                env={
+                    **os.environ,
+                    "PREFECT_UI_ENABLED": "0",
+                    "PREFECT__SERVER_EPHEMERAL": "1",
+                    "PREFECT__SERVER_FINAL": "1",
+                    **get_current_settings().to_environment_variables(exclude_unset=True),
+                },
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            self._pumps = [
+                threading.Thread(target=self._pump, args=(src, dst), name="prefect-server-out", daemon=True)
+                for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
+            ]
+            for t in self._pumps:
+                t.start()
+            return proc
+
+        def _pump(self, src: Any, dst: Any) -> None:
+            for line in iter(src.readline, b""):
+                if not self._quiet:
+                    try:
+                        dst.write(line.decode(errors="replace"))
+                        dst.flush()
+                        continue
+                    except (OSError, ValueError):  # the console is gone (closed at exit)
+                        pass
+                self._keep(line)
+
+        def _keep(self, line: bytes) -> None:
+            if self.shutdown_log is None:
+                folder = Path(tempfile.gettempdir()) / "dapo-errors"
+                folder.mkdir(parents=True, exist_ok=True)
+                self.shutdown_log = folder / f"prefect-server-stop-{os.getpid()}.log"
+            with self.shutdown_log.open("ab") as f:
+                f.write(line)
+
+        def stop(self) -> None:
+            """SIGTERM, wait up to `SERVER_DRAIN_S` for the final flush, then kill; output to the log file."""
+            self._quiet = True
+            proc = self.server_process
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=SERVER_DRAIN_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                for t in getattr(self, "_pumps", []):
+                    t.join(timeout=5)
+                self.server_process = None
+            super().stop()
+
+    return QuietTemporaryServer
 
 
 def quiet_worker_noise() -> None:

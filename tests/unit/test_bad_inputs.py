@@ -808,6 +808,7 @@ CASES: list[Case] = [
         _train("data.max_prompt_length=300", "data.max_response_length=16"),
         ("300 + 16 = 316", "256 positions", "max_position_embeddings"),
         "PreflightError",
+        before="ugly",
     ),
     Case(
         "tiny model with too few positions",
@@ -821,7 +822,7 @@ CASES: list[Case] = [
         ],
         ("has 64 positions", "actor_rollout_ref.model.tiny.max_position_embeddings", "at least"),
         "PreflightError",
-        before="silent",
+        before="ugly",
     ),
     Case(
         "tokenizer larger than the embedding",
@@ -1029,6 +1030,30 @@ def test_debug_shows_the_traceback(ws: Ws, no_flows: list, monkeypatch, capsys):
     assert main([*_train()(ws), "--debug"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "does not exist" in err
+
+
+def test_an_unexpected_failure_is_one_paragraph(ws: Ws, monkeypatch, capsys, tmp_path):
+    """Not an input problem (here: the flow hits a bug): what failed, where the traceback is, and --debug."""
+    from flows.cli import main
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("worker 3 lost its connection\nsecond line")
+
+    mod = types.ModuleType("flows.dapo_train")
+    mod.dapo_train = broken  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flows.dapo_train", mod)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.delenv("DAPO_DEBUG", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert main(_train()(ws)) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "second line" not in err, err
+    line = [ln for ln in err.splitlines() if ln.startswith("dapo train: failed with RuntimeError")]
+    assert line and "worker 3 lost its connection" in line[0] and "--debug" in line[0], err
+    log = Path(line[0].split("the full traceback is in ")[1].split(". Run again")[0])
+    assert "Traceback" in log.read_text() and "second line" in log.read_text()
+    assert main([*_train()(ws), "--debug"]) == 1
+    assert "Traceback" in capsys.readouterr().err
 
 
 # -------------------------------------------------------------------------------- rewards (no CLI)
