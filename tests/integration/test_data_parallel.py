@@ -70,7 +70,10 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
     root = Path(__file__).resolve().parents[2]
 
     def cmd(name):
-        ov = tiny_overrides(tiny_assets, **{**SHORT_RUN, **SIGNAL, **DP2, "trainer.experiment_name": name})
+        steps = {"trainer.total_training_steps": 2}
+        ov = tiny_overrides(
+            tiny_assets, **{**SHORT_RUN, **SIGNAL, **DP2, **steps, "trainer.experiment_name": name}
+        )
         return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
 
     subprocess.run(cmd("dp2_straight"), check=True, env=env, cwd=root, capture_output=True)
@@ -83,9 +86,9 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
         start_new_session=True,
     )
     run = tiny_assets / "runs" / "dp2_resumed"
-    kill_at(victim, run / "step_000003" / "generate_g0.manifest.json")
-    assert (run / "ckpt" / "latest").read_text().strip() == "2"
-    assert sorted(p.name for p in (run / "ckpt" / "step_2" / "actor").glob("model.rank*.safetensors")) == [
+    kill_at(victim, run / "step_000002" / "generate_g0.manifest.json")
+    assert (run / "ckpt" / "latest").read_text().strip() == "1"
+    assert sorted(p.name for p in (run / "ckpt" / "step_1" / "actor").glob("model.rank*.safetensors")) == [
         "model.rank0.safetensors",
         "model.rank1.safetensors",
     ]
@@ -93,8 +96,8 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         name = f"model.rank{rank}.safetensors"
-        a = load_file(str(tiny_assets / "runs" / "dp2_straight" / "ckpt" / "step_3" / "actor" / name))
-        b = load_file(str(run / "ckpt" / "step_3" / "actor" / name))
+        a = load_file(str(tiny_assets / "runs" / "dp2_straight" / "ckpt" / "step_2" / "actor" / name))
+        b = load_file(str(run / "ckpt" / "step_2" / "actor" / name))
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), (rank, k)
