@@ -33,7 +33,8 @@ def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets):
     from flows.dapo_train import dapo_train
 
-    common = {**SHORT_RUN, **SIGNAL, "trainer.save_freq": 3}
+    kl = {"actor_rollout_ref.actor.use_kl_loss": "true", "actor_rollout_ref.actor.kl_loss_coef": 0.01}
+    common = {**SHORT_RUN, **SIGNAL, **kl, "trainer.save_freq": 3}  # KL loss: the ref group runs too
     runs = {}
     for name, extra in (("dp1", {}), ("dp2", DP2)):
         cfg = load_config(
@@ -43,18 +44,17 @@ def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets):
         assert out["train_step"] == 3
         runs[name] = Path(out["run_dir"])
     workers = json.loads((runs["dp2"] / "workers.json").read_text())["workers"]
-    assert sorted((w["role"], w["rank"]) for w in workers if w["role"] == "actor") == [
-        ("actor", 0),
-        ("actor", 1),
-    ]
+    ranks = sorted((w["role"], w["rank"]) for w in workers if w["role"] in ("actor", "ref"))
+    assert ranks == [("actor", 0), ("actor", 1), ("ref", 0), ("ref", 1)]
     one, two = RunStore(runs["dp1"]), RunStore(runs["dp2"])
     for step in (1, 2, 3):  # the same global batches: every step generated the same responses
         a, b = one.read_stage(step, "generate_g0"), two.read_stage(step, "generate_g0")
         assert a.column("response_ids").to_pylist() == b.column("response_ids").to_pylist(), step
-        lp1 = one.read_stage(step, "old_log_prob").column("old_log_probs").to_pylist()
-        lp2 = two.read_stage(step, "old_log_prob").column("old_log_probs").to_pylist()
-        for x, y in zip(lp1, lp2, strict=True):
-            assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-4), step
+        for stage, column in (("old_log_prob", "old_log_probs"), ("ref", "ref_log_probs")):
+            lp1 = one.read_stage(step, stage).column(column).to_pylist()
+            lp2 = two.read_stage(step, stage).column(column).to_pylist()
+            for x, y in zip(lp1, lp2, strict=True):
+                assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-4), (step, stage)
     w1, w2 = _weights(runs["dp1"], 3), _weights(runs["dp2"], 3)
     base = load_file(str(tiny_assets / "models" / "tiny_base" / "model.safetensors"))
     assert w1.keys() == w2.keys()
