@@ -350,8 +350,11 @@ def record_attempt(rt: TrainRun) -> Path:
     if rt.changed_inputs and (root / INPUTS_FILE).exists():
         atomic_write_bytes(root / f"inputs.{n}.replaced.json", (root / INPUTS_FILE).read_bytes())
     rt.store.write_json(INPUTS_FILE, rt.inputs)
-    # this attempt's workers: every rank of every role with its Ray node ("in-process" without Ray)
-    rt.store.write_json("workers.json", {"workers": rt.cluster.workers})
+    # this attempt's workers: every rank of every role with its Ray node ("in-process" without Ray); the
+    # rollout replicas report themselves as role `rollout`, rank = replica
+    replicas = {w["name"] for w in rt.rollout.workers_info()}
+    trainers = [w for w in rt.cluster.workers if w["role"] not in replicas]
+    rt.store.write_json("workers.json", {"workers": trainers + rt.rollout.workers_info()})
     return path
 
 

@@ -20,7 +20,8 @@ Placement on a multi-node cluster: `create(..., resources={"gen_node": 1})` asks
 that a node advertises (`ray start --resources '{"gen_node": 1}'`, `infra/ray_cluster.sh`), so the worker runs
 on such a node (the config key `trainer.ray_resources.<role>`). A request no live node can satisfy is refused
 at once with a `DapoUserError` naming the key, instead of waiting for a node that will never come; where each
-worker landed is kept in `Cluster.placement` (node id and address per role).
+worker landed is kept in `Cluster.placement` (node id and address per role) and every rank of every
+role in `Cluster.workers` (data-parallel groups: `dapo_core.compute.groups`).
 
 Console: workers are quiet unless `DAPO_WORKER_LOGS=1` is set in the driver's environment — each worker
 process switches off transformers'/HF hub's info lines and progress bars, tqdm bars and vLLM's info log

@@ -33,7 +33,8 @@ def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets):
     from flows.dapo_train import dapo_train
 
-    common = {**SHORT_RUN, **SIGNAL, "trainer.save_freq": 3}
+    kl = {"actor_rollout_ref.actor.use_kl_loss": "true", "actor_rollout_ref.actor.kl_loss_coef": 0.01}
+    common = {**SHORT_RUN, **SIGNAL, **kl, "trainer.save_freq": 3}  # KL loss: the ref group runs too
     runs = {}
     for name, extra in (("dp1", {}), ("dp2", DP2)):
         cfg = load_config(
@@ -43,18 +44,17 @@ def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets):
         assert out["train_step"] == 3
         runs[name] = Path(out["run_dir"])
     workers = json.loads((runs["dp2"] / "workers.json").read_text())["workers"]
-    assert sorted((w["role"], w["rank"]) for w in workers if w["role"] == "actor") == [
-        ("actor", 0),
-        ("actor", 1),
-    ]
+    ranks = sorted((w["role"], w["rank"]) for w in workers if w["role"] in ("actor", "ref"))
+    assert ranks == [("actor", 0), ("actor", 1), ("ref", 0), ("ref", 1)]
     one, two = RunStore(runs["dp1"]), RunStore(runs["dp2"])
     for step in (1, 2, 3):  # the same global batches: every step generated the same responses
         a, b = one.read_stage(step, "generate_g0"), two.read_stage(step, "generate_g0")
         assert a.column("response_ids").to_pylist() == b.column("response_ids").to_pylist(), step
-        lp1 = one.read_stage(step, "old_log_prob").column("old_log_probs").to_pylist()
-        lp2 = two.read_stage(step, "old_log_prob").column("old_log_probs").to_pylist()
-        for x, y in zip(lp1, lp2, strict=True):
-            assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-4), step
+        for stage, column in (("old_log_prob", "old_log_probs"), ("ref", "ref_log_probs")):
+            lp1 = one.read_stage(step, stage).column(column).to_pylist()
+            lp2 = two.read_stage(step, stage).column(column).to_pylist()
+            for x, y in zip(lp1, lp2, strict=True):
+                assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-4), (step, stage)
     w1, w2 = _weights(runs["dp1"], 3), _weights(runs["dp2"], 3)
     base = load_file(str(tiny_assets / "models" / "tiny_base" / "model.safetensors"))
     assert w1.keys() == w2.keys()
@@ -70,7 +70,10 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
     root = Path(__file__).resolve().parents[2]
 
     def cmd(name):
-        ov = tiny_overrides(tiny_assets, **{**SHORT_RUN, **SIGNAL, **DP2, "trainer.experiment_name": name})
+        steps = {"trainer.total_training_steps": 2}
+        ov = tiny_overrides(
+            tiny_assets, **{**SHORT_RUN, **SIGNAL, **DP2, **steps, "trainer.experiment_name": name}
+        )
         return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
 
     subprocess.run(cmd("dp2_straight"), check=True, env=env, cwd=root, capture_output=True)
@@ -83,9 +86,9 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
         start_new_session=True,
     )
     run = tiny_assets / "runs" / "dp2_resumed"
-    kill_at(victim, run / "step_000003" / "generate_g0.manifest.json")
-    assert (run / "ckpt" / "latest").read_text().strip() == "2"
-    assert sorted(p.name for p in (run / "ckpt" / "step_2" / "actor").glob("model.rank*.safetensors")) == [
+    kill_at(victim, run / "step_000002" / "generate_g0.manifest.json")
+    assert (run / "ckpt" / "latest").read_text().strip() == "1"
+    assert sorted(p.name for p in (run / "ckpt" / "step_1" / "actor").glob("model.rank*.safetensors")) == [
         "model.rank0.safetensors",
         "model.rank1.safetensors",
     ]
@@ -93,8 +96,8 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         name = f"model.rank{rank}.safetensors"
-        a = load_file(str(tiny_assets / "runs" / "dp2_straight" / "ckpt" / "step_3" / "actor" / name))
-        b = load_file(str(run / "ckpt" / "step_3" / "actor" / name))
+        a = load_file(str(tiny_assets / "runs" / "dp2_straight" / "ckpt" / "step_2" / "actor" / name))
+        b = load_file(str(run / "ckpt" / "step_2" / "actor" / name))
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), (rank, k)

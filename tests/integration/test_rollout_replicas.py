@@ -84,9 +84,10 @@ def test_two_replicas_on_ray_train_bitwise_as_one_in_process(tiny_assets):
     for r1, r2 in zip(m1, m2, strict=True):
         for key in ("response_length/gen_mean", "perf/gen_tokens", "critic/score/mean", "actor/pg_loss"):
             assert r1.get(key) == r2.get(key), key
-    placed = json.loads((two / "workers.json").read_text())
-    assert {"rollout-0", "rollout-1"} <= set(placed) and "rollout" not in placed
-    assert all(placed[r]["node_id"] for r in ("rollout-0", "rollout-1"))
+    workers = json.loads((two / "workers.json").read_text())["workers"]
+    replicas = sorted((w["rank"], w["name"]) for w in workers if w["role"] == "rollout")
+    assert replicas == [(0, "rollout-0"), (1, "rollout-1")], workers
+    assert all(w["node_id"] for w in workers if w["role"] == "rollout")
 
 
 @pytest.mark.timeout(900)

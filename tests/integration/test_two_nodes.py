@@ -1,7 +1,8 @@
 """Two Ray nodes on this machine: a head (`ray start --head`) and a second node (`ray start --address`), each
 advertising one custom resource; a tiny training joins them through `RAY_ADDRESS` with
-`trainer.ray_resources` placing the rollout worker on one node and the actor worker on the other. The run is
-SIGKILLed after its first checkpoint and resumed with the same run id on the same cluster.
+`trainer.ray_resources` placing the rollout worker on the head, and a data-parallel actor group (FSDP2 over
+gloo, `trainer.nnodes=2`, one rank per node) spanning both nodes. The run is SIGKILLed after its first
+checkpoint and resumed with the same run id on the same cluster.
 
 The nodes are `ray start --block` processes in their own sessions, with their own temp dirs and free ports,
 and are stopped by killing exactly their sessions (every Ray process they started inherits the session, Ray's
@@ -163,7 +164,13 @@ def two_nodes():
 
 
 @pytest.mark.timeout(900)
-def test_rollout_and_actor_run_on_different_nodes_and_the_run_resumes(tiny_assets, two_nodes):
+def _placement(run: Path) -> dict[tuple[str, int], str]:
+    """(role, rank) -> node id, from the run's workers.json."""
+    workers = json.loads((run / "workers.json").read_text())["workers"]
+    return {(w["role"], w["rank"]): w["node_id"] for w in workers}
+
+
+def test_rollout_on_its_node_and_an_actor_group_across_both_and_the_run_resumes(tiny_assets, two_nodes):
     address, env = two_nodes
     env = {**env, "RAY_ADDRESS": address}
     run = tiny_assets / "runs" / "two_nodes"
@@ -178,7 +185,9 @@ def test_rollout_and_actor_run_on_different_nodes_and_the_run_resumes(tiny_asset
             "trainer.val_before_train": "false",
             "algorithm.filter_groups.enable": "false",
             "trainer.ray_resources.rollout": "{gen_node: 1}",
-            "trainer.ray_resources.actor": "{train_node: 1}",
+            "actor_rollout_ref.actor.strategy": "fsdp2",
+            "trainer.nnodes": 2,
+            "trainer.n_gpus_per_node": 1,
         },
     )
     cmd = [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *overrides]
@@ -193,20 +202,24 @@ def test_rollout_and_actor_run_on_different_nodes_and_the_run_resumes(tiny_asset
         assert victim.poll() is None, "the first attempt ended before it could be killed"
         assert time.time() < deadline
         time.sleep(0.1)
-    first = json.loads((run / "workers.json").read_text())
+    first = _placement(run)
     _kill_sessions([victim.pid], grace_s=0.0)
     victim.wait()
     assert (run / "ckpt" / "latest").read_text().strip() == "1"
-    assert first["rollout-0"]["node_id"] != first["actor"]["node_id"], first
+    assert first[("actor", 0)] != first[("actor", 1)], first  # the group spans both nodes
+    assert first[("rollout", 0)] in (first[("actor", 0)], first[("actor", 1)]), first
 
     # second attempt: the same run id resumes from checkpoint 1 on the same cluster and finishes
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    second = json.loads((run / "workers.json").read_text())
-    assert second["rollout-0"]["node_id"] != second["actor"]["node_id"], second
-    # placed by resource, not by chance: each role is on the node that offers its resource, both times
-    assert second["rollout-0"]["node_id"] == first["rollout-0"]["node_id"]
-    assert second["actor"]["node_id"] == first["actor"]["node_id"]
+    second = _placement(run)
+    assert second[("actor", 0)] != second[("actor", 1)], second
+    # placed by resource, not by chance: the rollout is on the node that offers gen_node, both times
+    assert second[("rollout", 0)] == first[("rollout", 0)]
+    assert sorted(p.name for p in (run / "ckpt" / "step_2" / "actor").glob("model.rank*")) == [
+        "model.rank0.safetensors",
+        "model.rank1.safetensors",
+    ]
     assert (run / "ckpt" / "latest").read_text().strip() == "2"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import shutil
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,10 @@ from dapo_core.errors import DapoUserError
 __all__ = ["FSDP2TrainEngine", "ShardedCheckpointMismatch"]
 
 MANIFEST = "fsdp2.json"
+
+# FSDP2 calls torch.distributed's own deprecated reduce-scatter on gloo; not ours to act on, and a worker's
+# warning line would reach every console.
+warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
 
 
 class ShardedCheckpointMismatch(DapoUserError):
@@ -337,6 +342,8 @@ class FSDP2TrainEngine(TrainEngine):
             }
         extra = load_state(d, f"extra_state.rank{r}")
         self.scheduler.load_state_dict(extra["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # the optimizer's own lr at save time (the scheduler set it last)
         self.optimizer_steps = int(extra["optimizer_steps"])
         self.skipped_steps = int(extra["skipped_steps"])
         set_rng_state(extra["rng"])

@@ -1,0 +1,133 @@
+"""FSDP2 data parallelism on CPU (gloo, two real processes, one thread each): the row split, the global
+token-mean update equal to one process's, the ordered gather, and sharded checkpoints."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from dapo_core.compute.dist import dp_split, free_port
+from dapo_core.compute.models import build_tiny_model
+from tests.unit.test_train_engines import OPTIM, TINY, make_batch, token_mean_pg_loss
+
+
+def test_dp_split_balances_tokens_keeps_groups_and_loses_no_row():
+    costs = [10, 1, 1, 9, 5, 5, 2, 7]
+    groups = ["a", "b", "b", "c", "d", "d", "e", "f"]
+    parts = dp_split(costs, 2, groups)
+    assert sorted(r for p in parts for r in p) == list(range(8))
+    assert all(p == sorted(p) for p in parts)
+    for g in set(groups):  # a group's rows land on one rank
+        rows = {i for i, x in enumerate(groups) if x == g}
+        assert any(rows <= set(p) for p in parts), g
+    loads = [sum(costs[r] for r in p) for p in parts]
+    assert abs(loads[0] - loads[1]) <= 2, loads
+    assert parts == dp_split(costs, 2, groups)  # deterministic: every rank computes the same split
+    assert dp_split([3], 2) == [[0], []]
+
+
+def _update(engine, batch, dp):
+    from dapo_core.compute.engines.train import ppo_update
+
+    return ppo_update(
+        engine, batch, loss_fn=token_mean_pg_loss, mini_batch_size=4, micro_batch_size=3, epochs=1, dp=dp
+    )
+
+
+def _rank(rank: int, port: int, model: str, out: str, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        from dapo_core.compute import dist as dpd
+        from dapo_core.compute.engines.train import make_train_engine
+
+        dp = dpd.init_data_parallel(rank, 2, "127.0.0.1", port, "cpu")
+        dpd.set_current(dp)
+        eng = make_train_engine("fsdp2", model, OPTIM, total_steps=5, grad_clip=1.0)
+        eng.lr_step()
+        metrics = _update(eng, make_batch(), dp)
+        weights = eng.state_dict_for_sync()
+        parts = [[0, 2, 3], [1, 4]]
+        mine = pa.table({"row": pa.array(parts[rank], type=pa.int64())})
+        gathered = dpd.gather_table(dp, mine, parts)
+        eng.save(out)
+        eng.load(out)
+        again = eng.state_dict_for_sync()
+        if rank == 0:
+            assert gathered is not None
+            queue.put(("ok", metrics, weights, gathered.column("row").to_pylist(), again))
+        else:
+            assert gathered is None and weights == {}
+    except BaseException:
+        queue.put(("error", traceback.format_exc()))
+
+
+def _single(port: int, model: str, ckpt: str, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        from dapo_core.compute.engines.train import make_train_engine
+
+        eng = make_train_engine("fsdp2", model, OPTIM, total_steps=5, grad_clip=1.0)
+        try:
+            eng.load(ckpt)
+        except Exception as exc:
+            queue.put(("refused", f"{type(exc).__name__}: {exc}"))
+            return
+        queue.put(("loaded", ""))
+    except BaseException:
+        queue.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_dp2_update_equals_one_process_and_checkpoints_by_shard(tmp_path):
+    from dapo_core.compute.engines.train import make_train_engine
+
+    model = str(build_tiny_model(tmp_path / "tiny", TINY, seed=1))
+    ckpt = tmp_path / "ckpt"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_rank, args=(r, port, model, str(ckpt), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=500)
+    for p in procs:
+        p.join(timeout=60)
+    assert result[0] == "ok", result[1]
+    _, metrics, weights, rows, again = result
+
+    ref = make_train_engine("torch", model, OPTIM, total_steps=5, grad_clip=1.0)
+    ref.lr_step()
+    expected = _update(ref, make_batch(), None)
+    want = ref.state_dict_for_sync()
+    assert weights.keys() == want.keys()
+    moved = max(float((want[k] - ref_w).abs().max()) for k, ref_w in _base(model).items())
+    diff = max(float((weights[k] - want[k]).abs().max()) for k in want)
+    assert moved > 1e-3 and diff < 1e-5, (moved, diff)
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    assert rows == [0, 1, 2, 3, 4]  # the gather puts every rank's rows back in input order
+    assert all(torch.equal(again[k], weights[k]) for k in weights)  # save + load restores the shards
+    names = sorted(p.name for p in ckpt.glob("model.rank*.safetensors"))
+    assert names == ["model.rank0.safetensors", "model.rank1.safetensors"]
+
+    # a different world size is refused with the keys to change
+    single = ctx.Process(target=_single, args=(port, model, str(ckpt), queue))
+    single.start()
+    outcome = queue.get(timeout=300)
+    single.join(timeout=60)
+    assert outcome[0] == "refused", outcome
+    assert "2 shards" in outcome[1] and "trainer.n_gpus_per_node" in outcome[1], outcome[1]
+
+
+def _base(model: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    base = load_file(str(Path(model) / "model.safetensors"))
+    if "lm_head.weight" not in base:
+        base["lm_head.weight"] = base["model.embed_tokens.weight"]
+    return base
