@@ -639,8 +639,7 @@ class TrainerConfig:
     nnodes: int = 1
     """Nodes the actor and reference ranks span (more than 1 needs actor.strategy fsdp2)."""
     n_gpus_per_node: int = 8
-    """Ranks per node (GPUs, or on CPU one-core processes): the actor/ref data-parallel ranks with
-    actor.strategy fsdp2, and rollout replicas = nnodes × this // tensor_model_parallel_size."""
+    """Ranks per node (GPUs; on CPU one-core processes): fsdp2 actor/ref ranks, and rollout replicas × TP."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     """Metric sinks: console | jsonl | tensorboard."""
     seed: int = 1
