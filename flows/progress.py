@@ -399,6 +399,9 @@ def quiet_server_class() -> type:
             ]
             for t in self._pumps:
                 t.start()
+            # Only the pumps read the pipes: Prefect's start-up timeout path would otherwise read them to EOF
+            # (a server that never exits: a hang).
+            proc.stdout = proc.stderr = None
             return proc
 
         def _pump(self, src: Any, dst: Any) -> None:

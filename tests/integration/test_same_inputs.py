@@ -14,7 +14,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow  # real CLI processes with a temporary Prefect server each
 
 
 def _base(tmp: Path, name: str, data: Path, omp: str | None, *extra: str) -> Path:

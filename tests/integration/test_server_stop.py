@@ -13,7 +13,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow  # real CLI processes with a temporary Prefect server each
 
 SLOW_FLUSH = textwrap.dedent(
     """
