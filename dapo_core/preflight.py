@@ -315,31 +315,20 @@ def available_memory() -> tuple[int, str] | None:
 
 
 def check_cpu_memory(cfg: DapoConfig, model_config: str | None = None) -> None:
-    """On CPU every role shares this machine's memory: the memory plan's total must fit what is available."""
-    from dapo_core.compute.plan import PlanError, make_plan
-    from dapo_core.config import resolve_device
+    """On CPU every role shares this machine's memory: the plan's host RAM of this node must fit what is
+    available (`plan.host_ram_problem`, which names the changes that make it fit)."""
+    from dapo_core.compute.plan import host_ram_problem
 
-    if resolve_device(cfg) != "cpu":
-        return
     have = available_memory()
-    try:
-        plan = make_plan(cfg, model_config=model_config, device="cpu")
-    except PlanError:
-        return  # no shape known: `dapo train` has printed a note
     if have is None:
         return
-    need = sum(r.total for r in plan.roles)
-    if need <= have[0]:
-        return
-    biggest = max(plan.roles, key=lambda r: r.total)
-    roles = ", ".join(f"{r.role} {r.total / 2**30:.1f} GiB" for r in plan.roles)
-    raise PreflightError(
-        f"on CPU every role shares this machine's memory: the memory plan needs {need / 2**30:.1f} GiB "
-        f"({roles}) but {have[0] / 2**30:.1f} GiB is available ({have[1]})",
-        where="trainer.device=cpu",
-        fix=f"turn: {'; or '.join(biggest.knobs) or 'a smaller model'} (the {biggest.role} is the largest; "
-        "`dapo plan` shows every row), or run on GPUs",
-    )
+    problem = host_ram_problem(cfg, have[0], model_config=model_config)
+    if problem:
+        raise PreflightError(
+            f"on CPU every role shares this machine's memory ({have[1]}). {problem}",
+            where="trainer.device=cpu",
+            fix="apply one of the changes above, or run on GPUs",
+        )
 
 
 # ------------------------------------------------------------------------------------------ checkpoint

@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 
 from dapo_core.config import ConfigError, ConfigWarning, load_config, to_safe_yaml, typed
 from dapo_core.config.checks import no_op_warnings
+from dapo_core.preflight import check_cpu_memory
 from flows.preflight import (
     cli_preflight,
     debug_enabled,
@@ -191,6 +192,9 @@ def _main(args: argparse.Namespace, state: dict) -> int:
     tcfg = typed(cfg)
     if args.command in ("plan", "train"):  # a config that cannot fit is refused before anything starts
         from dapo_core.compute.plan import run_plan
+
+        if args.command == "train":  # on CPU: one paragraph with the changes that fit this machine
+            check_cpu_memory(tcfg, args.model_config)
 
         dp = args.dp if args.command == "plan" else 1
         code = run_plan(

@@ -882,7 +882,7 @@ CASES: list[Case] = [
         "CPU memory plan beyond this machine",
         "model fit",
         _train("trainer.device=cpu"),
-        ("on CPU every role shares this machine's memory", "GiB is available", "turn:", "dapo plan"),
+        ("on CPU every role shares this machine's memory", "is available", "Change:", "dapo plan"),
         "PreflightError",
         setup=_model(
             _model_json(

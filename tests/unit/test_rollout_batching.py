@@ -30,7 +30,9 @@ def test_max_num_seqs_sets_the_hf_engines_rows_per_forward_without_changing_a_ro
         )
         rt = open_run(cfg, f"seqs{seqs}")
         try:
-            engine = rt.rollout.workers[0]._handle.local.engine  # the in-process worker behind replica 0's proxy
+            engine = rt.rollout.workers[
+                0
+            ]._handle.local.engine  # the in-process worker behind replica 0's proxy
             assert engine.max_batch_size == seqs
             prompts = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8], [12, 13, 14, 15, 16]] * 2
             outs[seqs] = engine.generate(prompts, SamplingParams(max_new_tokens=6), list(range(8)))
