@@ -59,7 +59,10 @@ def _rank(rank: int, port: int, model: str, out: str, queue) -> None:
         again = eng.state_dict_for_sync()
         if rank == 0:
             assert gathered is not None
-            queue.put(("ok", metrics, weights, gathered.column("row").to_pylist(), again))
+            # numpy, not tensors: a tensor crosses the queue as a shared-memory fd that the parent can only
+            # open while this process is alive
+            plain = [{k: v.detach().numpy().copy() for k, v in d.items()} for d in (weights, again)]
+            queue.put(("ok", metrics, plain[0], gathered.column("row").to_pylist(), plain[1]))
         else:
             assert gathered is None and weights == {}
     except BaseException:
@@ -99,6 +102,7 @@ def test_fsdp2_dp2_update_equals_one_process_and_checkpoints_by_shard(tmp_path):
         p.join(timeout=60)
     assert result[0] == "ok", result[1]
     _, metrics, weights, rows, again = result
+    weights, again = ({k: torch.from_numpy(v) for k, v in d.items()} for d in (weights, again))
 
     ref = make_train_engine("torch", model, OPTIM, total_steps=5, grad_clip=1.0)
     ref.lr_step()
