@@ -316,10 +316,10 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
     syn = data["synthetic"]
     if syn["min_value"] > syn["max_value"]:
         errs.append("data.synthetic.min_value: must be <= max_value.")
-    allowed = ["+", "-", "*", "/"] if syn.get("kind") == "word" else ["+", "-", "*"]
-    bad_ops = [op for op in syn["ops"] if op not in allowed]
+    allowed_ops = ["+", "-", "*", "/"] if syn.get("kind") == "word" else ["+", "-", "*"]
+    bad_ops = [op for op in syn["ops"] if op not in allowed_ops]
     if bad_ops or not syn["ops"]:
-        errs.append(f"data.synthetic.ops: {syn['ops']} — use a non-empty subset of {allowed}.")
+        errs.append(f"data.synthetic.ops: {syn['ops']} — use a non-empty subset of {allowed_ops}.")
     if syn.get("kind", "arith") not in ("arith", "word"):
         errs.append(f"data.synthetic.kind: {syn['kind']!r} — use 'arith' or 'word'.")
     elif syn.get("kind") == "word" and not 2 <= syn["num_operands"] <= 4:
