@@ -278,7 +278,9 @@ def broadcast(source: Callable[[], R], sinks: list[Callable[[R], S]]) -> list[S]
         value = source()
         return [sink(value) for sink in sinks]
     ref = source.handle.submit(source.name)
-    if not (source.handle.is_ray and all(cast(_RemoteMethod, s).handle.is_ray for s in sinks)):
+    if source.handle.is_ray and all(cast(_RemoteMethod, s).handle.is_ray for s in sinks):
+        ref = source.handle.passable(ref)  # a worker group's: rank 0's ref, once every rank finished
+    else:
         ref = source.handle.wait(ref)
     started = [(s.handle, s.handle.submit(s.name, ref)) for s in cast(list[_RemoteMethod], sinks)]
     return [cast(S, handle.wait(r)) for handle, r in started]
