@@ -145,8 +145,8 @@ def two_nodes():
                 f"--ray-client-server-port={_free_port()}",
                 "--include-dashboard=false",
                 "--disable-usage-stats",
-                "--num-cpus=2",
-                '--resources={"gen_node": 1}',
+                "--num-cpus=3",
+                '--resources={"gen_node": 2}',  # room for the run's two rollout replicas (nnodes 2 x 1)
             ],
         )
         nodes.append(head)
@@ -207,7 +207,8 @@ def test_rollout_on_its_node_and_an_actor_group_across_both_and_the_run_resumes(
     victim.wait()
     assert (run / "ckpt" / "latest").read_text().strip() == "1"
     assert first[("actor", 0)] != first[("actor", 1)], first  # the group spans both nodes
-    assert first[("rollout", 0)] in (first[("actor", 0)], first[("actor", 1)]), first
+    # two replicas (nnodes x n_gpus_per_node = 2), both on the node that offers gen_node
+    assert first[("rollout", 0)] == first[("rollout", 1)] in (first[("actor", 0)], first[("actor", 1)]), first
 
     # second attempt: the same run id resumes from checkpoint 1 on the same cluster and finishes
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
@@ -215,7 +216,7 @@ def test_rollout_on_its_node_and_an_actor_group_across_both_and_the_run_resumes(
     second = _placement(run)
     assert second[("actor", 0)] != second[("actor", 1)], second
     # placed by resource, not by chance: the rollout is on the node that offers gen_node, both times
-    assert second[("rollout", 0)] == first[("rollout", 0)]
+    assert second[("rollout", 0)] == second[("rollout", 1)] == first[("rollout", 0)]
     assert sorted(p.name for p in (run / "ckpt" / "step_2" / "actor").glob("model.rank*")) == [
         "model.rank0.safetensors",
         "model.rank1.safetensors",
