@@ -9,7 +9,7 @@
   is the reference behaviour. ``bench/bench_refill.py`` measures the effect.
 * :func:`surplus_bounded_size` sizes a batch by its expected surplus instead: the largest batch whose
   expected number of kept groups beyond the deficit (each prompt kept independently with the keep rate, so
-  kept ~ Binomial) stays within a budget. ``bench/bench_refill_budget.py`` measures surplus and rounds.
+  kept ~ Binomial) stays within a budget. ``bench/bench_refill.py budget`` measures surplus and rounds.
 """
 
 from __future__ import annotations

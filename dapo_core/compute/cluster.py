@@ -92,10 +92,6 @@ def quiet_worker_process() -> None:
         disable_progress_bars()
 
 
-WORKER_THREADS_ENV = "DAPO_WORKER_THREADS"
-"""Environment variable that fixes the torch threads of every worker process (overrides `worker_threads`)."""
-
-
 def worker_threads(num_threads: int, busy_at_once: int, device: str = "cpu", cores: int | None = None) -> int:
     """Torch threads for each worker process: `trainer.num_threads` when > 0 (the CPU default, 1: the numbers
     do not depend on the machine or on the caller's environment, which is never read). With 0, on CPU, the
