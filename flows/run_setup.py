@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -116,11 +117,23 @@ def _sampling(ro: RolloutConfig | ValKwargsConfig, max_new_tokens: int) -> dict:
 
 
 def _dp_layout(cfg: DapoConfig) -> dict[str, int]:
-    """The data-parallel ranks of the actor and reference: with `actor.strategy: fsdp2`, `trainer.nnodes`
-    nodes × `trainer.n_gpus_per_node` ranks (GPUs, or on CPU processes of one core each); one otherwise."""
+    """The data-parallel ranks of the actor, reference and critic: with `actor.strategy: fsdp2`,
+    `trainer.nnodes` nodes × `trainer.n_gpus_per_node` ranks (GPUs, or on CPU processes of one core each);
+    one otherwise."""
     if cfg.actor_rollout_ref.actor.strategy != "fsdp2":
         return {"nnodes": 1, "per_node": 1}
     return {"nnodes": cfg.trainer.nnodes, "per_node": cfg.trainer.n_gpus_per_node}
+
+
+def _local_ray_cpus(cfg: DapoConfig) -> int:
+    """Logical CPUs of a local Ray: one per worker process (rollout replicas, reward, and each rank of the
+    actor, reference and critic groups), at least `max(8, os.cpu_count())`."""
+    tr, ro = cfg.trainer, cfg.actor_rollout_ref.rollout
+    replicas = max(tr.nnodes * tr.n_gpus_per_node // max(ro.tensor_model_parallel_size, 1), 1)
+    layout = _dp_layout(cfg)
+    ranks = layout["nnodes"] * layout["per_node"]
+    roles = 1 + int(need_reference_policy(cfg)) + int(use_critic(cfg))
+    return max(replicas + 1 + roles * ranks, 8, os.cpu_count() or 2)
 
 
 def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: str) -> RolloutReplicas:
@@ -251,7 +264,9 @@ def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int,
         total_steps=_scheduler_steps(cfg),
     )
     where = cfg.trainer.ray_resources.critic
-    return proxy(cluster.create("critic", factory, num_gpus=_gpus(device), resources=where), CriticWorker)
+    layout = _dp_layout(cfg)
+    group = create_role(cluster, "critic", factory, num_gpus=_gpus(device), resources=where, **layout)
+    return proxy(group, CriticWorker)
 
 
 @dataclass(kw_only=True)
@@ -444,6 +459,7 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             use_ray=cfg.trainer.use_ray,
             address=cfg.trainer.ray_address,
             device=device,
+            num_cpus=_local_ray_cpus(cfg),
             # sync order: one stage at a time; replay order: generation overlaps the update
             num_threads=worker_threads(
                 cfg.trainer.num_threads, 2 if cfg.trainer.step_order == "replay_buffer" else 1, device

@@ -280,6 +280,8 @@ def broadcast(source: Callable[[], R], sinks: list[Callable[[R], S]]) -> list[S]
     ref = source.handle.submit(source.name)
     if not (source.handle.is_ray and all(cast(_RemoteMethod, s).handle.is_ray for s in sinks)):
         ref = source.handle.wait(ref)
+    else:  # one ObjectRef (a worker group's: rank 0's, once every rank finished)
+        ref = source.handle.passable(ref)
     started = [(s.handle, s.handle.submit(s.name, ref)) for s in cast(list[_RemoteMethod], sinks)]
     return [cast(S, handle.wait(r)) for handle, r in started]
 
