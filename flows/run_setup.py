@@ -5,6 +5,7 @@ Plumbing kept out of `flows/dapo_train.py` so that file reads like the algorithm
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -179,10 +180,11 @@ def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: 
 
 def _actor_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, device: str) -> ActorWorker:
     arr = cfg.actor_rollout_ref
-    rc = asdict(cfg.algorithm.rollout_correction)
-    actor_cfg = asdict(arr.actor)
-    if rc["bypass_mode"]:
-        actor_cfg["policy_loss"]["loss_mode"] = "bypass_mode"
+    rc = cfg.algorithm.rollout_correction
+    actor_cfg = arr.actor
+    if rc.bypass_mode:
+        bypass = dataclasses.replace(actor_cfg.policy_loss, loss_mode="bypass_mode")
+        actor_cfg = dataclasses.replace(actor_cfg, policy_loss=bypass)
     factory = functools.partial(
         ActorWorker,
         model_path,
@@ -241,17 +243,12 @@ def _ref_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, de
 
 
 def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, device: str) -> CriticWorker:
-    critic_cfg = asdict(cfg.critic)
-    actor_cfg = asdict(cfg.actor_rollout_ref.actor)
-    for key in (
-        "ppo_mini_batch_size",
-        "ppo_micro_batch_size_per_gpu",
-        "ppo_epochs",
-        "shuffle",
-        "use_dynamic_bsz",
-    ):
-        if critic_cfg.get(key) is None:  # verl: unset critic batch settings follow the actor's
-            critic_cfg[key] = actor_cfg.get(key)
+    critic_cfg, actor_cfg = cfg.critic, cfg.actor_rollout_ref.actor
+    follow = ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "use_dynamic_bsz")
+    # verl: unset critic batch settings follow the actor's
+    critic_cfg = dataclasses.replace(
+        critic_cfg, **{k: getattr(actor_cfg, k) for k in follow if getattr(critic_cfg, k) is None}
+    )
     factory = functools.partial(
         CriticWorker,
         model_path,
@@ -262,6 +259,7 @@ def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int,
         seed=cfg.trainer.seed,
         gradient_checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
         total_steps=_scheduler_steps(cfg),
+        shuffle=actor_cfg.shuffle,
     )
     where = cfg.trainer.ray_resources.critic
     layout = _dp_layout(cfg)

@@ -59,7 +59,8 @@ def _rank(rank: int, port: int, model: str, out: str, queue) -> None:
         again = eng.state_dict_for_sync()
         if rank == 0:
             assert gathered is not None
-            queue.put(("ok", metrics, weights, gathered.column("row").to_pylist(), again))
+            arrays = [{k: v.numpy() for k, v in w.items()} for w in (weights, again)]  # not shared memory
+            queue.put(("ok", metrics, arrays[0], gathered.column("row").to_pylist(), arrays[1]))
         else:
             assert gathered is None and weights == {}
     except BaseException:
@@ -99,6 +100,7 @@ def test_fsdp2_dp2_update_equals_one_process_and_checkpoints_by_shard(tmp_path):
         p.join(timeout=60)
     assert result[0] == "ok", result[1]
     _, metrics, weights, rows, again = result
+    weights, again = ({k: torch.from_numpy(v) for k, v in w.items()} for w in (weights, again))
 
     ref = make_train_engine("torch", model, OPTIM, total_steps=5, grad_clip=1.0)
     ref.lr_step()

@@ -37,6 +37,7 @@ from dapo_core.compute.engines.train import (
 )
 from dapo_core.compute.microbatch import pack_rows, row_token_costs, token_budget_split
 from dapo_core.compute.models import load_model
+from dapo_core.config import CriticConfig, section
 from dapo_core.data import batch as B
 from dapo_core.store.jobs import StageJob, run_job, stage_files
 
@@ -92,12 +93,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class CriticWorker:
-    """Holds the value model and its optimizer. `critic_cfg` is the `critic` config section as a dict."""
+    """Holds the value model and its optimizer. `critic_cfg` is the `critic` section (`CriticConfig`; a
+    mapping is read as one, with the schema's defaults for what it leaves out)."""
 
     def __init__(
         self,
         model_path: str,
-        critic_cfg: Mapping[str, Any],
+        critic_cfg: CriticConfig | Mapping[str, Any],
         *,
         pad_token_id: int,
         rollout_n: int,
@@ -105,18 +107,19 @@ class CriticWorker:
         seed: int = 0,
         gradient_checkpointing: bool = False,
         total_steps: int = 1,
+        shuffle: bool = False,
     ):
         """`gradient_checkpointing`: the policy model's switch
         (`actor_rollout_ref.model.enable_gradient_checkpointing`), used when
         `critic.model.enable_gradient_checkpointing` is null. `total_steps`: lr-schedule length (one step per
-        `update_critic`; the flow passes the actor's). Null `use_dynamic_bsz` (the actor's, resolved by the
-        flow) counts as off here."""
+        `update_critic`; the flow passes the actor's). `shuffle`: the actor's `shuffle` (rows between
+        epochs). Null `use_dynamic_bsz` (the actor's, resolved by the flow) counts as off here."""
         torch.manual_seed(seed)
-        self.cfg = dict(critic_cfg)
-        model_cfg = dict(self.cfg.get("model") or {})
-        ckpt = model_cfg.get("enable_gradient_checkpointing")
+        self.cfg = section(CriticConfig, critic_cfg)
+        self.shuffle = bool(shuffle)
+        ckpt = self.cfg.model.enable_gradient_checkpointing
         self.gradient_checkpointing = bool(gradient_checkpointing if ckpt is None else ckpt)
-        self.remove_padding = bool(model_cfg.get("use_remove_padding", False))
+        self.remove_padding = bool(self.cfg.model.use_remove_padding)
         self.pad_token_id = int(pad_token_id)
         self.n = int(rollout_n)
         self.seed = seed
@@ -127,7 +130,7 @@ class CriticWorker:
         if self.sharded:
             assert self.dp is not None
             self.model.shard(self.dp, device)
-        optim = {"lr": 1e-5, **dict(self.cfg.get("optim") or {})}
+        optim = self.cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(optim, "critic.optim"))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda_for(optim, int(total_steps), "critic.optim")
@@ -136,16 +139,16 @@ class CriticWorker:
     @property
     def update_max_token_len(self) -> int | None:
         """The update's micro-batch token budget (`ppo_max_token_len_per_gpu` when `use_dynamic_bsz`)."""
-        if not self.cfg.get("use_dynamic_bsz"):
+        if not self.cfg.use_dynamic_bsz:
             return None
-        return int(self.cfg.get("ppo_max_token_len_per_gpu") or 32768)
+        return int(self.cfg.ppo_max_token_len_per_gpu)
 
     @property
     def forward_max_token_len(self) -> int | None:
         """The value forward's token budget (`forward_max_token_len_per_gpu`, null = the update's)."""
-        if not self.cfg.get("use_dynamic_bsz"):
+        if not self.cfg.use_dynamic_bsz:
             return None
-        fwd = self.cfg.get("forward_max_token_len_per_gpu")
+        fwd = self.cfg.forward_max_token_len_per_gpu
         return int(fwd) if fwd is not None else self.update_max_token_len
 
     def _forward(self, t: dict) -> torch.Tensor:
@@ -232,11 +235,12 @@ class CriticWorker:
         self.model.train()
         t = B.to_padded(table, self.pad_token_id, columns=["values", "returns"])
         rows = table.num_rows
-        mini = min(int(self.cfg.get("ppo_mini_batch_size") or max(rows // self.n, 1)) * self.n, rows)
-        micro = int(self.cfg.get("ppo_micro_batch_size_per_gpu") or mini)
-        mode = self.cfg.get("loss_agg_mode") or "token-mean"
-        clip = float(self.cfg.get("cliprange_value") or 0.5)
-        grad_clip = float(self.cfg.get("grad_clip") or 1.0)
+        # null batch settings (not resolved to the actor's by the flow): one mini-batch, one epoch
+        mini = min(int(self.cfg.ppo_mini_batch_size or max(rows // self.n, 1)) * self.n, rows)
+        micro = int(self.cfg.ppo_micro_batch_size_per_gpu or mini)
+        mode = self.cfg.loss_agg_mode
+        clip = float(self.cfg.cliprange_value)
+        grad_clip = float(self.cfg.grad_clip)
         budget = self.update_max_token_len
 
         def micro_loss(mb: dict, info: dict) -> tuple[torch.Tensor, dict]:
@@ -265,8 +269,8 @@ class CriticWorker:
             device=self.device,
             mini_batch_size=mini,
             micro_batch_size=micro,
-            epochs=int(self.cfg.get("ppo_epochs") or 1),
-            shuffle=bool(self.cfg.get("shuffle")),
+            epochs=int(self.cfg.ppo_epochs or 1),
+            shuffle=self.shuffle,
             seed=self.seed + int(global_steps),
             sum_keys=("critic/vf_loss",),
             token_budget=budget,
