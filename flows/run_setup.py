@@ -5,8 +5,10 @@ Plumbing kept out of `flows/dapo_train.py` so that file reads like the algorithm
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -116,11 +118,23 @@ def _sampling(ro: RolloutConfig | ValKwargsConfig, max_new_tokens: int) -> dict:
 
 
 def _dp_layout(cfg: DapoConfig) -> dict[str, int]:
-    """The data-parallel ranks of the actor and reference: with `actor.strategy: fsdp2`, `trainer.nnodes`
-    nodes × `trainer.n_gpus_per_node` ranks (GPUs, or on CPU processes of one core each); one otherwise."""
+    """The data-parallel ranks of the actor, reference and critic: with `actor.strategy: fsdp2`,
+    `trainer.nnodes` nodes × `trainer.n_gpus_per_node` ranks (GPUs, or on CPU processes of one core each);
+    one otherwise."""
     if cfg.actor_rollout_ref.actor.strategy != "fsdp2":
         return {"nnodes": 1, "per_node": 1}
     return {"nnodes": cfg.trainer.nnodes, "per_node": cfg.trainer.n_gpus_per_node}
+
+
+def _local_ray_cpus(cfg: DapoConfig) -> int:
+    """Logical CPUs of a local Ray: one per worker process (rollout replicas, reward, and each rank of the
+    actor, reference and critic groups), at least `max(8, os.cpu_count())`."""
+    tr, ro = cfg.trainer, cfg.actor_rollout_ref.rollout
+    replicas = max(tr.nnodes * tr.n_gpus_per_node // max(ro.tensor_model_parallel_size, 1), 1)
+    layout = _dp_layout(cfg)
+    ranks = layout["nnodes"] * layout["per_node"]
+    roles = 1 + int(need_reference_policy(cfg)) + int(use_critic(cfg))
+    return max(replicas + 1 + roles * ranks, 8, os.cpu_count() or 2)
 
 
 def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: str) -> RolloutReplicas:
@@ -166,10 +180,11 @@ def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: 
 
 def _actor_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, device: str) -> ActorWorker:
     arr = cfg.actor_rollout_ref
-    rc = asdict(cfg.algorithm.rollout_correction)
-    actor_cfg = asdict(arr.actor)
-    if rc["bypass_mode"]:
-        actor_cfg["policy_loss"]["loss_mode"] = "bypass_mode"
+    rc = cfg.algorithm.rollout_correction
+    actor_cfg = arr.actor
+    if rc.bypass_mode:
+        bypass = dataclasses.replace(actor_cfg.policy_loss, loss_mode="bypass_mode")
+        actor_cfg = dataclasses.replace(actor_cfg, policy_loss=bypass)
     factory = functools.partial(
         ActorWorker,
         model_path,
@@ -228,17 +243,12 @@ def _ref_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, de
 
 
 def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, device: str) -> CriticWorker:
-    critic_cfg = asdict(cfg.critic)
-    actor_cfg = asdict(cfg.actor_rollout_ref.actor)
-    for key in (
-        "ppo_mini_batch_size",
-        "ppo_micro_batch_size_per_gpu",
-        "ppo_epochs",
-        "shuffle",
-        "use_dynamic_bsz",
-    ):
-        if critic_cfg.get(key) is None:  # verl: unset critic batch settings follow the actor's
-            critic_cfg[key] = actor_cfg.get(key)
+    critic_cfg, actor_cfg = cfg.critic, cfg.actor_rollout_ref.actor
+    follow = ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "use_dynamic_bsz")
+    # verl: unset critic batch settings follow the actor's
+    critic_cfg = dataclasses.replace(
+        critic_cfg, **{k: getattr(actor_cfg, k) for k in follow if getattr(critic_cfg, k) is None}
+    )
     factory = functools.partial(
         CriticWorker,
         model_path,
@@ -249,9 +259,12 @@ def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int,
         seed=cfg.trainer.seed,
         gradient_checkpointing=cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
         total_steps=_scheduler_steps(cfg),
+        shuffle=actor_cfg.shuffle,
     )
     where = cfg.trainer.ray_resources.critic
-    return proxy(cluster.create("critic", factory, num_gpus=_gpus(device), resources=where), CriticWorker)
+    layout = _dp_layout(cfg)
+    group = create_role(cluster, "critic", factory, num_gpus=_gpus(device), resources=where, **layout)
+    return proxy(group, CriticWorker)
 
 
 @dataclass(kw_only=True)
@@ -444,6 +457,7 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             use_ray=cfg.trainer.use_ray,
             address=cfg.trainer.ray_address,
             device=device,
+            num_cpus=_local_ray_cpus(cfg),
             # sync order: one stage at a time; replay order: generation overlaps the update
             num_threads=worker_threads(
                 cfg.trainer.num_threads, 2 if cfg.trainer.step_order == "replay_buffer" else 1, device

@@ -30,11 +30,12 @@ import inspect
 import itertools
 import os
 import re
+import typing
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml  # type: ignore[import-untyped, unused-ignore]
 from omegaconf import DictConfig, OmegaConf
@@ -49,6 +50,8 @@ from dapo_core.config.schema import (
 )
 from dapo_core.errors import DapoUserError
 
+S = TypeVar("S")
+
 __all__ = [
     "ConfigError",
     "ConfigWarning",
@@ -60,6 +63,7 @@ __all__ = [
     "load_config_text",
     "need_reference_policy",
     "resolve_device",
+    "section",
     "to_safe_yaml",
     "to_yaml",
     "typed",
@@ -428,6 +432,26 @@ def typed(cfg: DictConfig | DapoConfig) -> DapoConfig:
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, DapoConfig)
     return obj
+
+
+def section(cls: type[S], value: S | Mapping[str, Any]) -> S:
+    """`value` as the schema dataclass `cls`: unchanged when it is one; a mapping (a test's or a bench's
+    partial section) fills the missing fields from the schema's defaults, nested sections too. An unknown
+    key raises TypeError naming it."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{cls.__name__}: expected the section or a mapping, got {type(value).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {unknown}; known: {sorted(names)}")
+    kwargs = {}
+    for k, v in value.items():
+        t = hints[k]
+        kwargs[k] = section(t, v) if isinstance(t, type) and is_dataclass(t) and isinstance(v, Mapping) else v
+    return cls(**kwargs)
 
 
 # ----------------------------------------------------------------------------------------- helpers

@@ -101,3 +101,39 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), (rank, k)
+
+
+@pytest.mark.timeout(900)
+def test_dp2_critic_gae_run_trains_like_dp1(tiny_assets):
+    """GAE with the critic on: the critic group (FSDP2 over two ranks) gives dp=1's values at every step, the
+    actor ends with dp=1's weights, and the critic checkpoints one shard per rank."""
+    from flows.dapo_train import dapo_train
+
+    gae = {"algorithm.adv_estimator": "gae", "critic.optim.lr": 1e-3, "trainer.save_freq": 3}
+    runs = {}
+    for name, extra in (("gae_dp1", {}), ("gae_dp2", DP2)):
+        over = {**SHORT_RUN, **SIGNAL, **gae, **extra, "trainer.experiment_name": name}
+        out = dapo_train(to_yaml(load_config(CONFIG, tiny_overrides(tiny_assets, **over))), name)
+        assert out["train_step"] == 3
+        runs[name] = Path(out["run_dir"])
+    workers = json.loads((runs["gae_dp2"] / "workers.json").read_text())["workers"]
+    assert sorted((w["role"], w["rank"]) for w in workers if w["role"] == "critic") == [
+        ("critic", 0),
+        ("critic", 1),
+    ]
+    one, two = RunStore(runs["gae_dp1"]), RunStore(runs["gae_dp2"])
+    for step in (1, 2, 3):  # values after 0, 1 and 2 critic updates
+        v1 = one.read_stage(step, "values").column("values").to_pylist()
+        v2 = two.read_stage(step, "values").column("values").to_pylist()
+        assert len(v1) == len(v2)
+        for x, y in zip(v1, v2, strict=True):
+            assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-4), step
+    assert any(abs(v) > 1e-4 for row in one.read_stage(3, "values").column("values").to_pylist() for v in row)
+    w1, w2 = _weights(runs["gae_dp1"], 3), _weights(runs["gae_dp2"], 3)
+    diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+    assert diff < 1e-5, diff
+    critic_dir = runs["gae_dp2"] / "ckpt" / "step_3" / "critic"
+    assert sorted(p.name for p in critic_dir.glob("critic.rank*.tensors")) == [
+        "critic.rank0.tensors",
+        "critic.rank1.tensors",
+    ]

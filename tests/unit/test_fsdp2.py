@@ -59,10 +59,8 @@ def _rank(rank: int, port: int, model: str, out: str, queue) -> None:
         again = eng.state_dict_for_sync()
         if rank == 0:
             assert gathered is not None
-            # numpy, not tensors: a tensor crosses the queue as a shared-memory fd that the parent can only
-            # open while this process is alive
-            plain = [{k: v.detach().numpy().copy() for k, v in d.items()} for d in (weights, again)]
-            queue.put(("ok", metrics, plain[0], gathered.column("row").to_pylist(), plain[1]))
+            arrays = [{k: v.numpy() for k, v in w.items()} for w in (weights, again)]  # not shared memory
+            queue.put(("ok", metrics, arrays[0], gathered.column("row").to_pylist(), arrays[1]))
         else:
             assert gathered is None and weights == {}
     except BaseException:
@@ -102,7 +100,7 @@ def test_fsdp2_dp2_update_equals_one_process_and_checkpoints_by_shard(tmp_path):
         p.join(timeout=60)
     assert result[0] == "ok", result[1]
     _, metrics, weights, rows, again = result
-    weights, again = ({k: torch.from_numpy(v) for k, v in d.items()} for d in (weights, again))
+    weights, again = ({k: torch.from_numpy(v) for k, v in w.items()} for w in (weights, again))
 
     ref = make_train_engine("torch", model, OPTIM, total_steps=5, grad_clip=1.0)
     ref.lr_step()
@@ -135,3 +133,111 @@ def _base(model: str) -> dict[str, torch.Tensor]:
     if "lm_head.weight" not in base:
         base["lm_head.weight"] = base["model.embed_tokens.weight"]
     return base
+
+
+CRITIC = {
+    "optim": {"lr": 1e-3},
+    "ppo_mini_batch_size": 2,
+    "ppo_epochs": 1,
+    "cliprange_value": 0.2,
+    "use_dynamic_bsz": True,
+    "ppo_max_token_len_per_gpu": 40,
+    "model": {},
+}
+"""Token-budget micro-batches (two padded rows each), so the ranks run unequal numbers of micro-batches."""
+
+
+def _critic_run(model: str, ckpt: str) -> tuple[list, dict, dict, dict, bool]:
+    """Values, two updates, then save / third update / load / third update again: (values, metrics of the
+    second update, full weights after it, weights after the third update, whether the reload repeated it
+    bit for bit). Every rank must call it; the tensors are rank 0's."""
+    from torch.distributed.tensor import DTensor
+
+    from dapo_core.compute.workers.critic import CriticWorker
+    from tests.unit.test_critic_memory import ragged_table
+
+    def full(w: CriticWorker) -> dict[str, torch.Tensor]:
+        return {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in w.model.state_dict().items()
+        }
+
+    w = CriticWorker(model, CRITIC, pad_token_id=0, rollout_n=4, seed=1, total_steps=3)
+    table = ragged_table(8, seed=5)
+    out = w.compute_values(table.drop_columns(["values"]))  # rank 0 gathers the rows' values
+    values = out.column("values").to_pylist() if "values" in out.column_names else []
+    w.update_critic(table, 1)  # the value head starts at zero: the backbone gets gradients from the second
+    metrics = w.update_critic(table, 2)
+    weights = full(w)
+    w.save_checkpoint(ckpt)
+    w.update_critic(table, 3)
+    third = full(w)
+    w.load_checkpoint(ckpt)
+    w.update_critic(table, 3)
+    again = full(w)
+    return values, metrics, weights, third, all(torch.equal(again[k], third[k]) for k in third)
+
+
+def _critic_rank(rank: int, port: int, model: str, out: str, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        from dapo_core.compute import dist as dpd
+
+        dpd.set_current(dpd.init_data_parallel(rank, 2, "127.0.0.1", port, "cpu"))
+        result = _critic_run(model, out)
+        if rank == 0:  # numpy, not tensors: a tensor would travel as shared memory this process frees
+            values, metrics, weights, third, reloaded = result
+            arrays = [{k: v.numpy() for k, v in w.items()} for w in (weights, third)]
+            queue.put(("ok", values, metrics, *arrays, reloaded))
+    except BaseException:
+        queue.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.timeout(600)
+def test_critic_dp2_values_update_and_sharded_checkpoint_equal_one_process(tmp_path):
+    """Data-parallel critic: two FSDP2 ranks give one process's values, value-loss update (the loss normalised
+    over the whole mini-batch's tokens) and weights; each rank checkpoints its shards and a reload repeats
+    the next update exactly."""
+    model = str(build_tiny_model(tmp_path / "tiny", TINY, seed=1))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [
+        ctx.Process(target=_critic_rank, args=(r, port, model, str(tmp_path / "dp2"), queue))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=500)
+    for p in procs:
+        p.join(timeout=60)
+    assert result[0] == "ok", result[1]
+    _, values, metrics, weights, third, reloaded = result
+    weights, third = ({k: torch.from_numpy(v) for k, v in w.items()} for w in (weights, third))
+    want_values, want_metrics, want, want_third, want_reloaded = _critic_run(model, str(tmp_path / "dp1"))
+
+    for x, y in zip(values, want_values, strict=True):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)
+    base = _base(model)
+    moved = max(
+        float((want[f"backbone.{k[len('model.') :]}"] - base[k]).abs().max())
+        for k in base
+        if k.startswith("model.")
+    )
+    diff = max(float((weights[k] - want[k]).abs().max()) for k in want)
+    diff3 = max(float((third[k] - want_third[k]).abs().max()) for k in want_third)
+    assert moved > 1e-4 and diff < 1e-5 and diff3 < 1e-5, (moved, diff, diff3)
+    for key in ("critic/vf_loss", "critic/grad_norm"):
+        assert metrics[key] == pytest.approx(want_metrics[key], rel=1e-4, abs=1e-6), key
+    assert reloaded and want_reloaded
+    assert sorted(p.name for p in (tmp_path / "dp2").glob("critic.rank*.tensors")) == [
+        "critic.rank0.tensors",
+        "critic.rank1.tensors",
+    ]
+
+    from dapo_core.compute.engines.fsdp2_train import ShardedCheckpointMismatch
+    from dapo_core.compute.workers.critic import CriticWorker
+
+    single = CriticWorker(model, CRITIC, pad_token_id=0, rollout_n=4, seed=1, total_steps=3)
+    with pytest.raises(ShardedCheckpointMismatch, match="written by 2 data-parallel rank"):
+        single.load_checkpoint(str(tmp_path / "dp2"))

@@ -38,6 +38,7 @@ from dapo_core.compute.engines.train import (
     set_rng_state,
 )
 from dapo_core.compute.models import load_model
+from dapo_core.config import DeepSpeedConfig, OptimConfig, section
 
 __all__ = ["DeepSpeedTrainEngine", "build_deepspeed_config", "ensure_single_process_env"]
 
@@ -73,9 +74,10 @@ def build_deepspeed_config(
 ) -> dict[str, Any]:
     """DeepSpeed JSON config from our `actor_rollout_ref.actor.deepspeed` block.
 
-    Keys: `zero_stage` (0-3, default 1), `offload_optimizer` (bool; CPU AdamW offload — JIT-compiles
-    cpu_adam), `offload_param` (bool; parameters on the CPU, ZeRO-3 only), `bf16` (bool), `config` (a raw
-    DeepSpeed dict merged last, for anything else).
+    Keys (`DeepSpeedConfig`, whose defaults fill what is left out): `zero_stage` (0-3),
+    `offload_optimizer` (bool; CPU AdamW offload — JIT-compiles cpu_adam), `offload_param` (bool;
+    parameters on the CPU, ZeRO-3 only), `bf16` (bool), `config` (a raw DeepSpeed dict merged last, for
+    anything else).
     """
     cfg = dict(deepspeed_cfg or {})
     unknown = sorted(set(cfg) - set(_DS_KEYS))
@@ -84,13 +86,14 @@ def build_deepspeed_config(
             f"actor_rollout_ref.actor.deepspeed has unknown keys {unknown}; accepted: {list(_DS_KEYS)} "
             "(put raw DeepSpeed settings under deepspeed.config)."
         )
-    stage = int(cfg.get("zero_stage", 1))
+    typed_cfg = section(DeepSpeedConfig, {k: v for k, v in cfg.items() if k != "config"})
+    stage = int(typed_cfg.zero_stage)
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"actor_rollout_ref.actor.deepspeed.zero_stage={stage} must be 0, 1, 2 or 3.")
     zero: dict[str, Any] = {"stage": stage}
-    if cfg.get("offload_optimizer"):
+    if typed_cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
-    if cfg.get("offload_param"):
+    if typed_cfg.offload_param:
         if stage != 3:
             raise ValueError(
                 f"actor_rollout_ref.actor.deepspeed.offload_param needs zero_stage=3 (got {stage})."
@@ -105,7 +108,7 @@ def build_deepspeed_config(
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    if cfg.get("bf16"):
+    if typed_cfg.bf16:
         ds["bf16"] = {"enabled": True}
     for key, value in dict(cfg.get("config") or {}).items():
         if isinstance(value, Mapping) and isinstance(ds.get(key), dict):
@@ -121,7 +124,7 @@ class DeepSpeedTrainEngine(TrainEngine):
     def __init__(
         self,
         model_path: str | Path,
-        optim_cfg: Mapping[str, Any],
+        optim_cfg: OptimConfig | Mapping[str, Any],
         *,
         total_steps: int,
         grad_clip: float | None,

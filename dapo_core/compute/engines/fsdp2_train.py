@@ -39,6 +39,7 @@ from dapo_core.compute.engines.train import (
     lr_lambda_for,
     set_rng_state,
 )
+from dapo_core.config import OptimConfig
 from dapo_core.errors import DapoUserError
 
 __all__ = ["FSDP2TrainEngine", "ShardedCheckpointMismatch"]
@@ -101,7 +102,7 @@ class FSDP2TrainEngine(TrainEngine):
     def __init__(
         self,
         model_path: str | Path,
-        optim_cfg: Mapping[str, Any],
+        optim_cfg: OptimConfig | Mapping[str, Any],
         *,
         total_steps: int,
         grad_clip: float | None,

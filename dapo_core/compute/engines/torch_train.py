@@ -25,6 +25,7 @@ from dapo_core.compute.engines.train import (
     set_rng_state,
 )
 from dapo_core.compute.models import load_model
+from dapo_core.config import OptimConfig
 
 __all__ = ["TorchTrainEngine", "load_hf_weights_into"]
 
@@ -61,7 +62,7 @@ class TorchTrainEngine(TrainEngine):
     def __init__(
         self,
         model_path: str | Path,
-        optim_cfg: Mapping[str, Any],
+        optim_cfg: OptimConfig | Mapping[str, Any],
         *,
         total_steps: int,
         grad_clip: float | None,

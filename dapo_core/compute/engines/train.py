@@ -47,6 +47,7 @@ from dapo_core.compute.microbatch import (
     shared_prompts,
     token_budget_split,
 )
+from dapo_core.config import OptimConfig, section
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -205,23 +206,24 @@ def enable_gradient_checkpointing(model: Any) -> None:
 
 # --------------------------------------------------------------------------- LR schedule
 def lr_lambda_for(
-    optim_cfg: Mapping[str, Any], total_steps: int, key: str = "actor_rollout_ref.actor.optim"
+    optim_cfg: OptimConfig | Mapping[str, Any], total_steps: int, key: str = "actor_rollout_ref.actor.optim"
 ) -> Callable[[int], float]:
     """LR multiplier per TRAIN step: linear warmup from 0, then constant or cosine down to `min_lr_ratio`.
 
     Warmup steps = `lr_warmup_steps` when > 0, else `int(lr_warmup_steps_ratio · total_steps)`. `key` is
-    the config section errors name (the critic passes `critic.optim`).
+    the config section errors name (the critic passes `critic.optim`). A mapping is read as an
+    `OptimConfig` (`config.section`: the schema's defaults for what it leaves out).
     """
-    style = str(optim_cfg.get("warmup_style", "constant"))
+    optim = section(OptimConfig, optim_cfg)
+    style = str(optim.warmup_style)
     if style not in ("constant", "cosine"):
         raise OptimConfigError(f"{key}.warmup_style={style!r} is unknown; use 'constant' or 'cosine'.")
-    steps = optim_cfg.get("lr_warmup_steps", -1)
-    steps = -1 if steps is None else int(steps)
-    ratio = float(optim_cfg.get("lr_warmup_steps_ratio", 0.0) or 0.0)
+    steps = -1 if optim.lr_warmup_steps is None else int(optim.lr_warmup_steps)
+    ratio = float(optim.lr_warmup_steps_ratio or 0.0)
     if not 0.0 <= ratio <= 1.0:
         raise OptimConfigError(f"{key}.lr_warmup_steps_ratio={ratio} must be in [0, 1].")
     warmup = steps if steps > 0 else int(ratio * total_steps)
-    min_ratio = float(optim_cfg.get("min_lr_ratio", 0.0) or 0.0)
+    min_ratio = float(optim.min_lr_ratio or 0.0)
     if not 0.0 <= min_ratio <= 1.0:
         raise OptimConfigError(f"{key}.min_lr_ratio={min_ratio} must be in [0, 1].")
 
@@ -238,22 +240,19 @@ def lr_lambda_for(
     return constant if style == "constant" else cosine
 
 
-def adamw_kwargs(optim_cfg: Mapping[str, Any], key: str = "actor_rollout_ref.actor.optim") -> dict[str, Any]:
-    """AdamW arguments (lr, betas, weight_decay, eps) from `optim_cfg`, validated (errors name `key`)."""
-    if "lr" not in optim_cfg:
-        raise OptimConfigError(f"{key}.lr is missing; set it (e.g. 1e-6).")
-    lr = float(optim_cfg["lr"])
+def adamw_kwargs(
+    optim_cfg: OptimConfig | Mapping[str, Any], key: str = "actor_rollout_ref.actor.optim"
+) -> dict[str, Any]:
+    """AdamW arguments (lr, betas, weight_decay; eps is torch's 1e-8) from `optim_cfg` (an `OptimConfig`,
+    or a mapping read as one), validated (errors name `key`)."""
+    optim = section(OptimConfig, optim_cfg)
+    lr = float(optim.lr)
     if lr < 0:
         raise OptimConfigError(f"{key}.lr={lr} must be >= 0.")
-    betas = tuple(float(b) for b in optim_cfg.get("betas", (0.9, 0.999)))
+    betas = tuple(float(b) for b in optim.betas)
     if len(betas) != 2:
         raise OptimConfigError(f"{key}.betas={list(betas)} must have two values.")
-    return {
-        "lr": lr,
-        "betas": betas,
-        "weight_decay": float(optim_cfg.get("weight_decay", 0.01)),
-        "eps": float(optim_cfg.get("eps", 1e-8)),
-    }
+    return {"lr": lr, "betas": betas, "weight_decay": float(optim.weight_decay)}
 
 
 # --------------------------------------------------------------------------- RNG state
@@ -541,7 +540,7 @@ shards the model over the role's data-parallel ranks (`trainer.nnodes × trainer
 def make_train_engine(
     strategy: str,
     model_path: str | Path,
-    optim_cfg: Mapping[str, Any],
+    optim_cfg: OptimConfig | Mapping[str, Any],
     *,
     total_steps: int,
     grad_clip: float | None,

@@ -189,9 +189,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"{self.model_path} has no *.safetensors weights; save the model with safetensors."
             )
 
-        cfg = json.loads((self.model_path / "config.json").read_text())
-        self._tied = bool(cfg.get("tie_word_embeddings", False))
-        self.max_positions = int(cfg.get("max_position_embeddings", 1 << 30))
+        hf_config = json.loads((self.model_path / "config.json").read_text())
+        self._tied = bool(hf_config.get("tie_word_embeddings", False))
+        self.max_positions = int(hf_config.get("max_position_embeddings", 1 << 30))
         self.max_model_len = int(max_model_len) if max_model_len is not None else self.max_positions
 
         # Sending our weight-loading function to the workers needs pickle-based serialization; the

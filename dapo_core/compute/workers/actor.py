@@ -21,6 +21,7 @@ from dapo_core.algo.losses import PolicyLossParams, actor_objective, agg_loss
 from dapo_core.compute import dist as dpd
 from dapo_core.compute.engines.train import make_train_engine, ppo_update
 from dapo_core.compute.microbatch import grouped_order, token_budget_split
+from dapo_core.config import ActorConfig, RolloutCorrectionConfig, section
 from dapo_core.data import batch as B
 from dapo_core.store.jobs import StageJob, run_job, stage_files
 
@@ -148,12 +149,13 @@ def _sharded_log_prob_table(
 
 
 class ActorWorker:
-    """The trained policy. `actor_cfg` is `actor_rollout_ref.actor` as a plain dict."""
+    """The trained policy. `actor_cfg` is the `actor_rollout_ref.actor` section (`ActorConfig`; a mapping is
+    read as one, with the schema's defaults for what it leaves out)."""
 
     def __init__(
         self,
         model_path: str,
-        actor_cfg: Mapping[str, Any],
+        actor_cfg: ActorConfig | Mapping[str, Any],
         *,
         pad_token_id: int,
         temperature: float,
@@ -162,7 +164,7 @@ class ActorWorker:
         device: str = "cpu",
         seed: int = 0,
         log_prob_micro_batch_size: int | None = None,
-        rollout_correction: Mapping[str, Any] | None = None,
+        rollout_correction: RolloutCorrectionConfig | Mapping[str, Any] | None = None,
         log_prob_max_token_len: int | None = None,
         gradient_checkpointing: bool = False,
         use_remove_padding: bool = False,
@@ -172,47 +174,40 @@ class ActorWorker:
         `log_prob_max_token_len_per_gpu` when `log_prob_use_dynamic_bsz`, else None); the update's budget is
         `actor_cfg`'s `ppo_max_token_len_per_gpu` when its `use_dynamic_bsz`. `gradient_checkpointing`,
         `use_remove_padding` and `use_shared_prompt` are `actor_rollout_ref.model`'s switches."""
-        self.cfg = dict(actor_cfg)
+        self.cfg = section(ActorConfig, actor_cfg)
         self.dp = dpd.current()
         self.log_prob_max_token_len = log_prob_max_token_len
         self.remove_padding = bool(use_remove_padding)
         # a sharded forward must be one module call on every rank: no shared-prompt forward under fsdp2
-        self.shared_prompt = bool(use_shared_prompt) and self.cfg.get("strategy") != "fsdp2"
+        self.shared_prompt = bool(use_shared_prompt) and self.cfg.strategy != "fsdp2"
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
         self.n = int(rollout_n)
         self.seed = int(seed)
         self.log_prob_mbs = log_prob_micro_batch_size
         self.engine = make_train_engine(
-            self.cfg.get("strategy", "torch"),
+            self.cfg.strategy,
             model_path,
-            dict(self.cfg["optim"]),
+            self.cfg.optim,
             total_steps=total_steps,
-            grad_clip=float(self.cfg.get("grad_clip", 1.0)),
+            grad_clip=float(self.cfg.grad_clip),
             device=device,
-            deepspeed_cfg=dict(self.cfg.get("deepspeed") or {}),
+            deepspeed_cfg=dataclasses.asdict(self.cfg.deepspeed),
             seed=seed,
             gradient_checkpointing=gradient_checkpointing,
         )
-        pl = dict(self.cfg.get("policy_loss") or {})
-        self.loss_mode = pl.pop("loss_mode", "vanilla")
+        pl = dataclasses.asdict(self.cfg.policy_loss)
+        self.loss_mode = pl.pop("loss_mode")
         known = {f.name for f in dataclasses.fields(PolicyLossParams)}
-        clip = self.cfg.get("clip_ratio", 0.2)
+        cfg = self.cfg
+        rc = None if rollout_correction is None else section(RolloutCorrectionConfig, rollout_correction)
         self.loss_params = PolicyLossParams(
             **{
                 **{k: v for k, v in pl.items() if k in known},
-                "clip_ratio_low": self.cfg.get("clip_ratio_low")
-                if self.cfg.get("clip_ratio_low") is not None
-                else clip,
-                "clip_ratio_high": self.cfg.get("clip_ratio_high")
-                if self.cfg.get("clip_ratio_high") is not None
-                else clip,
-                "clip_ratio_c": self.cfg.get("clip_ratio_c", 3.0),
-                **(
-                    {"rollout_correction": dict(rollout_correction)}
-                    if rollout_correction and "rollout_correction" in known
-                    else {}
-                ),
+                "clip_ratio_low": cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio,
+                "clip_ratio_high": cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio,
+                "clip_ratio_c": cfg.clip_ratio_c,
+                **({"rollout_correction": dataclasses.asdict(rc)} if rc is not None else {}),
             }
         )
 
@@ -274,9 +269,9 @@ class ActorWorker:
         if self.loss_mode == "bypass_mode":
             params = dataclasses.replace(params, rollout_log_probs=mb["rollout_log_probs"])
         gbi = dict(global_batch_info)
-        if self.cfg.get("loss_scale_factor") is not None:
-            gbi["loss_scale_factor"] = self.cfg["loss_scale_factor"]
-        use_kl = bool(self.cfg.get("use_kl_loss")) and "ref_log_probs" in mb
+        if self.cfg.loss_scale_factor is not None:
+            gbi["loss_scale_factor"] = self.cfg.loss_scale_factor
+        use_kl = bool(self.cfg.use_kl_loss) and "ref_log_probs" in mb
         # On-policy skip (the flow ran no old_log_prob stage): π_old is the current policy, ratio exp(0) = 1.
         on_policy = "old_log_probs" not in mb
         loss, metrics = actor_objective(
@@ -286,12 +281,12 @@ class ActorWorker:
             mb["response_mask"],
             loss_mode=self.loss_mode,
             params=params,
-            loss_agg_mode=self.cfg.get("loss_agg_mode", "token-mean"),
+            loss_agg_mode=self.cfg.loss_agg_mode,
             entropy=entropy,
-            entropy_coeff=float(self.cfg.get("entropy_coeff", 0.0)),
+            entropy_coeff=float(self.cfg.entropy_coeff),
             ref_log_prob=mb["ref_log_probs"] if use_kl else None,
-            kl_loss_coef=float(self.cfg.get("kl_loss_coef", 0.001)),
-            kl_loss_type=self.cfg.get("kl_loss_type", "low_var_kl"),
+            kl_loss_coef=float(self.cfg.kl_loss_coef),
+            kl_loss_type=self.cfg.kl_loss_type,
             rollout_is_weights=mb.get("rollout_is_weights"),
             global_batch_info=gbi,
         )
@@ -310,9 +305,9 @@ class ActorWorker:
             if c in table.column_names:
                 cols.append(c)
         t = B.to_padded(table, self.pad_token_id, columns=cols)
-        mini = int(self.cfg["ppo_mini_batch_size"]) * self.n
-        micro = self.cfg.get("ppo_micro_batch_size_per_gpu") or mini
-        epochs = int(self.cfg.get("ppo_epochs", 1))
+        mini = int(self.cfg.ppo_mini_batch_size) * self.n
+        micro = self.cfg.ppo_micro_batch_size_per_gpu or mini
+        epochs = int(self.cfg.ppo_epochs)
         if on_policy and (epochs != 1 or mini < table.num_rows):
             raise ValueError(
                 f"update_actor: the batch has no old_log_probs column, which is exact only for one epoch "
@@ -320,11 +315,7 @@ class ActorWorker:
                 f"{table.num_rows} rows; run the old_log_prob stage first "
                 "(actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false)."
             )
-        calc_entropy = (
-            on_policy
-            or bool(self.cfg.get("calculate_entropy", True))
-            or float(self.cfg.get("entropy_coeff", 0.0)) != 0
-        )
+        calc_entropy = True  # `actor/entropy` is reported every update
         self.engine.train()
         metrics = ppo_update(
             self.engine,
@@ -333,14 +324,12 @@ class ActorWorker:
             mini_batch_size=min(mini, table.num_rows),
             micro_batch_size=int(micro),
             epochs=epochs,
-            shuffle=bool(self.cfg.get("shuffle", False)),
+            shuffle=bool(self.cfg.shuffle),
             seed=self.seed + int(global_steps),
             temperature=self.temperature,
             calculate_entropy=calc_entropy,
             sum_keys=("actor/pg_loss", "actor/entropy"),
-            max_token_len=(
-                int(self.cfg["ppo_max_token_len_per_gpu"]) if self.cfg.get("use_dynamic_bsz") else None
-            ),
+            max_token_len=int(self.cfg.ppo_max_token_len_per_gpu) if self.cfg.use_dynamic_bsz else None,
             remove_padding=self.remove_padding,
             share_prompt=self.shared_prompt,
             dp=self.dp,
