@@ -653,17 +653,7 @@ def minibatch_update(
     n = int(batch_tensors["response_mask"].shape[0])
     if token_budget is not None and (row_tokens is None or int(row_tokens.shape[0]) != n):
         raise ValueError(f"ppo_update: a token budget needs row_tokens with one entry per row ({n} rows).")
-    if mini_batch_size < 1 or n % mini_batch_size != 0:
-        raise ValueError(
-            f"ppo_update: batch of {n} rows is not a multiple of mini_batch_size={mini_batch_size} "
-            "(ppo_mini_batch_size × rollout.n); make them divide."
-        )
-    if micro_batch_size < 1:
-        raise ValueError(
-            f"ppo_update: micro_batch_size={micro_batch_size} must be >= 1 (ppo_micro_batch_size_per_gpu)."
-        )
-    if epochs < 1:
-        raise ValueError(f"ppo_update: epochs={epochs} must be >= 1 (ppo_epochs).")
+    _check_sizes(n, mini_batch_size, micro_batch_size, epochs)
     gen = torch.Generator().manual_seed(int(seed))
     per_mini: dict[str, list[float]] = {}
     for _ in range(epochs):
