@@ -82,7 +82,8 @@ def test_k3_nonnegative_and_straight_through_property(pairs):
     logp = torch.tensor([p[0] for p in pairs], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
     v = kl_penalty(logp, ref, "k3+")
-    assert (v >= 0).all() and (v <= 10).all()
+    # k3 = e^x - x - 1 >= 0 exactly; in floats it may round to -1e-16 when logp and ref nearly agree
+    assert (v >= -1e-12).all() and (v <= 10).all()
     (g,) = torch.autograd.grad(v.sum(), logp)
     assert torch.allclose(g, (logp - ref).detach())
 
