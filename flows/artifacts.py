@@ -47,7 +47,7 @@ STEP_COLUMNS: tuple[tuple[str, str], ...] = (
 STEP_PUBLISH_INTERVAL_S = 5.0
 """Steps finished within this many seconds of the last table update wait and share the next one (with the
 progress update); a step with a validation, and the end of the run, publish at once. Each update is an API
-call costing server and driver CPU (py-spy: ~10 ms of server CPU each; bench/README.md, session 9)."""
+call costing server and driver CPU (bench/README.md, "Pinned A/B probes")."""
 
 STEP_TABLE_ROWS = 500
 """The steps table keeps the newest this many rows (every step stays in `metrics.jsonl`)."""

@@ -293,9 +293,9 @@ TEMPORARY_SERVER_ENV = {
 gave wins). Prefect's task-run recorder writes each task-run state event in a transaction of its own by
 default (batch size 1): three events per task run, ~0.2 s of server CPU a CPU-default step. Batched, it
 writes them every 2 s in one transaction, half the server CPU; pinned to one core, where the server takes its
-CPU from the workers, the step fell by 10-11 % (bench/README.md, "2026-12-01 (session 8)"). The event
+CPU from the workers, the step fell (bench/README.md, "Pinned A/B probes"). The event
 persister, which stores every event for the events API, is batched the same way (Prefect's default: read one
-event at a time, write every 20; session 9). The cost: task-run states and events reach the server's database
+event at a time, write every 20). The cost: task-run states and events reach the server's database
 up to 2 s late, and the temporary server has no UI to show them.
 A long-lived `prefect server start` keeps Prefect's defaults unless its operator sets these."""
 

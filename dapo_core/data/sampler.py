@@ -15,7 +15,7 @@ stage's manifest and read back whenever that manifest is, so its size is paid se
 lists per prompt (the first version) grew to 4000 entries within an epoch of the CPU default and cost 0.15 s
 of driver time a step in JSON alone; the string is 4 kB there and 17 kB for DAPO-Math-17k.
 Off in the schema and the DAPO reproduction configs (verl's sampler); on in the CPU default
-(`configs/tiny_cpu.yaml`), where a simultaneous A/B made the decision (bench/README.md, session 9). The sync
+(`configs/tiny_cpu.yaml`), where a simultaneous A/B made the decision (bench/README.md, "Against TRL"). The sync
 step order only: the replay order ignores the switch (`flows.run_setup.train_sampler`).
 """
 
