@@ -188,17 +188,7 @@ class FSDP2TrainEngine(TrainEngine):
     def step(self) -> float:
         """Clip to `grad_clip` by the global norm, AdamW step (skipped on a non-finite norm, the same on
         every rank), zero grads; return the norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.grad_clip if self.grad_clip is not None else math.inf
-        norm_t = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
-        norm = float(norm_t.full_tensor() if isinstance(norm_t, DTensor) else norm_t)
-        if math.isfinite(norm):
-            self.optimizer.step()
-            self.optimizer_steps += 1
-        else:
-            self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return self._clipped_step(self.optimizer, self.grad_clip)
 
     @property
     def lr(self) -> float:

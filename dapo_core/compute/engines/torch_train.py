@@ -9,7 +9,6 @@ Checkpoint layout written by `save(dir)`:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -94,16 +93,7 @@ class TorchTrainEngine(TrainEngine):
 
     def step(self) -> float:
         """Clip to `grad_clip`, AdamW step (skipped on a non-finite norm), zero grads; return the norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.grad_clip if self.grad_clip is not None else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
-        if math.isfinite(norm):
-            self.optimizer.step()
-            self.optimizer_steps += 1
-        else:
-            self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return self._clipped_step(self.optimizer, self.grad_clip)
 
     @property
     def lr(self) -> float:

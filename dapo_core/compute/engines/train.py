@@ -483,6 +483,25 @@ class TrainEngine(abc.ABC):
         A non-finite norm skips the update (gradients are dropped) and increments `skipped_steps`.
         """
 
+    def _clipped_step(self, optimizer: torch.optim.Optimizer, grad_clip: float | None) -> float:
+        """`step` for engines that own a torch optimizer: clip to `grad_clip` by the global norm (a sharded
+        norm is gathered, so every rank sees the same), step unless it is not finite, zero grads."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = grad_clip if grad_clip is not None else math.inf
+        norm_t = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
+        full_tensor = getattr(norm_t, "full_tensor", None)  # a DTensor under FSDP2
+        norm = float(full_tensor() if full_tensor is not None else norm_t)
+        if math.isfinite(norm):
+            optimizer.step()
+            self.optimizer_steps += 1
+        else:
+            self.skipped_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    optimizer_steps: int = 0
+    """Optimizer steps taken."""
+
     scheduler: Any
     """The LR scheduler (a LambdaLR over `lr_lambda_for`), stepped once per train step."""
 
