@@ -1,9 +1,12 @@
 """`dapo plan`: the estimate checked by hand, against measured CPU peaks, its advice applied, and the CLI.
 
 Measured peaks come from `measure_actor_update` in a fresh Python process (the resident high-water mark,
-reset after the weights are loaded, so memory freed by earlier tests cannot hide an allocation). Tolerance:
-measured / estimated within 0.75-1.6: the resident high-water mark carries allocator slack that varies from
-run to run, and on CPU the packed forward's attention materialises scores. bench/bench_plan.py reports the
+reset after the weights are loaded, so memory freed by earlier tests cannot hide an allocation). The process
+runs with glibc's mmap threshold fixed at 128 KiB: with its default, dynamic threshold, freed tensors stay in
+the heap by chance, and the same update's high-water mark ranged over 1.1-1.7x the live peak from run to run;
+fixed, every tensor above 128 KiB is returned when freed and the mark is the live peak the plan models, the
+same in every run. Tolerance: measured / estimated within 0.7-1.6 (on CPU the packed forward's attention
+materialises scores; the plan counts the packed pass's buffers at their budget). bench/bench_plan.py reports the
 ratios per feature. Every refusal's advice is applied through the real config loader and re-planned: it
 must fit.
 """
@@ -85,7 +88,7 @@ def _measure(overrides: list[str], what: str = "measure_actor_update") -> dict[s
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(128 << 10)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -95,13 +98,13 @@ def _measure(overrides: list[str], what: str = "measure_actor_update") -> dict[s
 def test_estimate_is_within_tolerance_of_the_measured_cpu_peak(features):
     r = _measure(SHAPE + features)
     ratio = r["measured"] / r["estimated"]
-    assert 0.75 <= ratio <= 1.6, r
+    assert 0.7 <= ratio <= 1.6, r
 
 
 def test_rollout_estimate_is_within_tolerance_of_the_measured_cpu_peak():
     # HF engine: 32 prompts × n 4 = 128 rows of 64 + 192 tokens, KV cache, prefill and sampling tensors.
     r = _measure(SHAPE, "measure_rollout")
-    assert r["rows"] == 128 and 0.75 <= r["measured"] / r["estimated"] <= 1.6, r
+    assert r["rows"] == 128 and 0.7 <= r["measured"] / r["estimated"] <= 1.6, r
 
 
 def test_memory_features_lower_the_estimate():
