@@ -1,21 +1,17 @@
 """HF transformers rollout engine: our own batched sampling loop with a KV cache (CPU and GPU).
 
-Why not `model.generate`: its sampler draws from one shared RNG, so a row's tokens would depend on the
-other rows of the batch, and its `output_scores` are processed (top-p masked, min-length EOS masked).
-Here every row owns a `torch.Generator` seeded from its request seed, and the reported log-prob of a
-sampled token is `log_softmax(raw_logits / T)[token]` — exactly what the training engine recomputes
-teacher-forced. top-k / top-p only restrict which token is *drawn*.
+Not `model.generate`: its sampler draws from one shared RNG (a row's tokens would depend on the rest of the
+batch) and its `output_scores` are processed. Here every row owns a `torch.Generator` seeded from its request
+seed, and a sampled token's log-prob is `log_softmax(raw_logits / T)[token]`, exactly what the training engine
+recomputes teacher-forced; top-k / top-p only restrict which token is *drawn*.
 
-Sampling draws one exponential variate per vocabulary entry and row and step (as `-log U` of a uniform
-`U`: PyTorch's CPU `exponential_` took 4.4x as long for the same count) and takes
-`argmax(p / E)` (the exponential-race form of Gumbel-max), so the random stream a row consumes
-is fixed by its seed alone. Prompts are left-padded with `position_ids = cumsum(mask) - 1`; each distinct
-prompt is prefilled once, and with decode attention (the default) its KV cache is kept once for all of its
-rows (`decode_attention.SharedPrefixCache`: a decode step reads a prompt's keys once per group, not once per
-sample), else copied out to every row. Rows that have finished leave the KV cache together once they are
-`compact_fraction` of the batch (each compaction copies the rows' cache, so dropping every row as it ends cost
-~20 % of a tiny-model generation; a finished row left in the batch costs one more row per forward, and its
-outputs are ignored), and long request lists are split into micro-batches of `max_batch_size` rows.
+Sampling takes `argmax(p / E)` with one exponential variate `E = -log U` per vocabulary entry, row and step
+(the exponential-race form of Gumbel-max), so a row's random stream is fixed by its seed alone. Prompts are
+left-padded (`position_ids = cumsum(mask) - 1`); each distinct prompt is prefilled once, and with decode
+attention (the default) its KV cache is kept once for all its rows (`decode_attention.SharedPrefixCache`),
+else copied to every row. Finished rows leave the KV cache together once they are `compact_fraction` of the
+batch (until then they stay in the forward, outputs ignored); long request lists are split into micro-batches
+of `max_batch_size` rows. docs/INTERNALS.md (hf_rollout) gives the reasons.
 """
 
 from __future__ import annotations
@@ -62,8 +58,8 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 class _ReservedLayer(DynamicLayer):
     """A KV-cache layer that writes into a buffer reserved for the whole generation (prompt width + new
     tokens) instead of concatenating a new tensor at every step (HF's DynamicLayer copies the whole cache per
-    token: ~20 % of a tiny-model generation). Keys and values are views of the buffer's first `length`
-    positions, so attention reads exactly the same numbers (tokens and log-probs are bitwise the same)."""
+    token). Keys and values are views of the buffer's first `length` positions, so attention reads exactly the
+    same numbers (tokens and log-probs are bitwise the same)."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
