@@ -1,24 +1,16 @@
 """Preflight: the cheap checks that run before anything heavy (Prefect tasks, Ray workers, model loading).
 
 `preflight(cfg, run_id, phase=...)` checks, in order, and raises the first problem as a `PreflightError`
-(a `DapoUserError`: one paragraph naming the file / row / key and the fix):
+(a `DapoUserError`: one paragraph naming the file / row / key and the fix): the **data files** (parquet,
+verl column types, clean rows, a scorer per `data_source` that parses every ground truth); the **model
+folder** (`config.json`, safetensors header and size, a tokenizer); the **checkpoint to resume**
+(`CheckpointDir.verify`); a writable **store**; **free disk** (`MIN_FREE_BYTES`); and **the model fits the
+run** (positions, tokenizer vs embedding, chat template, the CPU memory plan). docs/INTERNALS.md
+(dapo_core/preflight.py) lists each check in full.
 
-- **data files**: every parquet file training (or evaluation) will read exists, is a parquet file, has the
-  verl column types and clean rows (`validate_dataset`: empty prompts, missing/NaN ground truths, non-UTF-8
-  text, with row numbers); every `data_source` has a registered scorer and every ground truth can be parsed
-  by it (`dapo_core.rewards.scoring.ground_truth_problem`);
-- **model folder**: it exists, holds a readable `config.json`, weights whose safetensors header and size agree
-  (a truncated `model.safetensors` is named), and a tokenizer (`tokenizer.json` there or in `tokenizer/`);
-- **checkpoint to resume**: the folder exists and, through `CheckpointDir.verify`, matches its manifest;
-- **store**: `trainer.runs_dir` (and `models_dir`, the data folder) can be created and written;
-- **free disk**: at least `MIN_FREE_BYTES` on the file system of the run store;
-- **the model fits the run**: prompt + response within its positions, a tokenizer no larger than its
-  embedding, a chat template (prompts are chat messages), and on CPU the memory plan's total
-  (`dapo_core.compute.plan`) within the memory available; empty data files are refused by name.
-
-Files that an earlier stage of the same job will still write (the prepared data and the tiny base model of
-`dapo train`) are skipped in phase "pipeline" and checked in phase "train", which the training flow runs at
-its start (so a deployment gets the same checks). Nothing here imports prefect, ray or torch.
+Files that a prior stage of the same job writes (the prepared data and the tiny base model of `dapo train`)
+are skipped in phase "pipeline" and checked in phase "train", which the training flow runs at its start
+(so a deployment gets the same checks). Nothing here imports prefect, ray or torch.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """What the `dapo` CLI (and the training flow) do around a run so that bad input gets one paragraph.
 
-- `cli_preflight`: the checks of `dapo_core.preflight` for a subcommand, plus the Prefect API check and (for
-  `train`) the run's lease (another live writer of the run is refused), before any flow starts (no Prefect
-  task, no Ray worker, no write to the run store).
-- `check_prefect_api`: with `PREFECT_API_URL` set, the server must answer `/health` within a few seconds;
-  otherwise one paragraph instead of a hundred lines of httpx retries.
-- `prefect_startup_timeout`: the ephemeral Prefect server's start-up timeout (Prefect's default, 20 s, fails
-  on a loaded machine): 120 s unless the user set one, announced on stderr while it waits.
-- `resolve_eval_checkpoint`: `eval.checkpoint: ""` means the run's latest checkpoint
-  (`trainer.experiment_name`, else the newest run folder with a checkpoint).
-- `StopRequested` and `stop_on_signals`: SIGTERM / SIGINT become an exception in the main thread, so the flow
-  unwinds through its `finally` blocks (workers killed, local Ray stopped, flow run marked Crashed), Python
-  exits normally (Prefect's ephemeral server stops with it), and the CLI prints how to resume.
-- `report_crash`: any other exception: one paragraph (what failed, the log file, `--debug`), exit code 1.
-- `report_error`: one paragraph on stderr, the full traceback in a log file (the run's `logs/` folder when the
-  run exists, else a temporary file), and `--debug` / `DAPO_DEBUG=1` to see the traceback on the console.
-- `UserErrorConsoleFilter`: Prefect logs a failed task/flow with its traceback; for a `DapoUserError` the
-  console gets nothing of it (the CLI's paragraph follows), the Prefect API still gets the record.
+- `cli_preflight`: `dapo_core.preflight` for a subcommand, the Prefect API check and (for `train`) the run's
+  lease, before any flow starts (no Prefect task, no Ray worker, no write to the run store).
+- `check_prefect_api`: with `PREFECT_API_URL` set, the server must answer `/health` within a few seconds.
+- `prefect_startup_timeout`: the ephemeral Prefect server's start-up timeout, raised unless the user set one.
+- `resolve_eval_checkpoint`: `eval.checkpoint: ""` means the run's latest checkpoint.
+- `StopRequested` / `stop_on_signals`: SIGTERM / SIGINT become an exception in the main thread, so the flow
+  unwinds through its `finally` blocks and the CLI prints how to resume.
+- `report_crash` / `report_error`: one paragraph on stderr, the full traceback in a log file, and `--debug` /
+  `DAPO_DEBUG=1` to see it on the console.
+- `UserErrorConsoleFilter`: keeps Prefect's traceback of a `DapoUserError` off the console (not off the API).
+
+docs/INTERNALS.md (flows/preflight.py) has the details of each.
 """
 
 from __future__ import annotations
