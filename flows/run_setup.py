@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from dapo_core.algo.dynamic_sampling import KeepRateEstimator, surplus_bounded_size
 from dapo_core.algo.kl import get_kl_controller
-from dapo_core.compute.cluster import Cluster, proxy, worker_threads
+from dapo_core.compute.cluster import Cluster, PlacementError, proxy, worker_threads
 from dapo_core.compute.groups import create_role
 from dapo_core.compute.models import load_tokenizer
 from dapo_core.compute.replicas import RolloutReplicas, create_replicas, replica_layout
@@ -124,6 +124,51 @@ def _dp_layout(cfg: DapoConfig) -> dict[str, int]:
     if cfg.actor_rollout_ref.actor.strategy != "fsdp2":
         return {"nnodes": 1, "per_node": 1}
     return {"nnodes": cfg.trainer.nnodes, "per_node": cfg.trainer.n_gpus_per_node}
+
+
+def gpu_demand(cfg: DapoConfig) -> dict[str, int]:
+    """GPUs each role asks Ray for on GPU. Every role holds devices of its own: the rollout replicas take
+    `trainer.nnodes × n_gpus_per_node` (M replicas × TP), and each rank of the actor, reference and critic
+    groups one more; a training rank and a rollout shard never share a GPU."""
+    tr, ro = cfg.trainer, cfg.actor_rollout_ref.rollout
+    tp = max(ro.tensor_model_parallel_size, 1)
+    layout = _dp_layout(cfg)
+    ranks = layout["nnodes"] * layout["per_node"]
+    need = {"rollout": max(tr.nnodes * tr.n_gpus_per_node // tp, 1) * tp, "actor": ranks}
+    if need_reference_policy(cfg):
+        need["ref"] = ranks
+    if use_critic(cfg):
+        need["critic"] = ranks
+    return need
+
+
+def check_gpu_count(cfg: DapoConfig, have: float) -> None:
+    """Refuse, before any worker starts, a GPU run whose roles ask Ray for more GPUs than the cluster has
+    (`gpu_demand`); without it the last role waits for a placement that cannot come."""
+    need = gpu_demand(cfg)
+    total = sum(need.values())
+    if total <= have:
+        return
+    parts = ", ".join(f"{role} {n}" for role, n in need.items())
+    training = len(need) - 1
+    tp = max(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, 1)
+    if cfg.actor_rollout_ref.actor.strategy == "fsdp2":  # each training role: one GPU per rank of the world
+        world = int(have) // (1 + training)
+    else:  # the training roles: one GPU each
+        world = int(have) - training
+    world = max(world // tp * tp, 0)
+    raise PlacementError(
+        f"this run asks Ray for {total} GPUs ({parts}) and the cluster has {have:g}: every role runs on "
+        f"GPUs of its own (a training rank and a rollout shard never share one; colocating them, as verl's "
+        f"hybrid engine does, is not built)",
+        where="trainer.nnodes / trainer.n_gpus_per_node",
+        fix=(
+            f"make trainer.nnodes × trainer.n_gpus_per_node at most {world} (a multiple of "
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}), or add GPUs to the cluster"
+            if world
+            else "add GPUs to the cluster: it cannot hold one rollout replica and the training roles"
+        ),
+    )
 
 
 def _local_ray_cpus(cfg: DapoConfig) -> int:
@@ -463,6 +508,10 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
                 cfg.trainer.num_threads, 2 if cfg.trainer.step_order == "replay_buffer" else 1, device
             ),
         )
+        if device == "cuda" and cfg.trainer.use_ray:
+            import ray
+
+            check_gpu_count(cfg, float(ray.cluster_resources().get("GPU", 0.0)))
         rt = TrainRun(
             run_id=run_id,
             cfg=cfg,
