@@ -164,10 +164,15 @@ class HFRolloutEngine(RolloutEngine):
         check_generate_args(prompt_ids, seeds)
         longest = max((len(p) for p in prompt_ids), default=0)
         if longest + params.max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the model's "
-                f"max_position_embeddings={self.max_positions}; lower data.max_prompt_length / "
-                "data.max_response_length or use a model with a longer context."
+            from dapo_core.config import ConfigError  # a DapoUserError (and ValueError): one paragraph
+
+            raise ConfigError(
+                f"a prompt of {longest} tokens + {params.max_new_tokens} new tokens "
+                f"(data.max_prompt_length / data.max_response_length) = {longest + params.max_new_tokens} "
+                f"exceeds the model's max_position_embeddings={self.max_positions}",
+                where=f"{self.model_path}/config.json",
+                fix="lower data.max_prompt_length / data.max_response_length to at most "
+                f"{self.max_positions} together, or use a model with a longer context",
             )
         n = len(prompt_ids)
         show = self.progress

@@ -262,10 +262,17 @@ class VLLMRolloutEngine(RolloutEngine):
             raise RuntimeError("VLLMRolloutEngine.generate called while asleep; call wake_up() first.")
         longest = max((len(p) for p in prompt_ids), default=0)
         if longest + params.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the vLLM engine's "
-                f"max_model_len={self.max_model_len}; lower data.max_prompt_length / "
-                "data.max_response_length or build the engine with a larger max_model_len."
+            from dapo_core.config import ConfigError  # a DapoUserError (and ValueError): one paragraph
+
+            raise ConfigError(
+                f"a prompt of {longest} tokens + {params.max_new_tokens} new tokens "
+                f"(data.max_prompt_length / data.max_response_length) = {longest + params.max_new_tokens} "
+                f"exceeds the vLLM engine's max_model_len={self.max_model_len} (the model's "
+                f"max_position_embeddings={self.max_positions})",
+                where=f"{self.model_path}/config.json",
+                fix="lower data.max_prompt_length / data.max_response_length to at most "
+                f"{self.max_model_len} together, or use a model with a longer context (or build the engine "
+                "with a larger max_model_len)",
             )
         if not prompt_ids:
             return []
