@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 MIN_FREE_BYTES = 256 * 2**20
-"""Free space the run store's file system must have at the start (a tiny run writes ~50 MB)."""
+"""Free space the run store's file system must have at the start (room for a tiny run's files)."""
 
 Phase = Literal["pipeline", "train", "eval"]
 
