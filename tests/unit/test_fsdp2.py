@@ -184,6 +184,12 @@ def _critic_rank(rank: int, port: int, model: str, out: str, queue) -> None:
         from dapo_core.compute import dist as dpd
 
         dpd.set_current(dpd.init_data_parallel(rank, 2, "127.0.0.1", port, "cpu"))
+        import dapo_core.compute.workers.critic as critic_module
+
+        def whole_model(*args, **kwargs):
+            raise AssertionError("a sharded critic rank loaded the whole model")
+
+        critic_module.load_model = whole_model  # a rank reads its rows only (meta build + sharded load)
         result = _critic_run(model, out)
         if rank == 0:  # numpy, not tensors: a tensor would travel as shared memory this process frees
             values, metrics, weights, third, reloaded = result

@@ -11,6 +11,8 @@ Checkpoint written by `save(dir)`: per rank `model.rank<r>.safetensors` (its par
 `optim.rank<r>.{json,tensors}` and `extra_state.rank<r>.{json,tensors}` (scheduler, counters, RNG), plus
 `fsdp2.json` (world size, each parameter's global shape and each rank's rows) and a full HF export written
 by rank 0 (`model.safetensors`, config, tokenizer) for evaluation. Resuming needs the same world size.
+Why FSDP2 rather than ZeRO-3: it is plain torch (DTensor parameters, gloo on CPU and NCCL on GPU through the
+same code), it is what verl's FSDP workers use, and its shards are ordinary tensors we save and load per rank.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ from dapo_core.compute.engines.train import (
 from dapo_core.config import OptimConfig
 from dapo_core.errors import DapoUserError
 
-__all__ = ["FSDP2TrainEngine", "ShardedCheckpointMismatch"]
+__all__ = [
+    "FSDP2TrainEngine",
+    "ShardedCheckpointMismatch",
+    "load_hf_shards",
+    "materialize",
+    "parameters_on_meta",
+]
 
 MANIFEST = "fsdp2.json"
 
@@ -56,7 +64,7 @@ class ShardedCheckpointMismatch(DapoUserError):
 
 
 @contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta() -> Iterator[None]:
     """Modules built inside create their parameters on the meta device; buffers stay real (CPU)."""
     register = torch.nn.Module.register_parameter
 
@@ -95,6 +103,40 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     return where
 
 
+def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Allocate the parameters of a model built on the meta device (`parameters_on_meta`, then sharded) on
+    `device`, keeping its real buffers; the parameters hold no values until loaded."""
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+
+
+@torch.no_grad()
+def load_hf_shards(model: torch.nn.Module, folder: Path, rank: int, size: int, prefix: str = "") -> None:
+    """Copy rank `rank`'s rows (FSDP2's dim-0 shard of `size`) of every parameter of `model` from the HF
+    safetensors of `folder`, where parameter `name` is stored as `prefix + name`; only those rows are read."""
+    from safetensors import safe_open
+
+    where = _tensor_files(folder)
+    handles: dict[Path, Any] = {}
+    try:
+        for name, p in model.named_parameters():
+            key = prefix + name
+            if key not in where:
+                raise KeyError(f"{folder}: no tensor {key!r}; it was written for a different model")
+            h = handles.get(where[key]) or handles.setdefault(
+                where[key], safe_open(str(where[key]), framework="pt").__enter__()
+            )
+            start, stop = _rows(p.shape[0], rank, size)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local.copy_(h.get_slice(key)[start:stop])
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+
+
 class FSDP2TrainEngine(TrainEngine):
     """The HF model sharded with FSDP2 over the process group (`dapo_core.compute.dist`); a single process
     makes a group of one."""
@@ -123,7 +165,7 @@ class FSDP2TrainEngine(TrainEngine):
         self.grad_clip = None if grad_clip is None or grad_clip <= 0 else float(grad_clip)
         torch.manual_seed(self.seed)
         config = AutoConfig.from_pretrained(str(self.model_path))
-        with _parameters_on_meta():
+        with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
@@ -131,13 +173,9 @@ class FSDP2TrainEngine(TrainEngine):
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        buffers = {n: b.clone() for n, b in model.named_buffers()}
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                b.copy_(buffers[n])
+        materialize(model, self.device)
         self.model = model
-        self._load_hf_shards(self.model_path)
+        load_hf_shards(model, self.model_path, self.dp.rank, self.dp.size)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(optim_cfg))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -145,30 +183,6 @@ class FSDP2TrainEngine(TrainEngine):
         )
         self.optimizer_steps = 0
         self.skipped_steps = 0
-
-    # -- loading -----------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _load_hf_shards(self, folder: Path) -> None:
-        """Copy this rank's rows of every parameter from the HF safetensors of `folder`."""
-        from safetensors import safe_open
-
-        where = _tensor_files(folder)
-        handles: dict[Path, Any] = {}
-        try:
-            for name, p in self.model.named_parameters():
-                if name not in where:
-                    raise KeyError(f"{folder}: no tensor {name!r}; it was written for a different model")
-                h = handles.get(where[name]) or handles.setdefault(
-                    where[name], safe_open(str(where[name]), framework="pt").__enter__()
-                )
-                self._local(p).copy_(self._my_rows(h.get_slice(name), tuple(p.shape)))
-        finally:
-            for h in handles.values():
-                h.__exit__(None, None, None)
-
-    def _my_rows(self, sl: Any, shape: tuple[int, ...]) -> torch.Tensor:
-        start, stop = _rows(shape[0], self.dp.rank, self.dp.size)
-        return sl[start:stop]
 
     @staticmethod
     def _local(p: torch.Tensor) -> torch.Tensor:

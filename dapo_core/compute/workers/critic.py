@@ -11,8 +11,8 @@ token-budget micro-batches for updates and value forwards (`critic.use_dynamic_b
 `ppo_max_token_len_per_gpu` / `forward_max_token_len_per_gpu`, via `dapo_core.compute.microbatch`), packed
 forwards (`critic.model.use_remove_padding`) and the actor's AdamW arguments and warm-up / constant / cosine
 lr schedule (`critic.optim`, stepped once per `update_critic` like the actor's once per update).
-With data-parallel ranks (the worker runs in a group, `dist.current()`) the value model is sharded with FSDP2,
-each rank computes the values of its rows (`dist.dp_split`) and rank 0 gathers them, the update splits every
+With data-parallel ranks (the worker runs in a group, `dist.current()`) the value model is built on the meta
+device and sharded with FSDP2, each rank reading only its rows of the weights; each rank computes the values of its rows (`dist.dp_split`) and rank 0 gathers them, the update splits every
 mini-batch over the ranks with the loss normalised over the whole mini-batch, and checkpoints are per rank.
 """
 
@@ -29,6 +29,7 @@ from torch import nn
 
 from dapo_core.algo.losses import compute_value_loss
 from dapo_core.compute import dist as dpd
+from dapo_core.compute.engines.fsdp2_train import load_hf_shards, materialize, parameters_on_meta
 from dapo_core.compute.engines.train import (
     adamw_kwargs,
     enable_gradient_checkpointing,
@@ -43,9 +44,17 @@ from dapo_core.store.jobs import StageJob, run_job, stage_files
 
 
 class _ValueModel(nn.Module):
-    def __init__(self, model_path: str, gradient_checkpointing: bool = False):
+    def __init__(self, model_path: str, gradient_checkpointing: bool = False, *, weights: bool = True):
+        """The backbone of the HF model at `model_path` and a zero value head; `weights=False` builds it
+        from the folder's config alone (inside `parameters_on_meta`, for `sharded`)."""
         super().__init__()
-        lm = load_model(model_path)
+        if weights:
+            lm = load_model(model_path)
+        else:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(model_path)
+            lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         if gradient_checkpointing:
             enable_gradient_checkpointing(lm)
         self.backbone = lm.model  # the Qwen2 decoder without the LM head
@@ -73,6 +82,25 @@ class _ValueModel(nn.Module):
         ).last_hidden_state[0]
         v = self.v_head(h[packed.logit_index.to(dev)]).squeeze(-1)
         return packed.scatter(v)
+
+    @classmethod
+    def sharded(
+        cls, model_path: str, gradient_checkpointing: bool, dp: dpd.DataParallel, device: str
+    ) -> _ValueModel:
+        """The value model built on the meta device, sharded over `dp`, and each rank's rows of the backbone
+        read from the folder's safetensors: no rank holds the whole model."""
+        from pathlib import Path
+
+        with parameters_on_meta():
+            model = cls(model_path, gradient_checkpointing, weights=False)
+        model.shard(dp, device)
+        materialize(model, device)
+        load_hf_shards(model.backbone, Path(model_path), dp.rank, dp.size, prefix="model.")
+        with torch.no_grad():
+            for p in model.v_head.parameters():
+                _local(p).zero_()
+        model.eval()
+        return model
 
     def shard(self, dp: dpd.DataParallel, device: str) -> None:
         """Shard the parameters over `dp`'s ranks with FSDP2: each decoder layer, then the whole model."""
@@ -126,10 +154,11 @@ class CriticWorker:
         self.device = device
         self.dp = dpd.current()
         self.sharded = self.dp is not None and self.dp.size > 1
-        self.model = _ValueModel(model_path, self.gradient_checkpointing).to(device)
         if self.sharded:
             assert self.dp is not None
-            self.model.shard(self.dp, device)
+            self.model = _ValueModel.sharded(model_path, self.gradient_checkpointing, self.dp, device)
+        else:
+            self.model = _ValueModel(model_path, self.gradient_checkpointing).to(device)
         optim = self.cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(optim, "critic.optim"))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
