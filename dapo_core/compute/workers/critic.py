@@ -5,15 +5,13 @@ before it (`values[:, P-1 : P+L-1]`), so V_t estimates the return from the state
 `update_critic` minimises the clipped value loss of docs/REFERENCE.md §2.3 with the same global token
 normalisation as the actor (micro-batch split invariant).
 
-The critic has the actor's memory features and schedule, all off by default (verl's `critic.*` keys):
-gradient checkpointing (`critic.model.enable_gradient_checkpointing`, null = the policy model's switch),
-token-budget micro-batches for updates and value forwards (`critic.use_dynamic_bsz` with
-`ppo_max_token_len_per_gpu` / `forward_max_token_len_per_gpu`, via `dapo_core.compute.microbatch`), packed
-forwards (`critic.model.use_remove_padding`) and the actor's AdamW arguments and warm-up / constant / cosine
-lr schedule (`critic.optim`, stepped once per `update_critic` like the actor's once per update).
+The critic has the actor's memory features and schedule under verl's `critic.*` keys, all off by default:
+gradient checkpointing (null = the policy model's switch), token-budget micro-batches (`use_dynamic_bsz`),
+packed forwards (`model.use_remove_padding`), AdamW and the lr schedule (`optim`, one step per update).
 With data-parallel ranks (the worker runs in a group, `dist.current()`) the value model is built on the meta
-device and sharded with FSDP2, each rank reading only its rows of the weights; each rank computes the values of its rows (`dist.dp_split`) and rank 0 gathers them, the update splits every
-mini-batch over the ranks with the loss normalised over the whole mini-batch, and checkpoints are per rank.
+device and sharded with FSDP2, each rank reading only its rows of the weights; each rank computes the values
+of its rows (`dist.dp_split`) and rank 0 gathers them, the update splits every mini-batch over the ranks with
+the loss normalised over the whole mini-batch, and checkpoints are per rank.
 """
 
 from __future__ import annotations
