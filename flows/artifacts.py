@@ -4,12 +4,10 @@ Per training run `<run_id>` (keys are the run id made lowercase, other character
 artifact each per flow run, updated in place (a Retry of the flow run updates the same ones):
 
 - `dapo-<run>-progress` — a progress artifact, steps done / total, updated with the table;
-- `dapo-<run>-steps` — a table with a row per step, newest first (the run's history, also the steps before a
-  resume, read from `metrics.jsonl`; the last `STEP_TABLE_ROWS`): score, accuracy, kept groups, generation
-  batches, entropy, response length, clip fractions, step time, held-out accuracy when validated. Steps
-  shorter than `STEP_PUBLISH_INTERVAL_S` share an update (a validated step and the run's end publish at once);
-- `dapo-<run>-summary` — markdown, updated after each validation and at the end: held-out accuracy first →
-  now, the run id, where the checkpoints, metrics and curves are (the curves image embedded when drawn).
+- `dapo-<run>-steps` — a table with a row per step, newest first (the run's history from `metrics.jsonl`,
+  the last `STEP_TABLE_ROWS`; docs/INTERNALS.md lists the columns); steps shorter than
+  `STEP_PUBLISH_INTERVAL_S` share an update (a validated step and the run's end publish at once);
+- `dapo-<run>-summary` — markdown, updated after each validation and at the end.
 
 Evaluation (`flows/evaluate.py`) publishes `dapo-eval-<model>` (table) and `dapo-eval-<model>-summary`.
 Artifacts are a view: a failure to publish is a warning, never a failed run; outside a flow run nothing is

@@ -6,16 +6,11 @@
     dapo train --flow-only   (only the dapo-train flow: resume a run; data and base model must exist)
 
 Every subcommand loads and validates the config first; `train` and `eval` then run the preflight
-(`flows/preflight.py`: data files row by row, model folder, checkpoint, store, disk, the Prefect API) before
-any flow, task or Ray worker starts. A problem the user can fix (`DapoUserError`, also when raised inside a
-Ray worker or a Prefect task) prints one paragraph — what, where, the fix — and exits 2, with no traceback
-unless `--debug` or `DAPO_DEBUG=1`. SIGTERM / Ctrl-C stop the run (workers and the local Ray shut down, the
-flow run is marked Crashed), print how to resume and exit 143 / 130. Each flow module is imported only by
-the subcommand that runs it, so `dapo config` answers without starting Prefect or Ray (it imports torch: the
-config checks ask the algorithm's registries which loss modes, estimators and KL kinds exist).
-Any other failure ends in one paragraph naming the log file with the traceback (exit 1).
-Exit codes: 0 ok, 1 another failure, 2 a problem with the input (config, data, model, checkpoint, store),
-130/143 stopped.
+(`flows/preflight.py`) before any flow, task or Ray worker starts. A problem the user can fix
+(`DapoUserError`, also from a Ray worker or a Prefect task) prints one paragraph (what, where, the fix) and
+exits 2, with no traceback unless `--debug` or `DAPO_DEBUG=1`; SIGTERM / Ctrl-C stop the run, print how to
+resume and exit 143 / 130; any other failure names the log file with the traceback (exit 1). Each flow
+module is imported only by the subcommand that runs it, so `dapo config` starts neither Prefect nor Ray.
 """
 
 from __future__ import annotations

@@ -6,21 +6,12 @@
         → [checkpoint every save_freq] → [validate every test_freq] → log
 
 Every stage is a Prefect task (tasks/) that commits its output to the run store `runs/<run_id>/`; tasks pass
-URIs and the run id, never batches or actor handles. Models live in long-lived workers (Ray actors, or
-in-process with `trainer.use_ray=false`). Resume = run the flow again with the same run id
-(`trainer.resume_mode=auto`): the latest checkpoint is loaded, committed rollouts of later steps are replayed
-instead of regenerated, and prompts left in flight are re-issued (`RunStore.reissue_inflight`).
-
-Parameters (the fields of a deployment run in the Prefect UI): `config` — a config name in `configs/`
-(`tiny_cpu`), a path, or resolved YAML text (what `dapo train` passes); `overrides` — dotted `key=value`
-overrides applied on top; `run_id` — empty for a new run (named after the Prefect flow run, so a Retry of that
-flow run continues it), or an existing run id to resume that run. The resolved config is recorded with the run
-(`runs/<run_id>/config.yaml`). The UI shows the run's progress, a per-step metrics table and a summary
-(`flows/artifacts.py`).
-
-Step accounting: `gen_step` counts generation batches (it seeds sampling), `train_step` counts policy updates
-(the lr schedule and `total_training_steps` follow it). The reference counts `total_training_steps` in
-generation batches, so with filtering its last-step logic rarely fires; we deliberately count training steps.
+URIs and the run id, never batches or actor handles; models live in long-lived workers. Resume = run the
+flow again with the same run id (`trainer.resume_mode=auto`). Parameters (a deployment run's fields in the
+Prefect UI): `config` (a name in `configs/`, a path, or resolved YAML text), `overrides` (dotted
+`key=value`), `run_id` (empty for a new run named after the flow run, or a run to resume). `gen_step`
+counts generation batches (it seeds sampling), `train_step` policy updates (the lr schedule and
+`total_training_steps` follow it, unlike the reference). docs/INTERNALS.md has the details.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def deploy(
     from flows.dapo_train import dapo_train
 
     # Flow runs of this deployment beat every 30 s (Prefect's default: 180), so the zombie automation
-    # (infra/zombie_automation.py) marks a run Crashed within ~1.5 min of losing its host.
+    # (infra/zombie_automation.py) marks a run Crashed after its `--within` without a beat (three beats).
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
     params = {
         "config": config_parameter(config) if config else cfg_yaml,

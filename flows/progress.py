@@ -1,18 +1,15 @@
 """What a person sees while the CLI and the flows work: progress and a quiet, honest console.
 
-- `Ticker`: the progress of one wait (the base-model warm-up's steps, evaluation's rows, ...). On a terminal a
-  rich bar; anywhere else (a log file, CI, `dvc repro` piping) one line at most every
-  `DAPO_PROGRESS_INTERVAL_S` seconds (default 15; the first and the last update always get a line), so a log
-  gets a few lines per minute, never one per step.
-- `StepProgress`: the training display: step k/N, the stage running, the headline metrics and, per generation
-  batch of dynamic sampling, the kept groups against the groups a step needs. Same rule: a live display on
-  a terminal, rate-limited lines elsewhere.
-- `prefect_console_env`: Prefect's usage data off unless the user turned it on; then the client's first-run
-  telemetry notice (which only honours `DO_NOT_TRACK`) is off too. Must run before `prefect` is imported.
+- `Ticker`: the progress of one wait (the base-model warm-up's steps, evaluation's rows, ...): a rich bar on
+  a terminal, elsewhere (a log file, CI, `dvc repro`) one line at most every `DAPO_PROGRESS_INTERVAL_S`
+  seconds (the first and the last update always get a line).
+- `StepProgress`: the training display (step k/N, the stage running, headline metrics, and per generation
+  batch the kept groups against the groups a step needs), live on a terminal, rate-limited lines elsewhere.
+- `prefect_console_env`: Prefect's usage data (and the client's first-run telemetry notice) off unless the
+  user turned it on. Must run before `prefect` is imported.
 - `start_local_prefect`: start the temporary local Prefect server with a start-up timeout a loaded machine
-  survives, say what it waits for every 15 s (`DAPO_PROGRESS_INTERVAL_S`), and turn a timeout into one
-  paragraph naming the fix. Its stop (at exit) lets the server finish its last flush (SIGTERM, then up to
-  `SERVER_DRAIN_S` s) and keeps what the server prints while it stops off the console (`quiet_server_class`).
+  survives, say what it waits for, turn a timeout into one paragraph; at exit let it finish its last flush
+  (SIGTERM, then up to `SERVER_DRAIN_S` s) with its output off the console (`quiet_server_class`).
 - `quiet_worker_noise`: transformers' and the HF hub's progress bars and info lines off (`DAPO_WORKER_LOGS=1`
   keeps them).
 """
@@ -291,12 +288,11 @@ TEMPORARY_SERVER_ENV = {
 }
 """Settings of the temporary server `start_local_prefect` launches (a variable or profile setting the user
 gave wins). Prefect's task-run recorder writes each task-run state event in a transaction of its own by
-default (batch size 1): three events per task run, ~0.2 s of server CPU a CPU-default step. Batched, it
-writes them every 2 s in one transaction, half the server CPU; pinned to one core, where the server takes its
-CPU from the workers, the step fell (bench/README.md, "Pinned A/B probes"). The event
-persister, which stores every event for the events API, is batched the same way (Prefect's default: read one
-event at a time, write every 20). The cost: task-run states and events reach the server's database
-up to 2 s late, and the temporary server has no UI to show them.
+default (batch size 1: three events per task run); batched, it writes them every 2 s in one transaction,
+which leaves the workers more of the CPU the server shares with them (bench/README.md, "Pinned A/B probes").
+The event persister, which stores every event for the events API, is batched the same way (Prefect's
+default: read one event at a time, write every 20). The cost: task-run states and events reach the
+server's database up to 2 s late, and the temporary server has no UI to show them.
 A long-lived `prefect server start` keeps Prefect's defaults unless its operator sets these."""
 
 

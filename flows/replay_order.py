@@ -1,7 +1,4 @@
-"""The replay-buffer step order (`trainer.step_order=replay_buffer`; the reference's `trainer_base`
-separate-async).
-
-Rollouts run one step ahead of training and land in a replay buffer over the run store:
+"""The replay-buffer step order (`trainer.step_order=replay_buffer`; the reference's `trainer_base`).
 
     for each global step k:
         collect the generation launched during step k−1 (previous weights) → reward → replay buffer
@@ -12,16 +9,9 @@ Rollouts run one step ahead of training and land in a replay buffer over the run
             old_log_prob → [ref] → [values] → advantage → [update_critic] → update_actor   (one local update)
         sync weights to the rollout worker (once, after all local updates)
 
-Every trajectory is stamped with the weight version that generated it; `training/off_policy/*`
-(docs/REFERENCE.md §7.7) measures the staleness of each sampled batch: a batch generated during step k−1 and
-trained at step k has `trajectory_staleness = (k − 1) − weight_version = 1`. Generation ahead is skipped when
-it could never be used (`max_off_policy_strategy=drop` with `max_off_policy_threshold < 2`: its span at use
-would be 2) and at the last step.
-
-`replay_train_step` has the contract of `flows.dapo_train.train_step`: it advances `state.gen_step` (one per
-generation batch) and `state.weight_version` (one per global step, after the sync) and returns the step's
-metrics. In-process workers (`trainer.use_ray=false`) run the same order but generate at submission, so
-nothing overlaps.
+`replay_train_step` has the contract of `flows.dapo_train.train_step`. Trajectories carry the weight version
+that generated them (`training/off_policy/*`, docs/REFERENCE.md §7.7); generation ahead is skipped when it
+could never be used and at the last step. docs/INTERNALS.md has the staleness arithmetic.
 """
 
 from __future__ import annotations

@@ -1,32 +1,17 @@
 """Stage tasks of the replay-buffer step order (`trainer.step_order=replay_buffer`, reference `trainer_base`).
 
-Rollouts enter a `dapo_core.store.replay.ReplayBuffer` over the run store instead of going straight into the
-step:
+Rollouts enter a `dapo_core.store.replay.ReplayBuffer` over the run store instead of going straight into
+the step. `tasks.rollout.sample_prompts(..., replay=True)` registers each drawn group in the ledger as
+`pending`; `launch_generation` marks them `running` and submits a `StageJob` to the rollout worker (a
+`Future` in `Runtime.launches`), which commits `generate_<tag>` itself; `collect_generation` waits for it,
+has the reward worker commit `reward_<tag>` and adds the groups to the buffer (`replay_add`);
+`regenerate_reissued` regenerates what `RunStore.reissue_inflight` re-issued at resume; `sample_batch`
+(stage `batch`) samples `train_batch_size` groups oldest-first, `split_batch` cuts it into
+`parameter_sync_step` parts run through `tasks.compute` / `tasks.update` with `part=i`, and `join_parts`
+commits the step's `advantage` selection.
 
-- `tasks.rollout.sample_prompts(..., replay=True)` (stage `prompts_<tag>`) draws prompts, commits them, then
-  registers each group in the ledger as `pending` with its rows as payload (Arrow IPC), so a prompt re-issued
-  after a crash can be regenerated.
-- `launch_generation` marks the groups `running` and *submits* a `StageJob` to the rollout worker (a
-  `Future`, kept in `Runtime.launches`, never a task input/output): the worker reads the prompts from the
-  store and commits `generate_<tag>` itself while the driver goes on. `collect_generation` waits for it,
-  has the reward worker commit `reward_<tag>` and adds the groups to the buffer (`ReplayBuffer.add_stage`:
-  a `replay_add` row selection over `reward_<tag>`, stamped with `min/max_global_steps` from
-  `weight_version`).
-- `regenerate_reissued` regenerates prompts the ledger still holds as pending/running that no generation of
-  this process owns (re-issued by `RunStore.reissue_inflight` at resume).
-- `sample_batch` (stage `batch`) samples `train_batch_size` groups oldest-first and commits them as a row
-  selection over the `replay_add` files; `split_batch` (`batch_p<i>`) cuts it into `parameter_sync_step`
-  equal parts; each part goes through the ordinary stage tasks of `tasks.compute` and `tasks.update` called
-  with `part=i` (stage `<name>_p<i>`); `join_parts` commits the step's `advantage` selection.
-
-What passes through the driver: URIs, metrics, and small columns read memory-mapped (uids, the filter metric,
-weight versions, list lengths); the prompts it draws itself (and their ledger payloads). No token-level column
-of a generation is read here, and none is written twice (`tests/integration/test_replay_store.py`).
-
-Every stage commits through `tasks.common` (`run_stage`, `worker_stage`, `select_stage`, or a submitted
-`stage_job`), so a committed (step, stage) is skipped on retry or resume. Ledger writes come after the stage
-they describe is committed, and each is idempotent (only uids the ledger does not know are registered; only
-groups not yet finished are added), so a crash between the two duplicates nothing.
+Every stage commits through `tasks.common`, so a committed (step, stage) is skipped on retry or resume;
+ledger writes follow the stage they describe and are idempotent. More in docs/INTERNALS.md.
 """
 
 from __future__ import annotations

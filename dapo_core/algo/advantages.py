@@ -4,16 +4,13 @@ Every estimator has the signature
 `fn(token_level_rewards, response_mask, index=None, **kwargs) -> (advantages, returns)`, all (B, L),
 computed without gradients and in the dtype of `token_level_rewards` (float32 or float64). Unknown
 keyword arguments are ignored, so a dispatcher can pass one common set (`gamma`, `lam`, `values`,
-`epsilon`, `norm_adv_by_std_in_grpo`, `reward_baselines`, `config`, ...). A `config` object or mapping,
-when given, is read for `gamma`, `lam` and `norm_adv_by_std_in_grpo` where the explicit keyword is absent.
+`epsilon`, `norm_adv_by_std_in_grpo`, `reward_baselines`, `config`, ...); a `config` object or mapping is
+read for `gamma`, `lam` and `norm_adv_by_std_in_grpo` where the explicit keyword is absent.
 
-The outcome score of trajectory i is `r_i = Σ_t token_level_rewards[i, t]`. `index` holds one group
-label per trajectory (the `uid` strings, or ints); group methods compare trajectories sharing a label.
-
-Loop versions (`grpo`, `rloo`, ...) loop over groups in Python (not over tokens); `grpo_vectorized` and
-`rloo_vectorized` use only tensor scatter operations after factorising the labels. Differences from the
-reference: the vectorised group statistics are computed in the input dtype (the reference computes
-them in float32), and the label factorisation is hash-based (pyarrow) for strings.
+The outcome score of trajectory i is `r_i = Σ_t token_level_rewards[i, t]`; `index` holds one group label
+per trajectory (the `uid` strings, or ints). Loop versions (`grpo`, `rloo`, ...) loop over groups in Python;
+`grpo_vectorized` and `rloo_vectorized` use tensor scatter operations after factorising the labels
+(hash-based, pyarrow, for strings) and compute group statistics in the input dtype (the reference: float32).
 """
 
 from __future__ import annotations

@@ -9,11 +9,9 @@ Per-token estimators of KL(π ‖ π_ref) from `d = logprob − ref_logprob`:
 | `mse` / `k2` | `½·d²` |
 | `low_var_kl` / `k3` | `x = clamp(−d, ±20)`, `clamp(exp(x) − x − 1, ±10)` |
 
-A trailing `+` (e.g. `k3+`) is the straight-through variant: the forward value is the base estimator,
-the gradient is that of `k2` (i.e. `d`). `full` is not implemented (it needs full distributions).
-
-DAPO itself runs with every KL term off; these are here for PPO/GRPO configurations and for the
-`actor.use_kl_loss` path (see `dapo_core.algo.losses.core.actor_objective`).
+A trailing `+` (e.g. `k3+`) is the straight-through variant: the forward value is the base estimator, the
+gradient is that of `k2` (i.e. `d`). `full` is not implemented (it needs full distributions). DAPO runs with
+every KL term off; these serve PPO/GRPO configs and `actor.use_kl_loss` (`losses.core.actor_objective`).
 """
 
 from __future__ import annotations

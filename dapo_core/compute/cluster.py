@@ -1,33 +1,17 @@
 """Where the workers live: long-lived named Ray actors, or plain in-process objects with the same interface.
 
-`Cluster` starts a local Ray (or joins `trainer.ray_address` / `RAY_ADDRESS`), creates one named actor per
-role (`rollout`, `actor`, `ref`, `critic`, `reward`) for a run, and hands out `Handle`s. Callers do not use a
-handle directly: `proxy(handle, ActorWorker)` is typed as the worker class, so `actor.update_actor(table,
-step)` is checked against `ActorWorker.update_actor` and "go to definition" lands there; the call runs on the
-worker and blocks. `submit(actor.weights)` starts a call without waiting (a `Future`), and
-`chain(actor.weights, rollout.sync_weights)` hands one worker's result to another without routing it through
-the driver (weight sync). With `trainer.use_ray=False` the same roles are plain objects in this process: the
-flow and the tasks cannot tell the difference, which keeps tests and debugging simple.
+`Cluster` starts a local Ray (or joins `trainer.ray_address` / `RAY_ADDRESS`), creates one named actor
+`dapo/<run_id>/<role>` (namespace `dapo`) per role (`rollout`, `actor`, `ref`, `critic`, `reward`) and hands
+out `Handle`s; a task looks a worker up by run id and role (`Cluster.lookup`). `proxy(handle, ActorWorker)`
+is typed as the worker class, so calls are checked against it (and block); `submit(...)` starts one without
+waiting (a `Future`), and `chain(actor.weights, rollout.sync_weights)` hands one worker's result to another
+without routing it through the driver. With `trainer.use_ray=False` the roles are plain objects in this
+process. `shutdown()` kills only the actors this object created and stops Ray only if it started it.
 
-Actors are named `dapo/<run_id>/<role>` in the namespace `dapo`, so a task can look a worker up by run id and
-role (`Cluster.lookup`) instead of receiving an actor handle as an argument. `shutdown()` kills only the
-actors this object created and stops Ray only if this object started it.
-
-On CPU each actor asks for `num_cpus=1` and runs torch with one thread (docs/STACK_NOTES.md: two threads
-collapse under a neighbour's load); on GPU the model-holding roles ask for `num_gpus` each.
-
-Placement on a multi-node cluster: `create(..., resources={"gen_node": 1})` asks Ray for custom resources
-that a node advertises (`ray start --resources '{"gen_node": 1}'`, `infra/ray_cluster.sh`), so the worker runs
-on such a node (the config key `trainer.ray_resources.<role>`). A request no live node can satisfy is refused
-at once with a `DapoUserError` naming the key, instead of waiting for a node that will never come; where each
-worker landed is kept in `Cluster.placement` (node id and address per role) and every rank of every
-role in `Cluster.workers` (data-parallel groups: `dapo_core.compute.groups`).
-
-Console: workers are quiet unless `DAPO_WORKER_LOGS=1` is set in the driver's environment — each worker
-process switches off transformers'/HF hub's info lines and progress bars, tqdm bars and vLLM's info log
-(`quiet_worker_process`, done inside the worker because workers on other nodes inherit their node's
-environment, not the driver's). Warnings and errors of the workers still reach the console (Ray forwards
-their output), and a worker's exception is raised in the driver by the call that hit it.
+On CPU each actor asks for `num_cpus=1` and runs torch with one thread; on GPU the model-holding roles ask
+for `num_gpus` each. `trainer.ray_resources.<role>` places a worker on nodes advertising a custom resource
+(a request no live node can satisfy is a `DapoUserError`); `Cluster.placement` and `Cluster.workers` record
+where each landed. Workers are quiet unless `DAPO_WORKER_LOGS=1`. More in docs/INTERNALS.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
-"""Token-budget micro-batches and padding-free (packed) forward passes.
+"""Token-budget micro-batches and padding-free (packed) forward passes; both off by default.
 
-Two memory features of the training engines live here, both off by default:
-
-- `token_budget_split(costs, budget)`: group rows into micro-batches whose summed cost stays within a token
-  budget (verl's `use_dynamic_bsz` with `ppo_max_token_len_per_gpu` / `log_prob_max_token_len_per_gpu`).
-  First-fit over the rows sorted longest first: no group exceeds the budget unless a single row does, and
-  that row then goes alone; every row is in exactly one group, and each group lists its rows in their
-  original order. The cost of a row is what the forward will actually process: its valid tokens when the
-  forward is packed, the padded width of the batch when it is padded (`row_token_costs`). (verl counts valid
-  tokens in both cases; with a padded forward that lets a micro-batch exceed its budget, ours does not.)
-- `pack_rows(input_ids, attention_mask, response_length)`: the valid tokens of a left/right-padded batch as
-  one sequence (1, N) with position ids restarting at 0 in every row, plus the indices that map logits back
-  to the padded (B, L) response grid. With `attention_mask=None` and restarting position ids, transformers
-  (>= 4.5x, `masking_utils.find_packed_sequence_indices`) builds a block-diagonal causal mask, so no row
-  attends to another: the same attention as the padded forward, without the padding. On CPU with SDPA that
-  mask is a dense (N, N) boolean; on GPU flash-attention's varlen kernel reads the same position ids.
-
-A third, ours (no peer does it in training): `shared_prompts(...)` finds the rows of a micro-batch that share
-their prompt (the n samples of a GRPO group), so that a forward can run each distinct prompt once
-(`TrainEngine.forward(share_prompt=True)`). Causal attention makes a prompt's keys and values independent of
-what follows it, so the log-probs are the per-row forward's within float error, and gradients reach the
-prompt's activations once per response. `group_rows(...)` lays each group out as one row — its prompt, then
-its responses back to back — with a (G, 1, T, T) attention mask in which a response sees its prompt and its
-own earlier tokens only: one forward, no KV-cache copies, and the responses padded as a group (their sum
-varies less than each length) instead of each to the longest. Where that layout would not save token
-positions, or its mask would be too large (long responses), the engine runs the prompts once with a KV cache
-and the responses on copies of it instead.
+- `token_budget_split(costs, budget)`: first-fit over the rows sorted longest first into micro-batches whose
+  summed cost stays within a token budget (verl's `use_dynamic_bsz`); a row above the budget goes alone, and
+  each group lists its rows in their original order. A row's cost is what the forward processes
+  (`row_token_costs`: valid tokens when packed, the padded width when padded).
+- `pack_rows(input_ids, attention_mask, response_length)`: a padded batch's valid tokens as one sequence
+  (1, N), position ids restarting at 0 per row, so transformers builds a block-diagonal causal mask
+  (`masking_utils.find_packed_sequence_indices`); plus the indices that map logits back to (B, L).
+- `shared_prompts(...)` finds the rows of a micro-batch that share their prompt, so a forward runs each
+  distinct prompt once (`TrainEngine.forward(share_prompt=True)`); `group_rows(...)` lays each group out as
+  one row (prompt, then its responses) with a (G, 1, T, T) mask in which a response sees its prompt and its
+  own tokens only. Where that layout would not save positions, or its mask would be too large, the engine
+  runs the prompts once with a KV cache instead. docs/INTERNALS.md has the reasoning.
 """
 
 from __future__ import annotations

@@ -209,9 +209,9 @@ def parse_bytes(text: str) -> int:
 
 
 PROCESS_BYTES = {"cpu": 481_932 << 10, "cuda": 3 * GiB}
-"""Resident memory of a worker process before it loads a model. cpu: measured (VmRSS of a Ray actor after
-importing torch, transformers and the dapo workers, one thread, 2026-12-02); cuda: assumed (torch, the CUDA
-context's host side, NCCL)."""
+"""Resident memory of a worker process before it loads a model. cpu: the VmRSS of a Ray actor that has
+imported torch, transformers and the dapo workers (one thread); cuda: assumed (torch, the CUDA context's
+host side, NCCL)."""
 RAY_NODE_BYTES = 1 * GiB
 """Assumed resident memory of Ray's own processes on a node (raylet, GCS, dashboard, log monitor)."""
 DRIVER_BYTES = 1 * GiB

@@ -3,7 +3,7 @@
 A randomly initialised tiny model cannot produce a single ``Answer: <n>`` line, so every rollout would score
 −1, every group would be filtered by dynamic sampling, and RL would never start. A short supervised phase on
 prompt + worked solution (loss on the solution tokens only) teaches the format and part of the skill; it is
-deliberately short so the held-out accuracy stays low (10–35 %) and RL has room to climb.
+deliberately short so the held-out accuracy stays low and RL has room to climb.
 
 - :func:`synthetic_solution` writes the target for a synthetic arithmetic row (``data.make_synthetic_math``).
 - :func:`warmup_sft` trains an HF model folder in place (plain torch, AdamW, warm-up + cosine LR) and saves

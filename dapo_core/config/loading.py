@@ -1,22 +1,14 @@
 """Structured configuration for dapo: the entry point for loading, overrides and validation.
 
-The schema is a tree of dataclasses turned into an OmegaConf structured config. Key paths follow verl
-(`actor_rollout_ref.actor.clip_ratio_high`, `algorithm.filter_groups.enable`, ...) so that the overrides
-of a verl DAPO script work here unchanged, as long as the key exists in our schema.
-
-Defaults follow the reference (verl NEWEST `ppo_trainer.yaml` + the DAPO recipe's `dapo_trainer.yaml`), so
-the base config is *not* DAPO: dynamic sampling and overlong shaping are off, clipping is symmetric. The
-DAPO configs (`configs/tiny_cpu.yaml`, `configs/dapo_*_qwen2.5_32b.yaml`) switch them on. Where we differ
-from verl's defaults on purpose, the field docstring says so (engines default to the CPU-runnable `hf` /
-`torch`, `adv_estimator` defaults to `grpo`, `filter_groups.metric` to `acc`).
+The schema (`dapo_core.config.schema`) is a tree of dataclasses turned into an OmegaConf structured config,
+with verl's key paths and the reference's defaults (the base config is *not* DAPO; `configs/tiny_cpu.yaml`
+and `configs/dapo_*_qwen2.5_32b.yaml` are); the cross-field checks live in `dapo_core.config.checks`, and the
+package `dapo_core.config` exports the schema classes and this module's names.
 
 Loading (`load_config`): schema defaults <- YAML file (and the chain of files named by its top-level
 `base:` key, resolved relative to the including file) <- dotted overrides (`a.b.c=1`, verl-style
 `+a.b.c=1`). Every unknown key or wrong type is reported with its full dotted path and the closest valid
 key; then `validate_config` runs the cross-field checks and reports all problems at once.
-
-The dataclass schema lives in `dapo_core.config.schema` and the cross-field checks in
-`dapo_core.config.checks`; the package `dapo_core.config` exports the schema classes and this module's names.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """The configuration schema: a tree of dataclasses, one per section, turned into an OmegaConf structured
-config.
+config. Loading, overrides and validation live in `dapo_core.config.loading` (which re-exports these).
 
-Key paths follow verl (`actor_rollout_ref.actor.clip_ratio_high`, `algorithm.filter_groups.enable`, ...) so
-that the overrides of a verl DAPO script work here unchanged, as long as the key exists in this schema. Every
-field carries a one-line docstring (read by `dapo_core.config.loading.field_docs`; `configs/dapo.yaml` mirrors
-the defaults).
-
+Key paths follow verl (`actor_rollout_ref.actor.clip_ratio_high`, `algorithm.filter_groups.enable`, ...), so
+a verl DAPO script's overrides work here unchanged where the key exists. Every field carries a one-line
+docstring (read by `dapo_core.config.loading.field_docs`; `configs/dapo.yaml` mirrors the defaults).
 Defaults follow the reference (verl NEWEST `ppo_trainer.yaml` + the DAPO recipe's `dapo_trainer.yaml`), so
-the base config is *not* DAPO: dynamic sampling and overlong shaping are off, clipping is symmetric. The
-DAPO configs (`configs/tiny_cpu.yaml`, `configs/dapo_*_qwen2.5_32b.yaml`) switch them on. Where we differ
-from verl's defaults on purpose, the field docstring says so (engines default to the CPU-runnable `hf` /
-`torch`, `adv_estimator` defaults to `grpo`, `filter_groups.metric` to `acc`).
+the base config is *not* DAPO; the DAPO configs (`configs/tiny_cpu.yaml`, `configs/dapo_*_qwen2.5_32b.yaml`)
+switch it on. A field whose default differs from verl's on purpose says so in its docstring.
 
-Loading, overrides and validation live in `dapo_core.config.loading` (the entry point, which re-exports
-these classes).
-
-`reward_model.overlong_buffer` is the reward manager's own `OverlongBufferConfig`
-(`dapo_core.rewards.manager`): one class is both the config section and what `RewardManager` takes.
-`algorithm.rollout_correction` is the config section; the algo layer validates it into
-`dapo_core.algo.rollout_correction.RolloutCorrection`. Keys that no code reads are listed, with their reasons,
-in `dapo_core.config.unused` (refused unless at their default, or deliberate no-ops).
+`reward_model.overlong_buffer` is the reward manager's own `OverlongBufferConfig`;
+`algorithm.rollout_correction` is validated by the algo layer into
+`dapo_core.algo.rollout_correction.RolloutCorrection`. Keys that no code reads are listed, with their
+reasons, in `dapo_core.config.unused`. More in docs/INTERNALS.md.
 """
 
 from __future__ import annotations

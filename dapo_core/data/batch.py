@@ -9,10 +9,9 @@ themselves with the helpers here:
 - :func:`from_padded` / :func:`add_token_column` / :func:`set_column` — the way back to list columns.
 
 Row-level helpers (:func:`concat`, :func:`chunk`, :func:`repeat_interleave_prompts`) keep the table immutable
-and zero-copy where Arrow allows.
-:func:`balance_partitions` / :func:`balance_batch` implement the sequence-length balancing of the
-reference trainer (Karmarkar–Karp over the workload ``24576·len + len²``, equal-size partitions,
-and the NEWEST intra-partition order). Everything is vectorised with numpy / pyarrow.compute.
+and zero-copy where Arrow allows. :func:`balance_partitions` / :func:`balance_batch` implement the
+sequence-length balancing of the reference trainer (Karmarkar–Karp over the workload ``24576·len + len²``,
+equal-size partitions, the NEWEST intra-partition order). All vectorised with numpy / pyarrow.compute.
 """
 
 from __future__ import annotations

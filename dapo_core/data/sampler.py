@@ -1,22 +1,17 @@
 """History-aware prompt sampling: skip, with a small exploration probability, prompts whose recent groups had
 no reward spread (all correct or all wrong): DAPO's dynamic sampling would most likely filter them again.
 
-`HistorySampler` is a `PromptSampler` of one prompt per batch (what the flow's chunk sampler draws from) that
-remembers, per prompt, the outcome of its last `window` groups: 0 all wrong, 1 mixed, 2 all correct
-(`observe`). Drawing walks the same seeded epoch order as `PromptSampler`; a prompt whose last `window`
-groups all had no spread is passed over unless a coin seeded by (seed, epoch, position) falls under
-`explore_prob`. Passed-over prompts stay in the data set: the next epoch offers them again. The history and
-the position are the sampler's state (`state_dict`, JSON, checkpointed with the prompt stages), and the coins
-are derived from the position, so a resumed run draws exactly what the uninterrupted one drew.
+`HistorySampler` is a `PromptSampler` of one prompt per batch that remembers, per prompt, the outcome of its
+last `window` groups: 0 all wrong, 1 mixed, 2 all correct (`observe`). Drawing walks the same seeded epoch
+order as `PromptSampler`; a prompt whose last `window` groups all had no spread is passed over unless a coin
+seeded by (seed, epoch, position) falls under `explore_prob`; the next epoch offers it again. The history
+(one int8 array, row × window, -1 where a prompt has fewer groups; in the state one string of `window`
+characters of `-012` per row) and the position are the sampler's state (`state_dict`, JSON, in every prompt
+stage's manifest), so a resumed run draws exactly what the uninterrupted one drew.
 
-The history is one int8 array (row × window, -1 where a prompt has fewer groups) and travels in the state as
-one string of `window` characters per row (`-`, `0`, `1`, `2`): the state is written into every prompt
-stage's manifest and read back whenever that manifest is, so its size is paid several times a step. A dict of
-lists per prompt (the first version) grew to 4000 entries within an epoch of the CPU default and cost 0.15 s
-of driver time a step in JSON alone; the string is 4 kB there and 17 kB for DAPO-Math-17k.
 Off in the schema and the DAPO reproduction configs (verl's sampler); on in the CPU default
-(`configs/tiny_cpu.yaml`), where a simultaneous A/B made the decision (bench/README.md, "Against TRL"). The sync
-step order only: the replay order ignores the switch (`flows.run_setup.train_sampler`).
+(`configs/tiny_cpu.yaml`; bench/README.md, "Against TRL"). Sync step order only: the replay order ignores the
+switch (`flows.run_setup.train_sampler`). docs/INTERNALS.md explains the compact state.
 """
 
 from __future__ import annotations
@@ -124,8 +119,8 @@ class HistorySampler(PromptSampler):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict`'s output. A state without history (from a plain sampler) starts empty; the
-        first version's history, a dict of code lists per prompt, is read too."""
+        """Restore `state_dict`'s output. A state without history (from a plain sampler) starts empty; a
+        history saved as a dict of code lists per prompt is read too."""
         super().load_state_dict(
             {k: v for k, v in state.items() if k not in ("history", "drawn", "passed_over")}
         )
@@ -153,7 +148,7 @@ class HistorySampler(PromptSampler):
                 f"characters in '-012' for each of the {rows} training prompts; resume with the training "
                 "data the run started with (data.train_files), or start a new run (trainer.experiment_name)"
             )
-        # a window changed since the save keeps each prompt's latest min(old, new) codes, as the dict form did
+        # a window changed since the save keeps each prompt's latest min(old, new) codes, as for the dict form
         saved_rows = parsed.reshape(rows, parsed.size // rows)
         keep = min(window, saved_rows.shape[1])
         history[:, window - keep :] = saved_rows[:, saved_rows.shape[1] - keep :]

@@ -1,32 +1,17 @@
 """Pandera schemas for the batch at every stage boundary, with vectorised cross-field checks.
 
 One schema per stage output (``generate``, ``reward``, ``old_log_prob``, ``ref``, ``values``,
-``advantage``). Schemas are cumulative: a stage's output must carry its own new columns and those of
-the earlier stages. Two columns are conditional because their stage is optional in DAPO:
-``ref_log_probs`` (only with a reference model) and ``values`` (only with a critic) are required by
-their own stage and checked, when present, at every later stage; ``rollout_is_weights`` (only when
-importance sampling is on) is checked when present.
-
-How it runs (cheap enough for every stage of every step): column presence and Arrow types are compared with
-``pyarrow`` against ``COLUMN_TYPES``; every row predicate below runs vectorised with ``pyarrow.compute`` +
-numpy over flattened list values (never element-wise Python); pandera (``pandera.pyarrow``) then validates
-the compact per-row frame of their outcome (``row_ok``: one bool per trajectory) with the stage's named
-schema. Handing pandera the batch itself cost ~10 ms per column per stage on the 2-core machine (its narwhals
-backend converts the whole table schema once per column and, in pandera 0.35, retries a failing optional
-pyspark import per column), ~0.4 s per validation of a 24-column batch; the compact frame costs about one
-column's worth (``bench/README.md``, step anatomy). The row predicates:
-
-- every per-token list column has the length of ``response_ids`` in each row;
-- log-probs are finite and ≤ ``LOGPROB_TOL`` (1e-6: log-softmax in float32/bfloat16 can round a
-  probability-1 token to a tiny positive value; anything larger is a real bug);
-- entropies finite and ≥ −``LOGPROB_TOL``; rewards, advantages, returns, values, IS weights finite;
-- ``response_mask`` values in {0, 1}; IS weights ≥ 0;
-- token ids in ``[0, vocab_size)``; ``len(prompt_ids) ≤ max_prompt_length``;
-  ``len(response_ids) ≤ max_response_length``;
-- every ``uid`` group has exactly ``n`` rows and ``sample_idx`` in ``[0, n)`` (skipped with ``n=None``).
+``advantage``), cumulative: a stage's output carries its own new columns and those of the stages it follows.
+``ref_log_probs`` (with a reference model), ``values`` (with a critic) and ``rollout_is_weights`` (with
+importance sampling) are checked where present. Column presence and Arrow types are compared with ``pyarrow``
+against ``COLUMN_TYPES``; the row predicates (per-token list lengths, finite log-probs ≤ ``LOGPROB_TOL``,
+mask values, token id and length bounds, ``n`` rows per ``uid``) run vectorised with ``pyarrow.compute`` +
+numpy; pandera (``pandera.pyarrow``) then validates the compact per-row frame of their outcome
+(``row_ok``: one bool per trajectory) with the stage's named schema, not the batch itself.
 
 :func:`validate_stage` validates lazily (all checks run) and raises one :class:`SchemaError` whose
-message names the stage, each failing column, up to 5 offending uids and what to fix.
+message names the stage, each failing column, up to 5 offending uids and what to fix. docs/INTERNALS.md
+lists every predicate and why pandera sees only the compact frame.
 """
 
 from __future__ import annotations
@@ -41,8 +26,8 @@ import numpy as np
 
 if importlib.util.find_spec("pyspark") is None:
     # pandera 0.35's narwhals backend tries `from pandera.engines import pyspark_engine` in every column's
-    # dtype check; without pyspark that import fails, is not cached and re-executes the module each time
-    # (~5 ms per column here). Marking the module absent makes the import fail at once, as it would anyway.
+    # dtype check; without pyspark that import fails, is not cached and re-executes the module each time.
+    # Marking the module absent makes the import fail at once, as it would anyway.
     sys.modules.setdefault("pandera.engines.pyspark_engine", None)  # type: ignore[arg-type]
 
 import pandera.errors as pa_errors

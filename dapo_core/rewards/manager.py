@@ -1,25 +1,16 @@
 """DAPO reward manager: parallel rule-based scoring with per-sample timeouts and overlong reward shaping.
 
-Plays the role of verl's ``DAPORewardManager`` (docs/REFERENCE.md §6.2) on already-decoded rows instead of a
-DataProto: ``RewardManager.score(rows)`` returns per-row ``score`` (raw), ``acc``, ``pred``,
-``overlong_reward``, ``reward`` (= score + overlong penalty when the overlong buffer is enabled) and
-``overlong``. Placing the reward at the last valid token is the advantage stage's job.
+Plays the role of verl's ``DAPORewardManager`` (docs/REFERENCE.md §6.2) on already-decoded rows:
+``RewardManager.score(rows)`` returns per-row ``score`` (raw), ``acc``, ``pred``, ``overlong_reward``,
+``reward`` (= score + overlong penalty when the overlong buffer is enabled) and ``overlong``. Placing the
+reward at the last valid token is the advantage stage's job.
 
-Robustness (our addition; verl scores inline and can hang on a pathological answer):
-
-* Scoring runs in a small pool of long-lived worker *processes* that we own (one pipe each), so a sample that
-  hangs (e.g. catastrophic regex backtracking, which holds the GIL) can be killed. The per-sample timeout is
-  enforced from the calling thread by polling the pipes; it needs no signals, so ``score`` works from any
-  thread.
-* A timeout or an exception is a counted, logged failure carrying the row's ``uid``; the row gets
-  ``failure_score`` (default −1.0, the wrong-answer score of math_dapo) — never a silent 0. A hung or dead
-  worker is killed and replaced, so later rows and batches keep working.
-* Batches of at most ``inline_max_rows`` rows may be scored in a helper thread of this process to skip the
-  pipe round trips. A hang there cannot be killed (the thread is abandoned; a C-level regex hang also blocks
-  the timer until it returns), so after one inline timeout the manager uses only the pool. The default is 0
-  (always the pool): on a shared 2-CPU machine a warm pool scored 16/64/256 math_dapo rows in ~0.6/1.8/7–17 ms
-  vs ~0.5–3.8/1.1–2.5/4–7 ms inline (noisy; no consistent win below ~64 rows), the pool's one-off start-up is
-  ~0.25–0.6 s for 2 workers, and only the pool guarantees the timeout.
+Scoring runs in a small pool of long-lived worker processes (one pipe each); the per-sample timeout is
+enforced from the calling thread by polling the pipes (no signals, so ``score`` works from any thread), and
+a hung or dead worker is killed and replaced. A timeout or an exception is a counted, logged failure carrying
+the row's ``uid``, scored ``failure_score`` (default −1.0), never a silent 0. Batches of at most
+``inline_max_rows`` rows (default 0: always the pool) may be scored in a helper thread instead; a hang there
+cannot be killed, so after one inline timeout the manager uses only the pool. More in docs/INTERNALS.md.
 """
 
 from __future__ import annotations

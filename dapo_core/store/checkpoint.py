@@ -3,10 +3,9 @@
 A save goes: ``write_fn(tmp_dir)`` fills ``ckpt/.tmp-step_<n>-<rand>/`` → ``MANIFEST.json`` (sha256 and
 size of every file, meta incl. the step) → fsync of every file and directory → rename to ``step_<n>``
 → fsync ``ckpt/`` → atomic write of ``latest`` (the step number). A crash at any instant leaves
-``latest`` pointing at a complete checkpoint (or absent before the first save); half-written
-``.tmp-*`` directories are removed when the directory is next opened. What goes *into* a checkpoint
-(weights, optimizer, lr schedule, RNG, sampler position, gen/train step) is the caller's ``write_fn``.
-One process saves at a time (the flow's driver).
+``latest`` pointing at a complete checkpoint (or absent until the first save); half-written
+``.tmp-*`` directories are removed when the directory is next opened. What goes *into* a checkpoint is
+the caller's ``write_fn``; one process saves at a time (the flow's driver).
 
 Every load path verifies the manifest (sizes and sha256): :meth:`CheckpointDir.load` for this run's steps,
 :func:`verify_folder` for a folder named by path (another run's step, ``dapo eval --checkpoint``). A missing

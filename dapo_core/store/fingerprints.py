@@ -11,8 +11,7 @@
   secret), i.e. every key except those that only name places, logging, resume bookkeeping or performance knobs
   (`NOT_TRAINING_KEYS`, `NOT_TRAINING_LEAVES`).
 
-`changes(old, new)` lists what differs, one readable line per input. A file whose size and mtime equal the
-recorded ones is not re-hashed (large weights are hashed once per run).
+`changes(old, new)` lists what differs, one line per input. Files of unchanged size and mtime: not re-hashed.
 """
 
 from __future__ import annotations

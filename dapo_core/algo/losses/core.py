@@ -1,24 +1,17 @@
 """Policy losses, loss aggregation and the value loss (docs/REFERENCE.md §§1, 2).
 
-The DAPO objective is the clipped-surrogate `vanilla` loss with decoupled clip ranges
-(`clip_ratio_low` = ε_low, `clip_ratio_high` = ε_high), dual clip for negative advantages, and
-`token-mean` aggregation over the *global* mini-batch:
+The DAPO objective is the clipped-surrogate `vanilla` loss with decoupled clip ranges (`clip_ratio_low` =
+ε_low, `clip_ratio_high` = ε_high), dual clip for negative advantages, and `token-mean` aggregation over the
+*global* mini-batch (`agg_loss`: NEWEST's global normalisation, not REPRO's per-micro-batch mean):
 
     ratio   = exp(clamp(log π_θ − log π_old, ±20))
     L_clip  = max(−A·ratio, −A·clamp(ratio, 1 − ε_low, 1 + ε_high))
     L       = min(−A·c, L_clip) if A < 0 else L_clip
 
-Aggregation (`agg_loss`) follows the NEWEST global normalisation: every micro-batch loss is already
-divided by the *global* token / trajectory count and multiplied by `dp_size`, so summing micro-batch
-losses (no ÷ grad-accumulation) and averaging gradients over data-parallel ranks gives the gradient of
-the mean over the whole mini-batch. We deliberately follow NEWEST, not the REPRO per-micro-batch mean.
-
 Every policy loss is registered by name (`register_policy_loss`) with one signature:
 `fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, params, rollout_is_weights,
-global_batch_info) -> (loss, metrics)`; tensors are (B, L), `loss` is a 0-dim tensor and `metrics`
-maps `actor/...` keys to Python floats. `vanilla` is defined here; the other registered losses (gspo,
-sapo, …, bypass_mode) are in `dapo_core.algo.losses.variants`, which the package imports, so
-`get_policy_loss(name)` finds every loss once `dapo_core.algo.losses` is imported.
+global_batch_info) -> (loss, metrics)` on (B, L) tensors, `loss` 0-dim, `metrics` `actor/...` floats; the
+others live in `dapo_core.algo.losses.variants`, imported by the package. More in docs/INTERNALS.md.
 """
 
 from __future__ import annotations

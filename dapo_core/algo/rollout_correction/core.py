@@ -1,27 +1,17 @@
-"""Rollout correction: importance sampling (IS) and rejection sampling (RS) for the
-training/inference mismatch between the rollout engine (π_rollout) and the trainer (π_train).
+"""Rollout correction: importance sampling (IS) and rejection sampling (RS) for the mismatch between the
+rollout engine (π_rollout) and the trainer (π_train) (docs/REFERENCE.md §5, NEWEST).
 
-What this module does (docs/REFERENCE.md §5, NEWEST):
+* ``log_ratio = old_log_prob − rollout_log_prob``. In *decoupled* mode π_train is the recomputed old policy;
+  in *bypass* mode (``old_log_probs := rollout_log_probs``) the policy loss calls
+  :func:`compute_rollout_correction_and_rejection_mask` per micro-batch against π_θ itself, so
+  :func:`apply_rollout_correction` computes no weights and leaves the mask alone.
+* IS weights (:func:`compute_rollout_correction_weights`): token or sequence level, truncated (TIS) or masked
+  (IcePop, ``"lower_upper"``), optionally batch-normalised to mean 1; detached.
+* RS (:func:`compute_rollout_rejection_mask`): k1/k2/k3 divergence per token, per-sequence sum, mean or max;
+  options combine with AND and only edit the response mask (RS never zeroes weights).
+* Diagnostics (:func:`compute_is_metrics`, :func:`compute_offpolicy_metrics`): keys under ``rollout_corr/``.
 
-* ``log_ratio = old_log_prob − rollout_log_prob`` = log π_train/π_rollout. In *decoupled* mode π_train is the
-  recomputed old policy; in *bypass* mode the caller sets ``old_log_probs := rollout_log_probs`` and the
-  policy loss recomputes IS/RS per micro-batch against the current π_θ by calling
-  :func:`compute_rollout_correction_and_rejection_mask` itself (so :func:`apply_rollout_correction` computes
-  no weights and leaves the mask alone in bypass mode).
-* IS weights (:func:`compute_rollout_correction_weights`): token or sequence level, truncated (TIS, a single
-  upper cap) or masked (IcePop, ``"lower_upper"``), optionally batch-normalised to mean 1. Weights are
-  detached.
-* RS (:func:`compute_rollout_rejection_mask`): k1/k2/k3 divergence statistics per token, per-sequence sum,
-  mean or max; options combine with AND and only edit the response mask (weights are never zeroed by RS).
-* Diagnostics (:func:`compute_is_metrics`, :func:`compute_offpolicy_metrics`); the unified entry prefixes
-  every key with ``rollout_corr/``.
-
-Pure torch, float32 and float64; no Prefect, no DataProto (the weights tensor is returned directly).
-
-The option values, threshold parsing and :class:`RolloutCorrection` with its presets live in
-:mod:`dapo_core.algo.rollout_correction.config`, the diagnostics in
-:mod:`dapo_core.algo.rollout_correction.metrics`; both are re-exported here, so import every public name from
-this module.
+Pure torch. :mod:`.config` (options, presets) and :mod:`.metrics` are re-exported: import from here.
 """
 
 from __future__ import annotations

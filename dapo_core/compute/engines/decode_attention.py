@@ -1,27 +1,17 @@
 """Attention for the HF rollout engine's one-token decode steps, as two batched matmuls around a softmax.
 
-For a single query position PyTorch's CPU SDPA runs its flash kernel on a 1-row query block (2 rows with
-transformers' grouped-query packing) and spends most of its time outside the arithmetic. On the CPU default's
-generation batch (a trained tiny policy, 44 prompts x 8 samples, ~20 new tokens) SDPA was 122.7 ms of a
-406 ms generation under the profiler and this was 82.6 ms (bench/README.md, "Decode attention").
+For a single query position PyTorch's CPU SDPA runs its flash kernel on a 1-row query block and spends most
+of its time outside the arithmetic (bench/README.md, "Decode attention"). Here the query heads are grouped
+under their KV head, `(B, kv_heads, group, d) @ (B, kv_heads, d, L)`, so no KV head is repeated and each
+row's numbers come from its own slice of each matmul; the result agrees with SDPA to float rounding, not
+bitwise. Prefill, gradients, a position bias, a soft-cap or dropout go to transformers' SDPA unchanged. A
+model opts in with `model.set_attn_implementation(DECODE_ATTENTION)` (registered with transformers'
+attention and mask interfaces; the mask is SDPA's).
 
-The query heads are grouped under their KV head, `(B, kv_heads, group, d) @ (B, kv_heads, d, L)`, so no KV
-head is repeated, and each row's numbers come from its own slice of each batched matmul: a row still does
-not depend on its neighbours. The result agrees with SDPA to float rounding (~1e-6 on the probabilities), not
-bitwise. Prefill, anything with gradients, a position bias, a soft-cap or dropout go to transformers' SDPA
-unchanged. Registered under `DECODE_ATTENTION` with transformers' attention and mask interfaces (the mask is
-SDPA's), so a model opts in with `model.set_attn_implementation(DECODE_ATTENTION)`.
-
-Shared prompts (`SharedPrefixCache`, passed to the forward as `shared_prefix=`): the n samples of a group
-share their prompt, so the cache keeps each distinct prompt's keys and values once and only the generated
-positions per row. A decode step then reads a prompt's keys once for all of its rows, stacked as one
-`(rows of the group × group, d) @ (d, P)` matmul, and each row's own generated keys as before; the two score
-blocks meet in one softmax. On the side-by-side benchmark's generation (prompts of ~45 tokens, ~24 new) a
-row's prompt is most of what a decode step reads, so this cuts the attention's memory traffic several-fold,
-and the prefill's copy of the prompt cache to every row disappears. Each row's numbers still come from its
-own rows of every matmul; the prompt part's GEMM sees the group's row count, so (as in the linear layers) a
-row alone and a row in a batch agree to float rounding, not bitwise (tested). Against a row's full-cache
-attention only the order of the final sum differs (prompt part + generated part).
+Shared prompts (`SharedPrefixCache`, passed to the forward as `shared_prefix=`): the cache keeps each
+distinct prompt's keys and values once and only the generated positions per row; a decode step reads a
+prompt's keys once for all of its rows and each row's own generated keys, the two score blocks meeting in
+one softmax. A row alone and in a batch agree to float rounding (tested). docs/INTERNALS.md has the details.
 """
 
 from __future__ import annotations

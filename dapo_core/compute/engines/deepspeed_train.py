@@ -1,20 +1,16 @@
 """DeepSpeed training engine (ZeRO 1/2/3), single process; the gloo backend works on CPU.
 
 The optimizer is our AdamW handed to `deepspeed.initialize` (ZeRO wraps it); the LR scheduler is a
-`LambdaLR` on that AdamW that we step ourselves once per TRAIN step (DeepSpeed would step it per
-optimizer step). Gradient accumulation is ours: `gradient_accumulation_steps` is 1 and `ppo_update`
-decides when to call `step()`. DeepSpeed clips (`gradient_clipping`) and skips a step whose gradient is
-not finite.
+`LambdaLR` on that AdamW that we step ourselves once per TRAIN step (DeepSpeed would step it per optimizer
+step). Gradient accumulation is ours (`gradient_accumulation_steps` is 1; `ppo_update` decides when to call
+`step()`); DeepSpeed clips (`gradient_clipping`) and skips a step whose gradient is not finite. For one
+process it needs the torch.distributed env vars (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), set here only when absent, with a free port. The first initialize on a machine
+JIT-compiles `deepspeed_shm_comm` (cached afterwards).
 
-For one process DeepSpeed needs the torch.distributed env vars (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); they are set here only when absent, with a free port.
-The first initialize on a machine JIT-compiles `deepspeed_shm_comm` (~1 min, cached afterwards).
-
-Checkpoint layout written by `save(dir)`: the full weights as an HF folder (gathered under ZeRO-3),
-`deepspeed/` (DeepSpeed's own model + optimizer state, restored bitwise by `load`) and
-`extra_state.{json,tensors}` (scheduler, counters, RNG states; safetensors + JSON, no pickle) — the same
-files as the torch engine except that the optimizer state lives in `deepspeed/` (DeepSpeed's own format)
-instead of `optim.*`.
+`save(dir)` writes the torch engine's files (the full weights as an HF folder, gathered under ZeRO-3, and
+`extra_state.{json,tensors}`: scheduler, counters, RNG states; no pickle) except that the optimizer state is
+DeepSpeed's own, in `deepspeed/` (model + optimizer state, restored bitwise by `load`), not `optim.*`.
 """
 
 from __future__ import annotations

