@@ -16,6 +16,7 @@ ranks with vLLM's multiprocessing executor) is GPU-only, refused on CPU and for 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import time
@@ -45,6 +46,9 @@ __all__ = [
 ]
 
 StageResult = tuple[str, dict[str, float]]
+
+LEFTOVER_GRACE_S = 60.0
+"""How long `create_replicas` waits for room the workers of a crashed driver still hold before refusing."""
 
 
 def replica_role(rank: int) -> str:
@@ -340,19 +344,30 @@ def create_replicas(
 ) -> RolloutReplicas:
     """Create `layout.count` replicas as workers `rollout-<i>` (`factory(num_threads)` returns a replica's
     zero-argument worker factory). Under Ray each replica holds one logical CPU (and `layout.num_gpus`
-    GPUs) and, on CPU, `cluster.num_threads // M` torch threads (at least one); a cluster without room for
-    all of them now is refused with one paragraph instead of waiting for resources that never come."""
+    GPUs) and, on CPU, `cluster.num_threads // M` torch threads (at least one). Replicas left by a crashed
+    driver of the run are killed first; a cluster without room for all of them within `LEFTOVER_GRACE_S` is
+    refused with one paragraph instead of waiting for resources that never come."""
     m = layout.count
     where = checked_resources("rollout", resources)
     threads = max(1, cluster.num_threads // m) if cluster.use_ray and layout.num_gpus == 0 else None
+    names = [replica_role(i) for i in range(m)]
     if cluster.use_ray:
         import ray
 
-        free = ray.available_resources()
+        from dapo_core.compute.cluster import NAMESPACE, actor_name
+
+        for name in names:  # replicas a crashed driver left: their resources are freed while we look
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(actor_name(cluster.run_id, name), namespace=NAMESPACE))
         need = {"CPU": float(m), **({"GPU": layout.num_gpus * m} if layout.num_gpus else {})}
         need.update({k: v * m for k, v in where.items()})
-        short = {k: v for k, v in need.items() if free.get(k, 0.0) < v}
-        if short:
+        deadline = time.monotonic() + LEFTOVER_GRACE_S
+        while True:  # a dead driver's workers release theirs only once Ray has noticed it died
+            free = ray.available_resources()
+            if all(free.get(k, 0.0) >= v for k, v in need.items()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if not all(free.get(k, 0.0) >= v for k, v in need.items()):
             raise DapoUserError(
                 f"{m} rollout replicas need {', '.join(f'{k}={v:g}' for k, v in need.items())} of the Ray "
                 f"cluster, which has {', '.join(f'{k}={free.get(k, 0.0):g}' for k in need)} free",
@@ -362,7 +377,6 @@ def create_replicas(
                     "more (RAY_ADDRESS / ray start --num-cpus / --num-gpus, infra/ray_cluster.sh)"
                 ),
             )
-    names = [replica_role(i) for i in range(m)]
     workers = [
         proxy(
             cluster.create(name, factory(threads), num_gpus=layout.num_gpus, resources=where), RolloutWorker

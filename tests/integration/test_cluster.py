@@ -38,6 +38,9 @@ class Counter:
     def close(self) -> None:
         self.closed = True
 
+    def weight_version(self) -> int:  # what a rollout replica reports when it joins
+        return 0
+
 
 @pytest.mark.parametrize("use_ray", [False, True])
 def test_workers_are_created_called_synced_and_shut_down(use_ray, monkeypatch):
@@ -144,3 +147,25 @@ class _EnvProbe:
         import os
 
         return os.environ.get(key)
+
+
+def test_replicas_left_by_a_crashed_driver_make_room_and_a_cluster_too_small_is_refused(monkeypatch):
+    """A resumed run's replicas replace the ones its dead driver left (their CPUs are freed while it waits),
+    and more replicas than the cluster can ever hold are refused in one paragraph after the grace period."""
+    from dapo_core.compute import replicas as R
+    from dapo_core.errors import DapoUserError
+
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    cluster = Cluster("t4", use_ray=True, num_cpus=2)
+    layout = R.ReplicaLayout(count=2, tensor_parallel=1, num_gpus=0.0, engine_opts={})
+    try:
+        R.create_replicas(cluster, lambda threads: Counter, layout, max_new_tokens=4)
+        # the same run again, its first replicas still alive and holding both CPUs: they are replaced
+        again = R.create_replicas(cluster, lambda threads: Counter, layout, max_new_tokens=4)
+        assert len(again.workers_info()) == 2
+        monkeypatch.setattr(R, "LEFTOVER_GRACE_S", 2.0)
+        three = R.ReplicaLayout(count=3, tensor_parallel=1, num_gpus=0.0, engine_opts={})
+        with pytest.raises(DapoUserError, match=r"3 rollout replicas need CPU=3.*trainer\.n_gpus_per_node"):
+            R.create_replicas(cluster, lambda threads: Counter, three, max_new_tokens=4)
+    finally:
+        cluster.shutdown()
