@@ -62,7 +62,7 @@ test-all: $(STAMP)
 ## make check: what CI runs (.ci/run) -- lint first, then everything
 check: lint test-all
 
-## make repro: the DVC lineage from params.yaml (prepare -> base model -> train -> evaluate); see README "DVC"
+## make repro: the DVC lineage from params.yaml (prepare -> base model -> train -> evaluate); see docs/DVC.md
 repro: $(STAMP)
 	$(BIN)/dvc repro
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start a Ray head on this machine, or join one, for multi-node runs (README "Several machines").
+# Start a Ray head on this machine, or join one, for multi-node runs (docs/SCALE.md "Several machines").
 #   infra/ray_cluster.sh head [RAY START ARGS]           # on the head node (port 6379 unless --port=...)
 #   infra/ray_cluster.sh join HEAD:PORT [RAY START ARGS]  # on every other node
 #   infra/ray_cluster.sh status [HEAD:PORT]               # nodes and their resources (`ray status`)

@@ -627,7 +627,7 @@ class TrainerConfig:
     ray_address: str | None = None
     """Ray cluster to join; null = RAY_ADDRESS or start a local one."""
     ray_resources: RayResourcesConfig = field(default_factory=RayResourcesConfig)
-    """Which nodes each worker runs on (Ray custom resources per role; README "Several machines")."""
+    """Which nodes each worker runs on (Ray custom resources per role; docs/SCALE.md "Several machines")."""
     nnodes: int = 1
     """Nodes the actor and reference ranks span (more than 1 needs actor.strategy fsdp2)."""
     n_gpus_per_node: int = 8
