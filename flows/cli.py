@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import signal
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -28,17 +26,17 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dapo_core.config import ConfigError, ConfigWarning, load_config, to_safe_yaml, typed
+from dapo_core.config import ConfigError, to_safe_yaml, typed
 from dapo_core.config.checks import no_op_warnings
-from dapo_core.preflight import check_cpu_memory
 from flows.preflight import (
     cli_preflight,
     debug_enabled,
+    load_config_reported,
     quiet_user_error_tracebacks,
-    report_crash,
     report_error,
     resolve_eval_checkpoint,
-    stop_on_signals,
+    run_reported,
+    train_checks,
 )
 from flows.progress import prefect_console_env, quiet_worker_noise, start_local_prefect
 
@@ -120,33 +118,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     stopped by SIGINT/SIGTERM)."""
     args = build_parser().parse_args(argv)
     prefect_console_env()  # before anything imports prefect
-    debug = debug_enabled(args.debug)
     state: dict = {}
-    try:
-        with stop_on_signals():
-            return _main(args, state)
-    except KeyboardInterrupt as stop:  # StopRequested (our handler), StopSignal (a wait on Ray), Ctrl-C
-        return _stopped(stop, args, state)
-    except Exception as exc:
-        code = report_error(exc, args.command, debug=debug, run_dir=state.get("run_dir"))
-        if code is None:  # not the input: one paragraph naming the log file with the traceback
-            return report_crash(exc, args.command, debug=debug, run_dir=state.get("run_dir"))
-        return code
+    return run_reported(
+        args.command,
+        lambda: _main(args, state),
+        debug=debug_enabled(args.debug),
+        state=state,
+        resume=lambda: _resume_command(args, state["run_id"]),
+    )
 
 
-def _stopped(stop: KeyboardInterrupt, args: argparse.Namespace, state: dict) -> int:
-    """Say what a SIGTERM/SIGINT left behind and how to resume; the exit status is 128 + the signal."""
-    run_id = state.get("run_id")
-    signum = int(getattr(stop, "signum", signal.SIGINT))
-    name = signal.Signals(signum).name
-    lines = [f"dapo {args.command}: stopped by {name}; committed stages and checkpoints are kept."]
-    if run_id:
-        extra = " ".join(a for a in args.overrides if not a.startswith("trainer.experiment_name="))
-        flow_only = " --flow-only" if getattr(args, "flow_only", False) else ""
-        cmd = f"dapo train{flow_only} --config {args.config} {extra} trainer.experiment_name={run_id}"
-        lines.append("Resume with: " + " ".join(cmd.split()))
-    print("\n".join(lines), file=sys.stderr, flush=True)
-    return 128 + signum
+def _resume_command(args: argparse.Namespace, run_id: str) -> str:
+    """The command that resumes run `run_id` after a stop (the same config and overrides)."""
+    extra = " ".join(a for a in args.overrides if not a.startswith("trainer.experiment_name="))
+    flow_only = " --flow-only" if getattr(args, "flow_only", False) else ""
+    return f"dapo train{flow_only} --config {args.config} {extra} trainer.experiment_name={run_id}"
 
 
 def _main(args: argparse.Namespace, state: dict) -> int:
@@ -157,14 +143,7 @@ def _main(args: argparse.Namespace, state: dict) -> int:
     if args.command == "eval" and args.output is not None:
         overrides.append(f"eval.output={args.output}")
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ConfigWarning)
-            cfg = load_config(args.config, overrides)
-        for w in caught:
-            if issubclass(w.category, ConfigWarning):
-                print(f"dapo {args.command}: warning: {w.message}", file=sys.stderr)
-            else:
-                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        cfg = load_config_reported(args.config, overrides, args.command)
         run_id = ""
         if args.command == "train":
             run_id = cfg.trainer.experiment_name or make_run_id()
@@ -185,33 +164,35 @@ def _main(args: argparse.Namespace, state: dict) -> int:
         return 0
 
     tcfg = typed(cfg)
-    if args.command in ("plan", "train"):  # a config that cannot fit is refused before anything starts
+    if args.command == "plan":
         from dapo_core.compute.plan import run_plan
 
-        if args.command == "train":  # on CPU: one paragraph with the changes that fit this machine
-            check_cpu_memory(tcfg, args.model_config)
-
-        dp = args.dp if args.command == "plan" else 1
-        code = run_plan(
+        return run_plan(
             tcfg,
-            args.command,
+            "plan",
             gpu_mem=args.gpu_mem,
             model_config=args.model_config,
-            dp=dp,
+            dp=args.dp,
             host_mem=args.host_mem,
         )
-        if args.command == "plan" or code:
-            return code
-    if args.command == "train":
+    if args.command == "train":  # a run that cannot fit or read its inputs is refused before anything starts
         state["run_id"] = run_id
         state["run_dir"] = Path(tcfg.trainer.runs_dir) / run_id
         for line in no_op_warnings(OmegaConf.to_container(cfg, resolve=True)):  # type: ignore[arg-type]
             print(f"dapo train: note: {line}", file=sys.stderr)
-    if args.command == "eval":
-        tcfg.eval.checkpoint = resolve_eval_checkpoint(tcfg)
-    cli_preflight(
-        tcfg, args.command, flow_only=bool(getattr(args, "flow_only", False)), checkpoint=tcfg.eval.checkpoint
-    )
+        code = train_checks(
+            tcfg,
+            flow_only=bool(args.flow_only),
+            gpu_mem=args.gpu_mem,
+            model_config=args.model_config,
+            host_mem=args.host_mem,
+        )
+        if code:
+            return code
+    else:
+        if args.command == "eval":
+            tcfg.eval.checkpoint = resolve_eval_checkpoint(tcfg)
+        cli_preflight(tcfg, args.command, checkpoint=tcfg.eval.checkpoint)
     if state.get("new_run"):
         print(f"run id: {run_id}  (resume with trainer.experiment_name={run_id})", flush=True)
     # imports prefect, which configures its logging: quiet it afterwards

@@ -7,8 +7,8 @@
 - `resolve_eval_checkpoint`: `eval.checkpoint: ""` means the run's latest checkpoint.
 - `StopRequested` / `stop_on_signals`: SIGTERM / SIGINT become an exception in the main thread, so the flow
   unwinds through its `finally` blocks and the CLI prints how to resume.
-- `report_crash` / `report_error`: one paragraph on stderr, the full traceback in a log file, and `--debug` /
-  `DAPO_DEBUG=1` to see it on the console.
+- `report_crash` / `report_error` / `report_stop`: one paragraph on stderr (the traceback in a log file);
+  `run_reported`, `train_checks`: shared by `dapo train` and `python -m flows.pipeline dvc-train`.
 - `UserErrorConsoleFilter`: keeps Prefect's traceback of a `DapoUserError` off the console (not off the API).
 
 docs/INTERNALS.md (flows/preflight.py) has the details of each.
@@ -23,15 +23,24 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
-from dapo_core.config import DapoConfig
-from dapo_core.errors import DapoUserError, find_user_error
-from dapo_core.preflight import SKIP_ENV, Phase, PreflightError, model_folder_of, preflight
-from dapo_core.store.lease import check_free
+from dapo_core.config import ConfigWarning, DapoConfig, load_config
+from dapo_core.errors import EXIT_USER_ERROR, DapoUserError, find_user_error
+from dapo_core.preflight import (
+    SKIP_ENV,
+    Phase,
+    PreflightError,
+    check_cpu_memory,
+    model_folder_of,
+    preflight,
+)
+from dapo_core.store.lease import LeaseLost, check_free, forget_lost, lost_lease
 
 __all__ = [
     "PREFECT_STARTUP_TIMEOUT_S",
@@ -40,12 +49,16 @@ __all__ = [
     "check_prefect_api",
     "cli_preflight",
     "debug_enabled",
+    "load_config_reported",
     "prefect_startup_timeout",
     "quiet_user_error_tracebacks",
     "report_crash",
     "report_error",
+    "report_stop",
     "resolve_eval_checkpoint",
+    "run_reported",
     "stop_on_signals",
+    "train_checks",
 ]
 
 PREFECT_STARTUP_TIMEOUT_S = 120
@@ -135,6 +148,43 @@ def cli_preflight(cfg: DapoConfig, command: str, *, flow_only: bool = False, che
         preflight(cfg, phase=phase, checkpoint=step_ckpt, model_path=model)
 
 
+def load_config_reported(config: str, overrides: Sequence[str], command: str) -> Any:
+    """`load_config(config, overrides)`; its `ConfigWarning`s printed as `dapo <command>: warning: ...` lines
+    (other warnings as Python shows them). Raises `ConfigError` (a `DapoUserError`)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigWarning)
+        cfg = load_config(config, list(overrides))
+    for w in caught:
+        if issubclass(w.category, ConfigWarning):
+            print(f"dapo {command}: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return cfg
+
+
+def train_checks(
+    cfg: DapoConfig,
+    *,
+    flow_only: bool,
+    gpu_mem: str | None = None,
+    model_config: str | None = None,
+    host_mem: str | None = None,
+) -> int:
+    """What a training run checks before any flow or Prefect server starts: on CPU the memory it needs (one
+    paragraph with the changes that fit), the memory plan (printed; 2 when it does not fit, with the fixes),
+    then `cli_preflight` (data, model, checkpoint, store, disk, the Prefect API, and the run's lease when
+    `trainer.experiment_name` is set). Returns 0 to go on, else the exit code; raises what the checks find
+    as a `DapoUserError`."""
+    from dapo_core.compute.plan import run_plan
+
+    check_cpu_memory(cfg, model_config)
+    code = run_plan(cfg, "train", gpu_mem=gpu_mem, model_config=model_config, dp=1, host_mem=host_mem)
+    if code:
+        return code
+    cli_preflight(cfg, "train", flow_only=flow_only)
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- signals
 class StopRequested(KeyboardInterrupt):
     """SIGTERM or SIGINT arrived: unwind the run (a KeyboardInterrupt, so Prefect marks the flow run Crashed
@@ -153,12 +203,16 @@ def stop_on_signals() -> Iterator[None]:
         yield
         return
     received: list[int] = []
+    forget_lost()
 
     def handler(signum: int, frame: FrameType | None) -> None:
         del frame
         if received:
             return
         received.append(signum)
+        lost = lost_lease()
+        if lost is not None and signum == signal.SIGINT:  # the training flow's own interrupt: lease taken
+            raise lost
         print(
             f"\ndapo: {signal.Signals(signum).name} received — stopping at the next safe point "
             "(committed stages are kept)...",
@@ -226,6 +280,46 @@ def _log_path(command: str, run_dir: Path | None) -> Path:
         folder = Path(tempfile.gettempdir()) / "dapo-errors"
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"{command}-{stamp}-{os.getpid()}.log"
+
+
+def report_stop(stop: KeyboardInterrupt, command: str, *, resume: str = "") -> int:
+    """The end of a run stopped by SIGTERM/SIGINT: what was kept and `resume` (a command), exit 128 + the
+    signal; a `LeaseLost` (another process took the run over): its paragraph, exit 2."""
+    if isinstance(stop, LeaseLost):
+        print(f"dapo {command}: {stop}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    signum = int(getattr(stop, "signum", signal.SIGINT))
+    name = signal.Signals(signum).name
+    lines = [f"dapo {command}: stopped by {name}; committed stages and checkpoints are kept."]
+    if resume:
+        lines.append("Resume with: " + " ".join(resume.split()))
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def run_reported(
+    command: str,
+    body: Callable[[], int],
+    *,
+    debug: bool,
+    state: dict,
+    resume: Callable[[], str] | None = None,
+) -> int:
+    """Run `body` (a command's work) under `stop_on_signals` and end every way it can in one paragraph: a
+    stop (`report_stop`, with `resume()` once `state` has a "run_id"), a `DapoUserError` anywhere in the
+    exception (`report_error`, exit 2), anything else (`report_crash`, exit 1). `state["run_dir"]`, once
+    known, is where the log file with the traceback goes."""
+    try:
+        with stop_on_signals():
+            return body()
+    except KeyboardInterrupt as stop:  # StopRequested (our handler), StopSignal (a wait on Ray), LeaseLost
+        hint = resume() if resume is not None and state.get("run_id") else ""
+        return report_stop(stop, command, resume=hint)
+    except Exception as exc:
+        code = report_error(exc, command, debug=debug, run_dir=state.get("run_dir"))
+        if code is None:  # not the input: one paragraph naming the log file with the traceback
+            return report_crash(exc, command, debug=debug, run_dir=state.get("run_dir"))
+        return code
 
 
 def report_crash(exc: BaseException, command: str, *, debug: bool, run_dir: Path | None = None) -> int:

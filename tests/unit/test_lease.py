@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -37,6 +38,14 @@ HOLDER = textwrap.dedent(
 )
 
 
+def _readline(p: subprocess.Popen, timeout_s: float = 120.0) -> str:
+    """The child's next stdout line, or fail after `timeout_s` (a child that hangs or dies says so)."""
+    assert p.stdout is not None
+    ready, _, _ = select.select([p.stdout], [], [], timeout_s)
+    assert ready, f"no line from pid {p.pid} within {timeout_s:g} s (exit code {p.poll()})"
+    return p.stdout.readline()
+
+
 @pytest.fixture
 def holder(tmp_path):
     """Start a process holding the lease of tmp_path/runs/r1 (a run with one committed file); yield it."""
@@ -54,13 +63,13 @@ def holder(tmp_path):
             text=True,
         )
         procs.append(p)
-        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        assert _readline(p).strip() == "held"
         return p
 
     yield run, start
     for p in procs:
         p.kill()
-        p.wait()
+        p.wait(timeout=60)
 
 
 def snapshot(run: Path) -> dict[str, bytes]:
@@ -90,7 +99,7 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once_and_logged(holder, cap
     run, start = holder
     p = start()
     p.kill()
-    p.wait()
+    p.wait(timeout=60)
     with caplog.at_level("WARNING"):
         lease = L.acquire(run, timeout_s=120)
     assert f"pid {p.pid}" in lease.took_over and "is gone" in lease.took_over
@@ -169,14 +178,14 @@ def test_a_retried_flow_run_while_the_holder_lives_is_refused_by_open_run(holder
         open_run(cfg, "r1")
     assert snapshot(run) == before
     # Waiting: the holder ends while the retry waits, and the retry then opens the run.
-    cfg.trainer.lease_wait_s = 600
+    cfg.trainer.lease_wait_s = 120
     killer = subprocess.Popen([sys.executable, "-c", f"import os,time; time.sleep(2); os.kill({p.pid}, 9)"])
     rt = open_run(cfg, "r1")
     try:
         assert L.read_holder(run).pid == os.getpid()
     finally:
         close_run(rt)
-        killer.wait()
+        killer.wait(timeout=60)
     assert L.read_holder(run) is None  # close_run gives the lease back
 
 
@@ -191,3 +200,140 @@ def test_the_cli_refuses_a_second_train_before_prefect_starts(holder, tmp_path, 
     assert code == 2
     assert f"pid {p.pid}" in err and "Traceback" not in err and "Prefect server" not in err
     assert snapshot(run) == before
+
+
+# ------------------------------------------------------------------------------------ races of a beat
+class _StrikeOs:
+    """`os` for the lease module, running `strike()` once, just before its `n`-th rename / link / replace:
+    another process acting at that instant of a beat or a release."""
+
+    def __init__(self, n: int, strike) -> None:
+        self.n, self.strike, self.calls = n, strike, 0
+
+    def __getattr__(self, name: str):
+        real = getattr(os, name)
+        if name not in ("rename", "link", "replace"):
+            return real
+
+        def op(*args, **kwargs):
+            self.calls += 1
+            if self.calls == self.n:
+                self.strike()
+            return real(*args, **kwargs)
+
+        return op
+
+
+def _taker(run: Path, monkeypatch) -> list:
+    """A strike that takes the lease over as another process would (it judges the holder stale)."""
+    got: list = []
+
+    def strike() -> None:
+        with monkeypatch.context() as m:
+            m.setattr(L, "os", os)  # the taker's own calls are not struck
+            m.setattr(L, "_HELD", set())  # another process: it holds nothing of this one's
+            got.append(L.acquire(run, timeout_s=1e-6))
+
+    return got, strike
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_takeover_in_the_middle_of_a_beat_is_never_overwritten(tmp_path, monkeypatch, n):
+    """Whenever the taker strikes (before the beat's first or second file operation), afterwards exactly one
+    process holds the lease: the taker's token is in lease.json, and the beat raised `LeaseLost`."""
+    run = tmp_path / "r"
+    lease = L.acquire(run, timeout_s=60)
+    got, strike = _taker(run, monkeypatch)
+    monkeypatch.setattr(L, "os", _StrikeOs(n, strike))
+    with pytest.raises(L.LeaseLost) as lost:
+        lease.beat()
+    monkeypatch.setattr(L, "os", os)
+    assert got, "the taker did not strike"
+    assert L.read_holder(run).token == got[0].holder.token
+    assert lease.lost and "lost its lease" in str(lost.value) and "trainer.lease_timeout_s" in str(lost.value)
+    lease.release()  # must not remove the taker's lease
+    assert L.read_holder(run).token == got[0].holder.token
+    assert [f.name for f in run.iterdir()] == [L.LEASE_FILE]  # nothing left aside
+
+
+def test_a_release_racing_a_takeover_keeps_the_takers_lease(tmp_path, monkeypatch):
+    run = tmp_path / "r"
+    lease = L.acquire(run, timeout_s=60)
+    got, strike = _taker(run, monkeypatch)
+    monkeypatch.setattr(L, "os", _StrikeOs(1, strike))
+    lease.release()
+    monkeypatch.setattr(L, "os", os)
+    assert got and L.read_holder(run).token == got[0].holder.token
+
+
+def test_while_a_beat_has_the_lease_aside_it_is_still_held(tmp_path, monkeypatch):
+    """Between moving lease.json aside and linking the renewed one in, a second writer is refused (it reads
+    the aside file) and the preflight's read-only check says the same."""
+    run = tmp_path / "r"
+    lease = L.acquire(run, timeout_s=60)
+    seen: list = []
+
+    def strike() -> None:
+        assert not (run / L.LEASE_FILE).exists()
+        seen.append(L.read_holder(run))
+        with pytest.raises(L.LeaseHeld):
+            L.check_free(run, 60)
+        with monkeypatch.context() as m:
+            m.setattr(L, "os", os)
+            m.setattr(L, "_HELD", set())
+            with pytest.raises(L.LeaseHeld, match=f"pid {os.getpid()}"):
+                L.acquire(run, timeout_s=60)
+
+    monkeypatch.setattr(L, "os", _StrikeOs(2, strike))  # rename aside (1), then before the link (2)
+    lease.beat()
+    monkeypatch.setattr(L, "os", os)
+    assert seen and seen[0].token == lease.holder.token
+    assert L.read_holder(run) == lease.holder  # renewed
+    lease.release()
+
+
+def test_a_holder_that_died_in_the_middle_of_a_beat_is_taken_over(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    dead = L.Holder(socket.gethostname(), 2**22 + 7, 1.0, "", "dead", time.time(), time.time())
+    (run / f".{L.LEASE_FILE}.aside.0a1b").write_text(json.dumps(dead.__dict__))
+    assert L.read_holder(run).token == "dead"
+    lease = L.acquire(run, timeout_s=60)
+    assert "is gone" in lease.took_over and not (run / f".{L.LEASE_FILE}.aside.0a1b").exists()
+    lease.release()
+
+
+def test_check_raises_lease_lost_and_the_cli_ends_with_its_paragraph(tmp_path, capsys):
+    """`Lease.check` and the heartbeat raise `LeaseLost`; the training flow's interrupt of its main thread
+    becomes that `LeaseLost` under the CLI's signal handler, and the CLI prints its paragraph (exit 2)."""
+    import _thread
+
+    from flows.preflight import report_stop, stop_on_signals
+
+    run = tmp_path / "r1"
+    lease = L.acquire(run, timeout_s=0.8, on_lost=_thread.interrupt_main)  # beats every 0.2 s
+    lease.check()
+    now = time.time()
+    theirs = L.Holder("gpu-node-9", 77, 0.0, "flow-2", "theirs", now, now)
+    (run / L.LEASE_FILE).write_text(json.dumps(theirs.__dict__))
+    with pytest.raises(L.LeaseLost, match="gpu-node-9 pid 77"):
+        lease.check()
+
+    def run_until_interrupted() -> None:
+        with stop_on_signals():
+            lease.start_heartbeat()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    with pytest.raises(L.LeaseLost) as stopped:
+        run_until_interrupted()
+    assert stopped.value.now_holder == theirs
+    assert report_stop(stopped.value, "train", resume="dapo train ...") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "dapo train: run r1: this process lost its lease (now held by host gpu-node-9 pid 77"
+    )
+    assert "Fix:" in err and "Resume with" not in err and len(err.strip().splitlines()) == 1
+    lease.release()
+    assert L.read_holder(run) == theirs
