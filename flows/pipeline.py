@@ -31,6 +31,13 @@ from dapo_core.errors import DapoUserError
 from flows.base_model import base_model_flow
 from flows.dapo_train import dapo_train
 from flows.evaluate import evaluate_flow
+from flows.preflight import (
+    debug_enabled,
+    load_config_reported,
+    quiet_user_error_tracebacks,
+    run_reported,
+    train_checks,
+)
 from flows.prepare_data import prepare_data_flow
 from flows.progress import prefect_console_env, quiet_worker_noise, start_local_prefect
 
@@ -179,10 +186,12 @@ def export_milestones(run_dir: Path, steps: list[int], out: Path, save_freq: int
     for step in steps:
         src = ckpts.path(step) / "actor"
         if not src.is_dir():
-            raise SystemExit(
+            raise DapoUserError(
                 f"--milestones: run {run_dir.name} has no checkpoint of step {step} (trainer.save_freq="
-                f"{save_freq} saves every save_freq steps and the last): choose saved steps in dvc.yaml's "
-                f"`milestones` or change trainer.save_freq in params.yaml"
+                f"{save_freq} saves every save_freq steps and the last)",
+                where=str(ckpts.path(step)),
+                fix="choose saved steps in dvc.yaml's `milestones`, or change trainer.save_freq in "
+                "params.yaml",
             )
         dst = out / f"step_{step}"
         shutil.copytree(src, dst, ignore=shutil.ignore_patterns("optim.pt", "extra_state.pt", "deepspeed"))
@@ -216,11 +225,14 @@ def write_train_metrics(run_dir: Path, summary: dict, metrics_dir: Path) -> None
     (metrics_dir / "train.json").write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
 
 
-def dvc_train(config: str, milestones: list[int], models_dir: Path, metrics_dir: Path) -> dict:
-    """The `train` stage of dvc.yaml: train (or resume) the run of these parameters, export its outputs."""
+def dvc_train(
+    config: str, milestones: list[int], models_dir: Path, metrics_dir: Path, *, cfg_yaml: str | None = None
+) -> dict:
+    """The `train` stage of dvc.yaml: train (or resume) the run of these parameters, export its outputs
+    (`cfg_yaml`: the config already loaded from `config`)."""
     from flows.dapo_train import dapo_train
 
-    cfg_yaml = to_safe_yaml(load_config(config))
+    cfg_yaml = cfg_yaml or to_safe_yaml(load_config(config))
     run_id = dvc_run_id(cfg_yaml)
     print(
         f"dvc train: run id {run_id} (runs/ stays outside DVC; an interrupted repro resumes it)", flush=True
@@ -235,25 +247,59 @@ def dvc_train(config: str, milestones: list[int], models_dir: Path, metrics_dir:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m flows.pipeline dvc-train --config params.yaml --milestones 50,100` (dvc.yaml's train)."""
+    """`python -m flows.pipeline dvc-train --config params.yaml --milestones 50,100` (dvc.yaml's train):
+    the checks of `dapo train --flow-only` (config, memory plan, preflight, the run's lease) before the
+    temporary Prefect server starts, and every ending as one paragraph (`flows.preflight.run_reported`)."""
     parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.split("\n\n")[2])
     parser.add_argument("command", choices=["dvc-train"])
     parser.add_argument("--config", default="params.yaml")
     parser.add_argument("--milestones", default="", help="comma-separated train steps to export")
     parser.add_argument("--models-dir", default="models")
     parser.add_argument("--metrics-dir", default="metrics")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks (also DAPO_DEBUG=1)")
     args = parser.parse_args(argv)
     if os.environ.get("DAPO_TASK_LOGS") != "1":  # one line per task run is Prefect's default: too many here
         logging.getLogger("prefect.task_runs").setLevel(logging.WARNING)
-    steps = [int(x) for x in args.milestones.split(",") if x.strip()]
     prefect_console_env()  # as the dapo CLI: usage data off unless asked for (prefect is imported already)
-    quiet_worker_noise()
+    state: dict = {}
+    return run_reported(
+        args.command,
+        lambda: _dvc_main(args, state),
+        debug=debug_enabled(args.debug),
+        state=state,
+        resume=lambda: f"dvc repro train (it resumes run {state['run_id']})",
+    )
+
+
+def _milestones(text: str) -> list[int]:
+    """`--milestones 10,30` as train steps."""
     try:
-        start_local_prefect("dvc-train")  # Prefect's own 20 s start-up timeout fails on a loaded machine
-    except DapoUserError as e:
-        print(f"dvc-train: {e}", file=sys.stderr)
-        return 2
-    dvc_train(args.config, steps, Path(args.models_dir), Path(args.metrics_dir))
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DapoUserError(
+            f"--milestones {text!r} is not a comma-separated list of train steps",
+            where="dvc.yaml `milestones` (vars)",
+            fix="write saved train steps such as 10,30",
+        ) from None
+
+
+def _dvc_main(args: argparse.Namespace, state: dict) -> int:
+    """The DVC train stage after argument parsing (`main` adds the reporting and signal handling)."""
+    steps = _milestones(args.milestones)
+    cfg = load_config_reported(args.config, [], args.command)
+    cfg_yaml = to_safe_yaml(cfg)
+    run_id = dvc_run_id(cfg_yaml)
+    tcfg = typed(cfg)
+    tcfg.trainer.experiment_name = run_id  # the run the stage writes: its lease is checked too
+    state["run_id"] = run_id
+    state["run_dir"] = Path(tcfg.trainer.runs_dir) / run_id
+    code = train_checks(tcfg, flow_only=True)
+    if code:
+        return code
+    quiet_user_error_tracebacks(debug_enabled(args.debug))
+    quiet_worker_noise()
+    start_local_prefect(args.command)  # Prefect's own 20 s start-up timeout fails on a loaded machine
+    dvc_train(args.config, steps, Path(args.models_dir), Path(args.metrics_dir), cfg_yaml=cfg_yaml)
     return 0
 
 
