@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ def torch_generator(seed: int, device: str | torch.device = "cpu") -> torch.Gene
     return gen
 
 
-def uid_factory(*namespace: object):
+def uid_factory(*namespace: object) -> Callable[[], str]:
     """A callable returning reproducible uids (32 hex chars, no `_`) unique within `namespace`.
 
     Used instead of uuid4 for the uids of sampled prompts, so that a re-run of a step (after a crash, or a

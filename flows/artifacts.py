@@ -166,7 +166,7 @@ class RunArtifacts:
         done_steps: int,
         enabled: bool = True,
         min_interval_s: float = STEP_PUBLISH_INTERVAL_S,
-    ):
+    ) -> None:
         self.run_id = run_id
         self.run_dir = Path(run_dir)
         self.total = max(int(total_steps), 1)

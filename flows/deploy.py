@@ -18,8 +18,12 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flows.dapo_train import CONFIGS_DIR
+
+if TYPE_CHECKING:
+    from prefect.deployments.runner import RunnerDeployment
 
 
 def config_parameter(config: str) -> str:
@@ -45,7 +49,7 @@ def deploy(
     overrides: Sequence[str] = (),
     run_id: str | None = None,
     serve: bool = True,
-):
+) -> RunnerDeployment | None:
     """Create the deployment `dapo-train/<name>`; with `serve=True` block serving it (Ctrl-C to stop).
 
     `config` and `overrides` become the form's defaults (`cfg_yaml`, already validated by the CLI, is the
@@ -73,4 +77,7 @@ def deploy(
     if serve:
         dapo_train.serve(name=name, parameters=params, tags=["dapo"], description=description)
         return None
-    return dapo_train.to_deployment(name=name, parameters=params, tags=["dapo"], description=description)
+    # called from sync code, so Prefect's async_dispatch returns the deployment itself, not a coroutine
+    return dapo_train.to_deployment(  # type: ignore[return-value]
+        name=name, parameters=params, tags=["dapo"], description=description
+    )

@@ -70,7 +70,7 @@ class RateLimitedLines:
         interval_s: float | None = None,
         printer: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
-    ):
+    ) -> None:
         self.interval_s = line_interval_s() if interval_s is None else interval_s
         self.printer = printer or _print_line
         self.clock = clock
@@ -108,7 +108,7 @@ class Ticker:
         printer: Callable[[str], None] | None = None,
         console: Console | None = None,
         clock: Callable[[], float] = time.monotonic,
-    ):
+    ) -> None:
         self.label, self.total, self.unit = label, max(int(total), 0), unit
         self.done = 0
         self.clock = clock
@@ -179,7 +179,7 @@ class StepProgress:
         printer: Callable[[str], None] | None = None,
         interval_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
-    ):
+    ) -> None:
         console = console or _stderr_console()
         self.enabled = enabled and console.is_terminal
         self.run_id = run_id

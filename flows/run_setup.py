@@ -81,7 +81,7 @@ def read_table(files: list[str]) -> pa.Table:
     return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
 
 
-def val_prompts(data: DataConfig, tokenizer, files: list[str] | None = None) -> pa.Table:
+def val_prompts(data: DataConfig, tokenizer: Any, files: list[str] | None = None) -> pa.Table:
     """All validation prompts of `files` (default `data.val_files`), tokenised, in file order."""
     table = read_table(files or data.val_files)
     sampler = PromptSampler(
@@ -416,7 +416,7 @@ def record_attempt(rt: TrainRun) -> Path:
     return path
 
 
-def train_sampler(cfg: DapoConfig, table: pa.Table, tokenizer) -> PromptSampler:
+def train_sampler(cfg: DapoConfig, table: pa.Table, tokenizer: Any) -> PromptSampler:
     """The training prompts' sampler, one prompt per draw: verl's seeded epochs (`PromptSampler`), or with
     `data.history_sampler.enable` the `HistorySampler` that passes over prompts whose recent groups had no
     reward spread. The latter is for the sync step order: in the replay order rewards arrive after later

@@ -289,7 +289,7 @@ def stage_name(stage: str, part: int | None) -> str:
     return stage if part is None else f"{stage}_p{part}"
 
 
-def run_name(stage: str):
+def run_name(stage: str) -> Callable[[], str]:
     """A Prefect `task_run_name` callable: `<stage>-step<step>[-p<part>]` (the UI shows a step's timeline)."""
 
     def name() -> str:

@@ -12,6 +12,7 @@ from prefect import task
 from dapo_core.data import batch as B
 from dapo_core.seeding import uid_factory
 from dapo_core.stages import apply_group_filter, filter_column, truncate_to_groups
+from dapo_core.store.jobs import StageJob
 from tasks import runtime
 from tasks.common import (
     STAGE_TASK_OPTS,
@@ -106,7 +107,7 @@ def generate(run_id: str, step: int, gen_idx: int, gen_step: int, num_prompts: i
     if new and rt.store.is_committed(step, stage):
         rt.store.register_prompts(new, step)
 
-    def call(job):
+    def call(job: StageJob) -> StageResult:
         running = {"is_prompt": True, "status": "running", "global_steps": int(step)}
         rt.store.apply(puts=[(u, running) for u in new], merges={u: {"status": "running"} for u in known})
         return rt.rollout.generate_stage(job, gen_step)
@@ -151,7 +152,7 @@ def reward(
     rt = runtime.get(run_id)
     scored = False
 
-    def call(job):
+    def call(job: StageJob) -> StageResult:
         nonlocal scored
         out = rt.reward.score_stage(job)
         scored = True
@@ -194,7 +195,7 @@ def filter_kept(rt: runtime.Runtime, step: int, gen_idx: int, reward_uri: str) -
     """Dynamic sampling: keep the groups whose metric varies (docs/REFERENCE.md §6.1 steps 7–8), committed as
     the row selection `kept_g<gen_idx>` of the scored stage at `reward_uri`."""
 
-    def compute():
+    def compute() -> tuple[np.ndarray, dict[str, float]]:
         metric = filter_metric(rt)
         table = rt.store.read_uri(reward_uri, verify=False, columns=["uid", filter_column(metric)])
         table = table.append_column("_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
@@ -212,7 +213,7 @@ def assemble(rt: runtime.Runtime, step: int, kept_uris: list[str], num_gen_batch
     """Concatenate kept groups, truncate to train_batch_size·n (surplus discarded, §6.1 step 10), balance;
     committed as stage `batch` (a row selection)."""
 
-    def compute():
+    def compute() -> tuple[np.ndarray, dict[str, float]]:
         table, dropped = truncate_to_groups(lengths_of(rt, kept_uris), rt.cfg.data.train_batch_size, rt.n)
         check_whole_groups(table, rt.n, f"step {step}: assembled batch")
         return balanced_order(rt, table), {

@@ -32,7 +32,7 @@ W = TypeVar("W")
 class ChunkSampler:
     """Draws any number of prompts from a one-prompt-per-batch PromptSampler (refills of any size)."""
 
-    def __init__(self, sampler: PromptSampler):
+    def __init__(self, sampler: PromptSampler) -> None:
         self.sampler = sampler
 
     def next_batch(self, size: int) -> pa.Table:

@@ -10,6 +10,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -122,7 +123,7 @@ def checkpoint(run_id: str, step: int, driver_state: dict) -> str:
     rt = runtime.get(run_id)
     ckpts = rt.store.checkpoints
 
-    def write(tmp_dir: str) -> None:
+    def write(tmp_dir: Path) -> None:
         rt.actor.save_checkpoint(os.path.join(tmp_dir, "actor"))
         if rt.critic is not None:
             rt.critic.save_checkpoint(os.path.join(tmp_dir, "critic"))

@@ -225,7 +225,9 @@ def _broadcast(per_row: torch.Tensor, response_mask: torch.Tensor) -> torch.Tens
 
 @register_adv_estimator(AdvantageEstimator.GRPO)
 @torch.no_grad()
-def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index=None, **kwargs):
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: `a_i = (r_i − μ_g)/(σ_g + ε)` per group (σ unbiased), or `r_i − μ_g` without std scaling.
 
     kwargs: `epsilon` (1e-6), `norm_adv_by_std_in_grpo` (True; False = Dr.GRPO). A singleton group has
@@ -250,7 +252,9 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index=Non
 
 @register_adv_estimator(AdvantageEstimator.GRPO_VECTORIZED)
 @torch.no_grad()
-def compute_grpo_vectorized_outcome_advantage(token_level_rewards, response_mask, index=None, **kwargs):
+def compute_grpo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO computed with scatter-adds over factorised labels (same result as `grpo`, no group loop)."""
     _check(token_level_rewards, response_mask, index, need_index=True)
     epsilon = float(_opt(kwargs, "epsilon", GRPO_EPSILON))
@@ -265,7 +269,9 @@ def compute_grpo_vectorized_outcome_advantage(token_level_rewards, response_mask
 
 @register_adv_estimator(AdvantageEstimator.RLOO)
 @torch.no_grad()
-def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index=None, **kwargs):
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: `a_i = r_i − mean of the other samples of the group`; a singleton keeps `a = r`."""
     _check(token_level_rewards, response_mask, index, need_index=True)
     scores = token_level_rewards.sum(dim=-1)
@@ -282,7 +288,9 @@ def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index=Non
 
 @register_adv_estimator(AdvantageEstimator.RLOO_VECTORIZED)
 @torch.no_grad()
-def compute_rloo_vectorized_outcome_advantage(token_level_rewards, response_mask, index=None, **kwargs):
+def compute_rloo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO by scatter-add: `(c·r_i − Σ_g r)/max(c − 1, 1)·1[c > 1]`; singletons get **0** (unlike `rloo`)."""
     _check(token_level_rewards, response_mask, index, need_index=True)
     scores = token_level_rewards.sum(dim=-1)
@@ -297,7 +305,9 @@ def compute_rloo_vectorized_outcome_advantage(token_level_rewards, response_mask
 
 @register_adv_estimator(AdvantageEstimator.OPO)
 @torch.no_grad()
-def compute_opo_outcome_advantage(token_level_rewards, response_mask, index=None, **kwargs):
+def compute_opo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO: length-weighted baseline `b_g = Σ len_i·r_i / Σ len_i` (singleton b = 0); `a = r − b`."""
     _check(token_level_rewards, response_mask, index, need_index=True)
     scores = token_level_rewards.sum(dim=-1)
@@ -314,7 +324,9 @@ def compute_opo_outcome_advantage(token_level_rewards, response_mask, index=None
 
 @register_adv_estimator(AdvantageEstimator.GPG)
 @torch.no_grad()
-def compute_gpg_outcome_advantage(token_level_rewards, response_mask, index=None, **kwargs):
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG: `a_i = α·(r_i − μ_g)` with `α = B / max(#nonzero scores, 1)` (singleton μ = 0)."""
     _check(token_level_rewards, response_mask, index, need_index=True)
     scores = token_level_rewards.sum(dim=-1)
@@ -331,7 +343,9 @@ def compute_gpg_outcome_advantage(token_level_rewards, response_mask, index=None
 
 @register_adv_estimator(AdvantageEstimator.GRPO_PASSK)
 @torch.no_grad()
-def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index=None, **kwargs):
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k GRPO: only the best sample of each group gets `r_max − r_second` (÷(σ + ε) if normalising).
 
     Every group needs at least 2 samples (ValueError otherwise). kwargs: `epsilon`, `norm_adv_by_std_in_grpo`.
@@ -360,8 +374,8 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, ind
 @register_adv_estimator(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
-    token_level_rewards, response_mask, index=None, **kwargs
-):
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with group baseline: `r_i − μ_g` broadcast, then whitened over the whole batch.
 
     Returns `(masked_whiten(a·mask, mask)·mask,)*2`; needs at least two valid tokens in the batch.
@@ -384,7 +398,9 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
 
 @register_adv_estimator(AdvantageEstimator.REINFORCE_PLUS_PLUS)
 @torch.no_grad()
-def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, index=None, **kwargs):
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted return `G_t = r_t + γ·G_{t+1}`, whitened over the batch.
 
     Positions with mask 0 (observation / padding) are skipped: their return is 0 and the carried
@@ -406,7 +422,9 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_
 
 @register_adv_estimator(AdvantageEstimator.REMAX)
 @torch.no_grad()
-def compute_remax_outcome_advantage(token_level_rewards, response_mask, index=None, **kwargs):
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: `returns = reverse cumsum(r·mask)`, `adv = returns − baseline·mask`.
 
     kwargs: `reward_baselines` (B,) — the greedy-decoding score of each prompt (required).
@@ -426,7 +444,9 @@ def compute_remax_outcome_advantage(token_level_rewards, response_mask, index=No
 
 @register_adv_estimator(AdvantageEstimator.GAE)
 @torch.no_grad()
-def compute_gae_advantage_return(token_level_rewards, response_mask, index=None, **kwargs):
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE(γ, λ): `δ_t = r_t + γ·V_next − V_t`, `A_t = δ_t + γλ·A_next`, scanned right to left.
 
     At positions with mask 0 both `V_next` and `A_next` are carried through unchanged, so

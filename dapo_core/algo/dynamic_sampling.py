@@ -29,7 +29,9 @@ __all__ = [
 ]
 
 
-def _group_arrays(uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np.ndarray):
+def _group_arrays(
+    uids: Sequence[Any] | np.ndarray, values: Sequence[float] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     uid_arr = np.asarray(uids)
     val_arr = np.asarray(values, dtype=np.float64)
     if uid_arr.ndim != 1 or val_arr.ndim != 1:

@@ -81,7 +81,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> t
 class FixedKLController:
     """A constant KL coefficient β; `update` does nothing."""
 
-    def __init__(self, kl_coef: float):
+    def __init__(self, kl_coef: float) -> None:
         self.value = float(kl_coef)
 
     def update(self, current_kl: float, n_steps: int) -> None:
@@ -98,7 +98,7 @@ class AdaptiveKLController:
     `β ← β · (1 + e · n_steps / horizon)`.
     """
 
-    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
         if horizon <= 0:
             raise ValueError(
                 f"algorithm.kl_ctrl.horizon must be > 0 for the adaptive controller, got {horizon}"

@@ -106,7 +106,7 @@ def _init_worker_process(num_threads: int, verbose: bool = True) -> None:
 class _RayHost:
     """A generic Ray actor body: builds the worker object from a factory and forwards method calls to it."""
 
-    def __init__(self, factory: Callable[[], Any], num_threads: int, verbose: bool = True):
+    def __init__(self, factory: Callable[[], Any], num_threads: int, verbose: bool = True) -> None:
         _init_worker_process(num_threads, verbose)
         self._obj = factory()
 
@@ -147,7 +147,7 @@ class Handle:
     def is_ray(self) -> bool:
         return self.ray_actor is not None
 
-    def submit(self, method: str, *args, **kwargs) -> Any:
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Start `method` and return a reference to its result (Ray ObjectRef, or the value in-process)."""
         if self.is_ray:
             return self.ray_actor.call.remote(method, args, kwargs)
@@ -174,7 +174,7 @@ class Handle:
 class Future(Generic[R]):
     """The pending result of a worker call started with `submit`; `result()` waits for it."""
 
-    def __init__(self, handle: Handle, ref: Any):
+    def __init__(self, handle: Handle, ref: Any) -> None:
         self._handle = handle
         self._ref = ref
 
@@ -186,7 +186,7 @@ class Future(Generic[R]):
 class _RemoteMethod:
     """`<proxy>.<method>`: calling it runs the method on the worker and waits for the result."""
 
-    def __init__(self, handle: Handle, name: str):
+    def __init__(self, handle: Handle, name: str) -> None:
         self.handle = handle
         self.name = name
 
@@ -200,7 +200,7 @@ class _RemoteMethod:
 class _WorkerProxy:
     """Stands for a worker of class `cls` behind `handle`: attribute `m` is a blocking remote `cls.m`."""
 
-    def __init__(self, handle: Handle, cls: type):
+    def __init__(self, handle: Handle, cls: type) -> None:
         self._handle = handle
         self._cls = cls
 
@@ -482,7 +482,7 @@ class Cluster:
         device: str = "cpu",
         num_threads: int = 1,
         start_timeout_s: float = 600.0,
-    ):
+    ) -> None:
         self.run_id = run_id
         self.use_ray = use_ray
         self.placement: dict[str, dict[str, str]] = {}
@@ -633,5 +633,5 @@ class Cluster:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()

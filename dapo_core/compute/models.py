@@ -214,7 +214,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
-):
+) -> Any:
     """Load a causal LM from the HF folder `path` in `dtype` on `device`, in eval mode.
 
     Attention defaults to SDPA: transformers' eager attention turns left-padded rows into NaN in

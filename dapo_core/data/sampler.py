@@ -56,7 +56,9 @@ def group_outcomes(prompt_ids: Iterable[int], accs: Iterable[bool]) -> dict[int,
 class HistorySampler(PromptSampler):
     """`PromptSampler` (batch_size 1) that passes over prompts whose recent groups had no reward spread."""
 
-    def __init__(self, table: pa.Table, tokenizer: Any, *, window: int, explore_prob: float, **kwargs: Any):
+    def __init__(
+        self, table: pa.Table, tokenizer: Any, *, window: int, explore_prob: float, **kwargs: Any
+    ) -> None:
         """`window`: how many of a prompt's latest groups must all lack spread for it to be passed over;
         `explore_prob`: the chance such a prompt is drawn anyway. Other arguments as `PromptSampler`."""
         if kwargs.get("batch_size", 1) != 1:

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,6 +37,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dapo_core.errors import DapoUserError
+
+if TYPE_CHECKING:
+    from pandera.api.pyarrow.types import PyArrowData
 
 __all__ = [
     "COLUMN_TYPES",
@@ -402,7 +406,7 @@ ROW_OK = "row_ok"
 """Column of the compact per-row frame pandera validates: True when every row predicate holds for the row."""
 
 
-def _all_true(data) -> pa.Array:
+def _all_true(data: PyArrowData) -> pa.Array:
     return pc.fill_null(data.table.column(ROW_OK), False)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ class JsonlBackend:
     """Appends one JSON object per step to `<run>/metrics.jsonl` (flushed each step, so a crash loses
     nothing)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -67,7 +67,7 @@ class JsonlBackend:
 class TensorBoardBackend:
     """Scalars to `<run>/tensorboard/`."""
 
-    def __init__(self, logdir: Path):
+    def __init__(self, logdir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir = logdir
@@ -104,7 +104,7 @@ CONSOLE_KEYS = (
 class ConsoleBackend:
     """One compact line per step with the headline metrics (the rich live display is the flow's job)."""
 
-    def __init__(self, printer=print):
+    def __init__(self, printer: Callable[[str], None] = print) -> None:
         self.printer = printer
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -118,7 +118,12 @@ class ConsoleBackend:
 class Tracker:
     """Log metrics to every backend named in `backends` (subset of console, jsonl, tensorboard)."""
 
-    def __init__(self, run_dir: str | Path, backends: Sequence[str] = ("jsonl",), printer=print):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        backends: Sequence[str] = ("jsonl",),
+        printer: Callable[[str], None] = print,
+    ) -> None:
         run_dir = Path(run_dir)
         self.backends: list[Any] = []
         for name in backends:

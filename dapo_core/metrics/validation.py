@@ -42,7 +42,7 @@ def validation_summary(table: pa.Table, *, seed: int = 42) -> dict[str, float]:
     return out
 
 
-def answer_line_rate_by_source(sources, preds) -> dict[str, float]:
+def answer_line_rate_by_source(sources: Sequence[str], preds: Sequence[str | None]) -> dict[str, float]:
     """`val-aux/<source>/format/answer_line_rate`: share of responses with a parseable final answer (pred not
     `[INVALID]`) — separates "forgot the Answer: line" from "wrong number" when reading accuracy curves."""
     by: dict[str, list[float]] = defaultdict(list)
@@ -51,7 +51,9 @@ def answer_line_rate_by_source(sources, preds) -> dict[str, float]:
     return {f"val-aux/{s}/format/answer_line_rate": float(np.mean(v)) for s, v in by.items()}
 
 
-def pass_at_k_by_source(sources, uids, acc) -> dict[str, float]:
+def pass_at_k_by_source(
+    sources: Sequence[str], uids: Sequence[str], acc: Sequence[float]
+) -> dict[str, float]:
     """`val-core/<source>/acc/pass@k` for k = 1, 2, 4, … ≤ n (unbiased estimator, averaged over prompts)."""
     groups: dict[tuple[str, str], list[float]] = defaultdict(list)
     for s, u, a in zip(sources, uids, acc, strict=True):

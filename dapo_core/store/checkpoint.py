@@ -139,7 +139,7 @@ class CheckpointDir:
     Opening it creates ``ckpt/`` and deletes stale ``.tmp-*`` directories left by crashed saves.
     """
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path) -> None:
         self.root = Path(root).absolute()
         self.dir = self.root / "ckpt"
         self.dir.mkdir(parents=True, exist_ok=True)

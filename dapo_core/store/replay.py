@@ -105,7 +105,7 @@ class ReplayBuffer:
         max_off_policy_strategy: str = "drop",
         partition: str = "train",
         discard_surplus: bool = False,
-    ):
+    ) -> None:
         if train_batch_size < 1 or n < 1:
             raise ReplayError(f"ReplayBuffer: train_batch_size ({train_batch_size}) and n ({n}) must be >= 1")
         if max_off_policy_strategy not in ("drop", "wait"):

@@ -21,6 +21,7 @@ import re
 import sqlite3
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -111,12 +112,12 @@ class RunStore(StageFiles):
     store re-opens it from its root on the other side.
     """
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path) -> None:
         StageFiles.__init__(self, root)
         self._refuse_lost_ledger()
         self._lock = threading.RLock()
         self._db: sqlite3.Connection | None = self._open_db()
-        self._ckpt = None
+        self._ckpt: CheckpointDir | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def _refuse_lost_ledger(self) -> None:
@@ -180,7 +181,7 @@ class RunStore(StageFiles):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __getstate__(self) -> dict:
@@ -193,7 +194,7 @@ class RunStore(StageFiles):
         return f"RunStore({str(self.root)!r})"
 
     @property
-    def checkpoints(self):
+    def checkpoints(self) -> CheckpointDir:
         """The run's :class:`~dapo_core.store.checkpoint.CheckpointDir` (``root/ckpt``), opened on first
         use."""
         if self._ckpt is None:
@@ -219,7 +220,7 @@ class RunStore(StageFiles):
                 ),
             ) from exc
 
-    def _tx(self):
+    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
         """Context manager: one IMMEDIATE transaction under the instance lock."""
         store = self  # the inner class's methods take their own `self` (the _Tx instance)
 

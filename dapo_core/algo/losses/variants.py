@@ -16,6 +16,7 @@ import torch
 
 from dapo_core.algo.losses.core import (
     _SEQ_TOKEN_MEAN_EPS,
+    PolicyLossParams,
     _apply_is_weights,
     _clamped_log_ratio,
     _global,
@@ -33,16 +34,16 @@ from dapo_core.masked import masked_mean, masked_sum
 
 @register_policy_loss("gspo")
 def compute_policy_loss_gspo(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: PPO clip on the sequence ratio `exp(mean_t log r)`, token straight-through gradient.
 
     `log s_it = log π_θ − sg(log π_θ) + sg(mean_t log r)`, clamped above at 10; no dual clip. The
@@ -70,16 +71,16 @@ def compute_policy_loss_gspo(
 
 @register_policy_loss("sapo")
 def compute_policy_loss_sapo(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """SAPO: soft gate `f(r) = sigmoid(τ(r − 1))·4/τ` instead of a hard clip; loss `−f(r)·A`.
 
     τ = `tau_pos` where A > 0 else `tau_neg`. Aggregation forced to `seq-mean-token-mean`.
@@ -105,16 +106,16 @@ def compute_policy_loss_sapo(
 
 @register_policy_loss("gpg")
 def compute_policy_loss_gpg(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """GPG: plain policy gradient `−log π_θ · A` (old log-probs unused); no metrics."""
     _resolve_params(params)
     pg_losses = _apply_is_weights(-log_prob * advantages, rollout_is_weights)
@@ -123,16 +124,16 @@ def compute_policy_loss_gpg(
 
 @register_policy_loss("clip_cov")
 def compute_policy_loss_clip_cov(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Clip-Cov: PPO clip (no dual clip) plus dropping the loss of a few high-covariance tokens.
 
     Among valid tokens not already clipped, those with `cov = (A − mean A)(log π − mean log π)` in
@@ -173,16 +174,16 @@ def compute_policy_loss_clip_cov(
 
 @register_policy_loss("kl_cov")
 def compute_policy_loss_kl_cov(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov: unclipped `−A·r`, plus `ppo_kl_coef·|log r|` on the top-k tokens by covariance.
 
     k = `max(1, int(N_valid·kl_cov_ratio))`; metric `actor/ppo_kl` is the masked mean of |log r|.
@@ -211,16 +212,16 @@ def compute_policy_loss_kl_cov(
 
 @register_policy_loss("geo_mean")
 def compute_policy_loss_geo_mean(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """GMPO: geometric-mean sequence ratio with token log-ratios clipped to [−ε_low, ε_high].
 
     The clip acts in the sign(A) direction (pessimistic); sequence ratio = exp(masked mean of the
@@ -255,16 +256,16 @@ def compute_policy_loss_geo_mean(
 
 
 def _dppo(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    p,
-    valid,
-    loss_agg_mode,
-    rollout_is_weights,
-    global_batch_info,
-):
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    p: PolicyLossParams,
+    valid: torch.Tensor,
+    loss_agg_mode: str,
+    rollout_is_weights: torch.Tensor | None,
+    global_batch_info: Mapping[str, Any] | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Shared tail of the DPPO losses: `−A·sg(min(r, c))·log π·valid`."""
     neg_kl = _clamped_log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(neg_kl)
@@ -281,16 +282,16 @@ def _dppo(
 
 @register_policy_loss("dppo_tv")
 def compute_policy_loss_dppo_tv(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """DPPO (total variation): keep a token's gradient only while the probability moved little.
 
     With p = exp(log π): A > 0 keeps the token if `p − p_old ≤ ε_high`, otherwise if `p − p_old ≥ −ε_low`.
@@ -315,16 +316,16 @@ def compute_policy_loss_dppo_tv(
 
 @register_policy_loss("dppo_kl")
 def compute_policy_loss_dppo_kl(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """DPPO (binary KL): as `dppo_tv` but the trust region is the KL of the Bernoulli(p) token event.
 
     `D = p_old·(log p_old − log p) + (1 − p_old)·log((1 − p_old + 1e-8)/(1 − p + 1e-8))`; A > 0 keeps the
@@ -358,16 +359,16 @@ def compute_policy_loss_dppo_kl(
 
 @register_policy_loss("cispo")
 def compute_policy_loss_cispo(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO: `−sg(clamp(r, 1 − ε_low, 1 + ε_high))·A·log π` — clip the IS weight, never the gradient."""
     p = _resolve_params(params)
     neg_kl = _clamped_log_ratio(log_prob, old_log_prob)
@@ -384,16 +385,16 @@ def compute_policy_loss_cispo(
 
 @register_policy_loss("dro")
 def compute_policy_loss_dro(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """DRO: `−(log π·A − ½·β·(log π − log π_old)²)` with β = `dro_beta` > 0."""
     p = _resolve_params(params)
     if p.dro_beta is None or not p.dro_beta > 0:
@@ -410,16 +411,16 @@ def compute_policy_loss_dro(
 
 @register_policy_loss("reinforce")
 def compute_policy_loss_reinforce(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """REINFORCE with (optional) IS weights: `−w·A·log π_θ`, no clipping.
 
     `old_log_prob` here is log π_rollout; metric `actor/ppo_kl = masked_mean(log π_rollout − log π_θ)`.
@@ -446,16 +447,16 @@ def _is_weights_tensor(obj: Any) -> torch.Tensor | None:
 
 @register_policy_loss("bypass_mode")
 def compute_policy_loss_bypass_mode(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     *,
-    loss_agg_mode="token-mean",
-    params=None,
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Bypass mode (§ 5.5): π_old is π_rollout; IS/RS are recomputed here from π_θ vs π_rollout.
 
     Under no_grad, `compute_rollout_correction_and_rejection_mask(log π_θ, log π_rollout, mask, ...)`

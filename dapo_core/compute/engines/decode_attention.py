@@ -127,7 +127,9 @@ def _shared_prefix_step(
     return out.reshape(b, 1, heads, dim)
 
 
-def append_reserved(layer: Any, key_states: torch.Tensor, value_states: torch.Tensor):
+def append_reserved(
+    layer: Any, key_states: torch.Tensor, value_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Write `key_states` / `value_states` (B, KV, q, d) at `layer.length` into the layer's buffers `_keys` /
     `_values`, reserved for `layer.capacity` positions on the first write; `keys` / `values` become views of
     the first `length` positions (no copy of the cache per token, unlike HF's growing `DynamicLayer`)."""
@@ -158,7 +160,9 @@ class SharedPrefixLayer(DynamicLayer):
         self.prefix_keys: torch.Tensor | None = None
         self.prefix_values: torch.Tensor | None = None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.prefix_keys is None:  # the prefill: one row per distinct prompt
             self.lazy_initialization(key_states, value_states)
             self.prefix_keys, self.prefix_values = key_states, value_states

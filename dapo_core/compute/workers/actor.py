@@ -19,7 +19,7 @@ import torch
 
 from dapo_core.algo.losses import PolicyLossParams, actor_objective, agg_loss
 from dapo_core.compute import dist as dpd
-from dapo_core.compute.engines.train import make_train_engine, ppo_update
+from dapo_core.compute.engines.train import TrainEngine, make_train_engine, ppo_update
 from dapo_core.compute.microbatch import grouped_order, token_budget_split
 from dapo_core.config import ActorConfig, RolloutCorrectionConfig, section
 from dapo_core.data import batch as B
@@ -27,7 +27,7 @@ from dapo_core.store.jobs import StageJob, run_job, stage_files
 
 
 def _log_prob_table(
-    engine,
+    engine: TrainEngine,
     table: pa.Table,
     *,
     pad_token_id: int,
@@ -110,7 +110,8 @@ def _log_prob_table(
         return empty, (empty if calculate_entropy else None)
     order_t = torch.tensor(order, dtype=torch.long)
     lp_col = _to_list_column(logps, lengths[order_t])
-    ent_col = _to_list_column(ents, lengths[order_t]) if calculate_entropy else None
+    # with calculate_entropy every chunk in `ents` is a tensor
+    ent_col = _to_list_column(ents, lengths[order_t]) if calculate_entropy else None  # type: ignore[arg-type]
     if order != sorted(order):  # token-budget groups: back to the table's row order
         restore = pa.array(torch.argsort(order_t).numpy())
         lp_col = lp_col.take(restore)
@@ -128,7 +129,7 @@ def _to_list_column(chunks: list[torch.Tensor], lengths: torch.Tensor) -> pa.Arr
 
 
 def _sharded_log_prob_table(
-    engine, table: pa.Table, dp: dpd.DataParallel | None, **kwargs: Any
+    engine: TrainEngine, table: pa.Table, dp: dpd.DataParallel | None, **kwargs: Any
 ) -> tuple[pa.Array | None, pa.Array | None]:
     """`_log_prob_table` over the data-parallel ranks: each computes its rows (`dist.dp_split` by tokens,
     a prompt's `uid` group together) and rank 0 gathers the columns in the table's order; the other ranks
@@ -169,7 +170,7 @@ class ActorWorker:
         gradient_checkpointing: bool = False,
         use_remove_padding: bool = False,
         use_shared_prompt: bool = False,
-    ):
+    ) -> None:
         """`log_prob_max_token_len`: the token budget of old-log-prob micro-batches (rollout's
         `log_prob_max_token_len_per_gpu` when `log_prob_use_dynamic_bsz`, else None); the update's budget is
         `actor_cfg`'s `ppo_max_token_len_per_gpu` when its `use_dynamic_bsz`. `gradient_checkpointing`,
@@ -263,7 +264,9 @@ class ActorWorker:
         return self.update_actor(stage_files(root).read_uri(uri), global_steps)
 
     # -- update ----------------------------------------------------------------------------------------------
-    def _loss_fn(self, log_probs, entropy, mb: dict, global_batch_info: dict):
+    def _loss_fn(
+        self, log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: dict, global_batch_info: dict
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """`actor_objective` of one micro-batch with this actor's settings (`ppo_update`'s loss function)."""
         params = self.loss_params
         if self.loss_mode == "bypass_mode":
@@ -375,7 +378,7 @@ class RefWorker:
         use_remove_padding: bool = False,
         use_shared_prompt: bool = False,
         dtype: str = "float32",
-    ):
+    ) -> None:
         """`max_token_len`: `ref.log_prob_max_token_len_per_gpu` when `ref.log_prob_use_dynamic_bsz`, else
         None. The reference never runs backward, so gradient checkpointing does not apply to it. `dtype`:
         `ref.dtype`, the precision its weights are loaded in. With data-parallel ranks (a process group is

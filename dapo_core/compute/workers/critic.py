@@ -42,7 +42,9 @@ from dapo_core.store.jobs import StageJob, run_job, stage_files
 
 
 class _ValueModel(nn.Module):
-    def __init__(self, model_path: str, gradient_checkpointing: bool = False, *, weights: bool = True):
+    def __init__(
+        self, model_path: str, gradient_checkpointing: bool = False, *, weights: bool = True
+    ) -> None:
         """The backbone of the HF model at `model_path` and a zero value head; `weights=False` builds it
         from the folder's config alone (inside `parameters_on_meta`, for `sharded`)."""
         super().__init__()
@@ -60,14 +62,22 @@ class _ValueModel(nn.Module):
         nn.init.zeros_(self.v_head.weight)
         nn.init.zeros_(self.v_head.bias)
 
-    def forward(self, input_ids, attention_mask, position_ids, response_length: int) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        response_length: int,
+    ) -> torch.Tensor:
         h = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state
         v = self.v_head(h).squeeze(-1)
         return v[:, -response_length - 1 : -1].clone()  # not a view: FSDP2 hooks the output for backward
 
-    def forward_packed(self, input_ids, attention_mask, response_length: int) -> torch.Tensor:
+    def forward_packed(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
+    ) -> torch.Tensor:
         """The values of `forward` from one packed, padding-free pass over the valid tokens
         (`microbatch.pack_rows`): (B, L), 0 at padded response positions."""
         packed = pack_rows(input_ids, attention_mask, response_length)
@@ -134,7 +144,7 @@ class CriticWorker:
         gradient_checkpointing: bool = False,
         total_steps: int = 1,
         shuffle: bool = False,
-    ):
+    ) -> None:
         """`gradient_checkpointing`: the policy model's switch
         (`actor_rollout_ref.model.enable_gradient_checkpointing`), used when
         `critic.model.enable_gradient_checkpointing` is null. `total_steps`: lr-schedule length (one step per

@@ -45,7 +45,7 @@ class RewardWorker:
         num_workers: int = 2,
         timeout_s: float = 10.0,
         max_failure_rate: float = 0.5,
-    ):
+    ) -> None:
         self.max_failure_rate = max_failure_rate
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.manager = RewardManager(

@@ -53,7 +53,7 @@ class RolloutWorker:
         val_sampling: Mapping[str, Any],
         engine_opts: Mapping[str, Any] | None = None,
         num_threads: int | None = None,
-    ):
+    ) -> None:
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
         self.seed = int(seed)
