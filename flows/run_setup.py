@@ -32,11 +32,9 @@ from dapo_core.config import (
     RolloutConfig,
     ValKwargsConfig,
     gen_batch_size,
-    load_config_text,
     need_reference_policy,
     resolve_device,
     to_safe_yaml,
-    typed,
     use_critic,
 )
 from dapo_core.data.datasets import PromptSampler, read_parquet
@@ -63,11 +61,6 @@ from tasks.update import push_weights
 
 # Stages of a step that depend only on the weights the step started from: kept on resume and replayed.
 ROLLOUT_STAGES = ("prompts_g", "generate_g", "reward_g", "kept_g", "batch", "replay_add_")
-
-
-def load_cfg(config_yaml: str) -> DapoConfig:
-    """The typed config from resolved YAML text (what the CLI and deployments pass to flows)."""
-    return typed(load_config_text(config_yaml))
 
 
 def default_model_path(cfg: DapoConfig) -> str:
