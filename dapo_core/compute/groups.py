@@ -29,7 +29,7 @@ __all__ = ["GroupHandle", "GroupLayout", "create_group", "create_role"]
 class _RankHost(C._RayHost):
     """A rank of a group: joins the group's process group, then builds its worker object."""
 
-    def __init__(self, num_threads: int, verbose: bool = True):
+    def __init__(self, num_threads: int, verbose: bool = True) -> None:
         C._init_worker_process(num_threads, verbose)
         self._obj = None
 

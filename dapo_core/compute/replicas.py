@@ -141,7 +141,7 @@ class PendingStage:
     """A generation stage handed to the replicas and not collected yet; `result()` waits for every share and
     commits the stage (once), returning its URI and metrics."""
 
-    def __init__(self, finish: Callable[[], StageResult]):
+    def __init__(self, finish: Callable[[], StageResult]) -> None:
         self._finish = finish
         self._done: StageResult | None = None
 
@@ -167,7 +167,7 @@ class RolloutReplicas:
         names: Sequence[str] | None = None,
         placement: Mapping[str, Mapping[str, str]] | None = None,
         tensor_parallel: int = 1,
-    ):
+    ) -> None:
         if not workers:
             raise ValueError("RolloutReplicas needs at least one replica")
         self.workers = list(workers)

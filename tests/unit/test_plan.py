@@ -6,8 +6,8 @@ runs with glibc's mmap threshold fixed at 128 KiB: with its default, dynamic thr
 the heap by chance, and the same update's high-water mark ranged over 1.1-1.7x the live peak from run to run;
 fixed, every tensor above 128 KiB is returned when freed and the mark is the live peak the plan models, the
 same in every run. Tolerance: measured / estimated within 0.7-1.6 (on CPU the packed forward's attention
-materialises scores; the plan counts the packed pass's buffers at their budget). bench/bench_plan.py reports the
-ratios per feature. Every refusal's advice is applied through the real config loader and re-planned: it
+materialises scores; the plan counts the packed pass's buffers at their budget). bench/bench_plan.py reports
+the ratios per feature. Every refusal's advice is applied through the real config loader and re-planned: it
 must fit.
 """
 

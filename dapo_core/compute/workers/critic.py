@@ -358,7 +358,7 @@ class CriticWorker:
             state = load_state(path, "critic", device=str(self.device))
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optim"])
-            if "scheduler" in state:  # checkpoints before the critic had a schedule: its lr was constant
+            if "scheduler" in state:  # a checkpoint without scheduler state keeps a constant lr
                 self.scheduler.load_state_dict(state["scheduler"])
             return
         assert self.dp is not None
