@@ -1,5 +1,6 @@
-"""Data-parallel actor (FSDP2 over gloo, one thread per rank) in the real flow: dp=2 learns like dp=1, every
-rank is listed in workers.json, and a killed dp=2 run resumes to the same bits as an uninterrupted one."""
+"""Data-parallel actor (FSDP2 over gloo, one thread per rank) in the real flow: dp=2 with two rollout replicas
+learns like dp=1 with one (the same weights and logged figures), every rank is listed in workers.json, and a
+killed dp=2 run resumes to the same bits as an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets):
         assert out["train_step"] == 3
         runs[name] = Path(out["run_dir"])
     workers = json.loads((runs["dp2"] / "workers.json").read_text())["workers"]
-    ranks = sorted((w["role"], w["rank"]) for w in workers if w["role"] in ("actor", "ref"))
-    assert ranks == [("actor", 0), ("actor", 1), ("ref", 0), ("ref", 1)]
+    ranks = sorted((w["role"], w["rank"]) for w in workers if w["role"] in ("actor", "ref", "rollout"))
+    assert ranks == [("actor", 0), ("actor", 1), ("ref", 0), ("ref", 1), ("rollout", 0), ("rollout", 1)]
     one, two = RunStore(runs["dp1"]), RunStore(runs["dp2"])
     for step in (1, 2, 3):  # the same global batches: every step generated the same responses
         a, b = one.read_stage(step, "generate_g0"), two.read_stage(step, "generate_g0")
@@ -62,6 +63,16 @@ def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets):
     diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
     print(f"dp1 vs dp2 after 3 steps: largest weight change {moved:.3g}, largest difference {diff:.3g}")
     assert moved > 1e-4 and diff < 1e-5, (moved, diff)
+    logged = {
+        name: [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        for name, run in runs.items()
+    }
+    figures = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm")
+    figures += ("actor/kl_loss",)
+    for row1, row2 in zip(logged["dp1"], logged["dp2"], strict=True):  # the same figures, step by step
+        assert row1["step"] == row2["step"]
+        for key in figures:
+            assert row2[key] == pytest.approx(row1[key], rel=1e-3, abs=1e-6), (row1["step"], key)
 
 
 @pytest.mark.timeout(900)
