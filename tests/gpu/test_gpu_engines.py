@@ -2,7 +2,7 @@
 
 (a) `HFRolloutEngine`'s per-token log-probs equal the torch training engine's teacher-forced recompute
     (float32, on cuda, and across devices: cuda rollout vs cpu recompute);
-(b) a torch-engine PPO update (`ppo_update` with the actor's loss `actor_objective`, as `ActorWorker._loss_fn`
+(b) a torch-engine PPO update (`ppo_update` with the actor's loss `actor_objective`, as `ActorLoss`
     calls it: clip-higher + dual-clip policy loss, entropy bonus, low-var-KL loss) gives the
     same loss trajectory on cuda as on cpu; plus the `ActorWorker` path itself (cpu batch tensors, engine
     on cuda);

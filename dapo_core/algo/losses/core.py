@@ -16,6 +16,7 @@ others live in `dapo_core.algo.losses.variants`, imported by the package. More i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from dapo_core.masked import masked_mean, masked_sum, masked_var, masked_whiten
 __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSS_REGISTRY",
+    "ActorLoss",
     "PolicyLossParams",
     "actor_objective",
     "agg_loss",
@@ -416,3 +418,66 @@ def actor_objective(
         metrics["actor/kl_coef"] = float(kl_loss_coef)
         loss = loss + kl_loss_coef * kl_loss
     return loss, metrics
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    """The actor's loss of one micro-batch under fixed settings: `actor_objective` applied to a micro-batch's
+    tensors, in the form the PPO loop calls (`loss(log_probs, entropy, micro_batch, global_batch_info)`).
+
+    π_old is the micro-batch's `old_log_probs`, or, when the batch has none (the old_log_prob stage was
+    skipped because the update is exactly on-policy), this forward's own log-probs detached (ratio 1; the
+    entropy metric then comes from this forward). The KL loss needs `ref_log_probs` in the micro-batch;
+    `bypass_mode` reads `rollout_log_probs`."""
+
+    loss_mode: str
+    """Registered policy loss (`actor.policy_loss.loss_mode`)."""
+    params: PolicyLossParams
+    """Its hyper-parameters (clip ranges, dual clip, rollout correction)."""
+    loss_agg_mode: str
+    """Aggregation of every term (`actor.loss_agg_mode`; DAPO: token-mean)."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (`actor.entropy_coeff`)."""
+    use_kl_loss: bool = False
+    """Add `kl_loss_coef`·KL(π‖π_ref) (`actor.use_kl_loss`)."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL loss (`actor.kl_loss_coef`)."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator (`actor.kl_loss_type`)."""
+    loss_scale_factor: float | None = None
+    """Constant divisor of the seq-mean-token-sum-norm mode (`actor.loss_scale_factor`; null = the length)."""
+
+    def __call__(
+        self,
+        log_probs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        mb: Mapping[str, torch.Tensor],
+        global_batch_info: Mapping[str, Any],
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        params = self.params
+        if self.loss_mode == "bypass_mode":
+            params = dataclasses.replace(params, rollout_log_probs=mb["rollout_log_probs"])
+        info = dict(global_batch_info)
+        if self.loss_scale_factor is not None:
+            info["loss_scale_factor"] = self.loss_scale_factor
+        use_kl = self.use_kl_loss and "ref_log_probs" in mb
+        on_policy = "old_log_probs" not in mb
+        loss, metrics = actor_objective(
+            log_probs.detach() if on_policy else mb["old_log_probs"],
+            log_probs,
+            mb["advantages"],
+            mb["response_mask"],
+            loss_mode=self.loss_mode,
+            params=params,
+            loss_agg_mode=self.loss_agg_mode,
+            entropy=entropy,
+            entropy_coeff=self.entropy_coeff,
+            ref_log_prob=mb["ref_log_probs"] if use_kl else None,
+            kl_loss_coef=self.kl_loss_coef,
+            kl_loss_type=self.kl_loss_type,
+            rollout_is_weights=mb.get("rollout_is_weights"),
+            global_batch_info=info,
+        )
+        if on_policy and entropy is not None:  # the old_log_prob stage's metric; summed over micro-batches
+            metrics["actor/entropy"] = metrics["actor/entropy_loss"]
+        return loss, metrics

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from dapo_core.algo.losses import PolicyLossParams, actor_objective, agg_loss
+from dapo_core.algo.losses import ActorLoss, PolicyLossParams, agg_loss
 from dapo_core.compute import dist as dpd
 from dapo_core.compute.engines.train import TrainEngine, make_train_engine, ppo_update
 from dapo_core.compute.microbatch import grouped_order, token_budget_split
@@ -198,11 +198,11 @@ class ActorWorker:
             gradient_checkpointing=gradient_checkpointing,
         )
         pl = dataclasses.asdict(self.cfg.policy_loss)
-        self.loss_mode = pl.pop("loss_mode")
+        loss_mode = pl.pop("loss_mode")
         known = {f.name for f in dataclasses.fields(PolicyLossParams)}
         cfg = self.cfg
         rc = None if rollout_correction is None else section(RolloutCorrectionConfig, rollout_correction)
-        self.loss_params = PolicyLossParams(
+        params = PolicyLossParams(
             **{
                 **{k: v for k, v in pl.items() if k in known},
                 "clip_ratio_low": cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio,
@@ -211,6 +211,17 @@ class ActorWorker:
                 **({"rollout_correction": dataclasses.asdict(rc)} if rc is not None else {}),
             }
         )
+        self.loss = ActorLoss(
+            loss_mode=loss_mode,
+            params=params,
+            loss_agg_mode=cfg.loss_agg_mode,
+            entropy_coeff=float(cfg.entropy_coeff),
+            use_kl_loss=bool(cfg.use_kl_loss),
+            kl_loss_coef=float(cfg.kl_loss_coef),
+            kl_loss_type=cfg.kl_loss_type,
+            loss_scale_factor=cfg.loss_scale_factor,
+        )
+        """The update's loss of one micro-batch (`ppo_update` calls it; no state of this worker)."""
 
     # -- log-probs -------------------------------------------------------------------------------------------
     def compute_log_prob(self, table: pa.Table, calculate_entropy: bool = True) -> pa.Table:
@@ -264,39 +275,6 @@ class ActorWorker:
         return self.update_actor(stage_files(root).read_uri(uri), global_steps)
 
     # -- update ----------------------------------------------------------------------------------------------
-    def _loss_fn(
-        self, log_probs: torch.Tensor, entropy: torch.Tensor | None, mb: dict, global_batch_info: dict
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """`actor_objective` of one micro-batch with this actor's settings (`ppo_update`'s loss function)."""
-        params = self.loss_params
-        if self.loss_mode == "bypass_mode":
-            params = dataclasses.replace(params, rollout_log_probs=mb["rollout_log_probs"])
-        gbi = dict(global_batch_info)
-        if self.cfg.loss_scale_factor is not None:
-            gbi["loss_scale_factor"] = self.cfg.loss_scale_factor
-        use_kl = bool(self.cfg.use_kl_loss) and "ref_log_probs" in mb
-        # On-policy skip (the flow ran no old_log_prob stage): π_old is the current policy, ratio exp(0) = 1.
-        on_policy = "old_log_probs" not in mb
-        loss, metrics = actor_objective(
-            log_probs.detach() if on_policy else mb["old_log_probs"],
-            log_probs,
-            mb["advantages"],
-            mb["response_mask"],
-            loss_mode=self.loss_mode,
-            params=params,
-            loss_agg_mode=self.cfg.loss_agg_mode,
-            entropy=entropy,
-            entropy_coeff=float(self.cfg.entropy_coeff),
-            ref_log_prob=mb["ref_log_probs"] if use_kl else None,
-            kl_loss_coef=float(self.cfg.kl_loss_coef),
-            kl_loss_type=self.cfg.kl_loss_type,
-            rollout_is_weights=mb.get("rollout_is_weights"),
-            global_batch_info=gbi,
-        )
-        if on_policy and entropy is not None:  # the old_log_prob stage's metric; summed over micro-batches
-            metrics["actor/entropy"] = metrics["actor/entropy_loss"]
-        return loss, metrics
-
     def update_actor(self, table: pa.Table, global_steps: int) -> dict[str, float]:
         """One PPO update over the batch (mini-batches of `ppo_mini_batch_size·n` trajectories); steps the
         lr. Without an `old_log_probs` column (the flow skipped the old_log_prob stage: the update is exactly
@@ -323,7 +301,7 @@ class ActorWorker:
         metrics = ppo_update(
             self.engine,
             t,
-            loss_fn=self._loss_fn,
+            loss_fn=self.loss,
             mini_batch_size=min(mini, table.num_rows),
             micro_batch_size=int(micro),
             epochs=epochs,
