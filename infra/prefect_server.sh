@@ -7,6 +7,9 @@
 # `dapo deploy` makes flow runs beat every 30 s).
 # PREFECT_PORT (default 4200) and PREFECT_HOST (default 127.0.0.1) choose where it listens; its UI talks to this
 # server's own API (PREFECT_UI_API_URL, set here unless given: the UI otherwise takes PREFECT_API_URL or port 4200).
+# Its address opens the UI the README and tests/integration/test_browser_ui.py describe (Prefect's classic UI:
+# run form, Artifacts tab, Retry); Prefect 3.9 would otherwise redirect `/` to its new UI at /v2
+# (PREFECT_SERVER_UI_V2_ENABLED=true restores that; either UI offers a switch to the other).
 # At scale, point PREFECT_API_DATABASE_CONNECTION_URL at PostgreSQL (see infra/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +21,7 @@ HOST="${PREFECT_HOST:-127.0.0.1}"
 ASK="$HOST"; [ "$HOST" = "0.0.0.0" ] && ASK=127.0.0.1  # where this script checks health
 SEEN="$HOST"; [ "$HOST" = "0.0.0.0" ] && SEEN="$(hostname -f 2>/dev/null || hostname)"  # where a browser finds it
 export PREFECT_UI_API_URL="${PREFECT_UI_API_URL:-${PREFECT_SERVER_UI_API_URL:-http://$SEEN:$PORT/api}}"
+export PREFECT_SERVER_UI_V2_ENABLED="${PREFECT_SERVER_UI_V2_ENABLED:-false}"
 PREFECT_BIN=.venv/bin/prefect; [ -x "$PREFECT_BIN" ] || PREFECT_BIN="$(command -v prefect)"
 PYTHON_BIN=.venv/bin/python; [ -x "$PYTHON_BIN" ] || PYTHON_BIN="$(command -v python)"
 alive() { kill -0 "$1" 2>/dev/null && ! grep -qs '^State:.*Z' "/proc/$1/status"; }  # a zombie is not alive

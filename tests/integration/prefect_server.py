@@ -69,6 +69,7 @@ def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str]
         "PREFECT_HOME": str(home),
         "PREFECT_API_URL": api,
         "PREFECT_UI_API_URL": api,  # the UI served here talks to this server, whatever else is set
+        "PREFECT_SERVER_UI_V2_ENABLED": "false",  # its address opens the classic UI (infra/prefect_server.sh)
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "OMP_NUM_THREADS": "1",
         **env,

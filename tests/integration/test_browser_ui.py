@@ -2,22 +2,31 @@
 
 A server started by `infra/prefect_server.sh` on a non-default port (with PREFECT_API_URL pointing elsewhere,
 as a stale shell would), `dapo deploy` serving the tiny deployment, a flow run killed mid-run (the flow-run
-process, SIGKILL) and retried from the UI's Retry button. Checked on the pages a person opens: the flow-run
-page talks to its own server (no "Can't connect to Server API"), the state badge shows Crashed after the kill,
-the Artifacts tab shows a handful of cards with one progress card after the Retry, and the summary's curves
-image has loaded. Screenshots are kept in the test's temp folder (printed at the end).
+process, SIGKILL) and retried from the UI's Retry button. Checked on the pages a person opens, starting from
+the server's address as the README does: it opens the classic UI (the one described here, not Prefect 3.9's
+/v2), whose API is this server's (no "Can't connect to Server API"); the state badge shows Crashed after the
+kill; the Artifacts tab shows a handful of cards with one progress card after the Retry; the summary's curves
+image has loaded; every steps-table column has values. The `dapo deploy` shell stays quiet: no line per
+finished task run, at most one line per train step and attempt. Screenshots and the `dapo deploy` output are
+kept in the test's temp folder (printed at the end).
+Every wait is explicit (a condition polled up to a limit) and draws on one time budget, so that a slow
+machine fails with what it waited for, within the test's own timeout.
 Chromium and chromedriver come from Debian packages (`infra/browser_deps.sh`, run by `.ci/run`); without them
 the test is skipped, unless DAPO_REQUIRE_BROWSER=1 (CI), where that is a failure.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections import Counter
 from contextlib import suppress
 from pathlib import Path
 
@@ -30,6 +39,33 @@ from tests.integration.test_prefect_ui import SERVED, _client, _deployment, _des
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 """Train steps of the browser test's run (a checkpoint after each; killed once step 2 is checkpointed)."""
+
+TEST_TIMEOUT_S = 1200
+"""The test's own limit (pytest-timeout; it counts fixture set-up too). Its parts: the server's start-up
+(`SERVER_START_S`), the test body (`BODY_S`, shared by every wait in it), the teardown (`TEARDOWN_S`), and
+what is left (> 200 s) for the session's tiny data and base model when this is the first test to need them."""
+SERVER_START_S = 180
+"""`infra/prefect_server.sh start` waits this long for the server (PREFECT_START_TIMEOUT_S)."""
+BODY_S = 720
+"""Every wait of the test body together: a wait takes at most what is left of this."""
+TEARDOWN_S = 90
+"""Stopping `dapo deploy` (SIGKILL, ≤ 30 s) and the server (SIGTERM, ≤ 30 s, then SIGKILL), the browser."""
+PAGE_LOAD_S = 60
+"""The browser's limit for one page load."""
+assert SERVER_START_S + BODY_S + TEARDOWN_S + 200 <= TEST_TIMEOUT_S
+
+
+class Budget:
+    """A time budget shared by consecutive waits: `left(cap)` is min(cap, the seconds left); spent: fails."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def left(self, cap: float) -> float:
+        left = self.end - time.monotonic()
+        assert left > 1, f"the test body's time budget ({self.seconds:.0f} s) is spent"
+        return min(cap, left)
 
 
 def _browser_paths() -> tuple[str, str] | None:
@@ -56,7 +92,7 @@ def browser(tmp_path_factory):
         opts.add_argument(arg)
     opts.add_argument(f"--user-data-dir={profile}")
     driver = webdriver.Chrome(options=opts, service=Service(paths[1]))
-    driver.set_page_load_timeout(120)
+    driver.set_page_load_timeout(PAGE_LOAD_S)
     try:
         yield driver
     finally:
@@ -77,9 +113,10 @@ def script_server(tmp_path_factory, prefect_home):
         "PREFECT_HOME": str(home),
         "PREFECT_PORT": str(port),
         "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api",  # a stale export: nobody listens there
-        "PREFECT_START_TIMEOUT_S": "300",
+        "PREFECT_START_TIMEOUT_S": str(SERVER_START_S),
     }
-    env.pop("PREFECT_UI_API_URL", None)
+    for name in ("PREFECT_UI_API_URL", "PREFECT_SERVER_UI_API_URL", "PREFECT_SERVER_UI_V2_ENABLED"):
+        env.pop(name, None)  # what the script sets unless given: a person's shell has none of them
     script = ROOT / "infra" / "prefect_server.sh"
     started = subprocess.run([str(script), "start"], env=env, capture_output=True, text=True, check=False)
     try:
@@ -91,41 +128,82 @@ def script_server(tmp_path_factory, prefect_home):
 
 
 def _wait(browser, cond, timeout: float, what: str):
+    """Poll `cond(browser)` (every 0.5 s) until it returns something truthy, which is returned."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(browser, timeout, poll_frequency=1).until(cond, f"{what} (after {timeout:.0f} s)")
+    wait = WebDriverWait(
+        browser, timeout, poll_frequency=0.5, ignored_exceptions=(StaleElementReferenceException,)
+    )
+    return wait.until(cond, f"{what} (after {timeout:.0f} s; see the screenshots)")
 
 
 def _page_text(browser) -> str:
     return browser.find_element("tag name", "body").text
 
 
-def _open_flow_run(browser, base: str, flow_run_id, shots: Path, name: str) -> None:
-    """Open the flow-run page and wait until it shows the run (its state badge)."""
-    browser.get(f"{base}/runs/flow-run/{flow_run_id}")
-    _wait(
-        browser,
-        lambda b: b.find_elements("css selector", ".page-heading-flow-run .state-badge"),
-        120,
-        "badge",
-    )
-    time.sleep(2)  # let the rest of the page's queries answer
-    browser.save_screenshot(str(shots / f"{name}.png"))
-    assert "Can't connect to Server API" not in _page_text(browser), f"see {shots / name}.png"
+BADGE = ".page-heading-flow-run .state-badge"
+"""The flow-run page's state badge (drawn once the page's query of the flow run answered)."""
 
 
 def _badge(browser) -> str:
-    badges = browser.find_elements("css selector", ".page-heading-flow-run .state-badge")
+    badges = browser.find_elements("css selector", BADGE)
     return badges[0].text.strip() if badges else ""
 
 
-def _artifact_cards(browser, shots: Path, name: str) -> list[str]:
-    """Click the Artifacts tab; the cards' titles (waits for at least one card)."""
-    _wait(browser, lambda b: b.find_elements("css selector", "li.p-tab#artifacts"), 120, "the tab")[0].click()
-    _wait(browser, lambda b: b.find_elements("css selector", ".artifact-card__title"), 120, "artifact cards")
-    time.sleep(2)
-    browser.save_screenshot(str(shots / f"{name}.png"))
-    return [e.text.strip() for e in browser.find_elements("css selector", ".artifact-card__title")]
+def _shot(browser, shots: Path, name: str) -> Path:
+    path = shots / f"{name}.png"
+    browser.save_screenshot(str(path))
+    return path
+
+
+def _no_connection_error(browser, shot: Path) -> None:
+    assert "Can't connect to Server API" not in _page_text(browser), f"see {shot}"
+
+
+def _from_the_address(browser, base: str, flow_run, budget: Budget, shots: Path) -> None:
+    """What the README has a person do: open the server's address, then Runs, then the flow run's name."""
+    browser.get(f"{base}/")
+    nav = _wait(
+        browser,
+        lambda b: [e for e in b.find_elements("css selector", "a.p-context-nav-item") if e.text == "Runs"],
+        budget.left(60),
+        "the classic UI's side bar",
+    )
+    shot = _shot(browser, shots, "0_address")
+    path = browser.execute_script("return location.pathname")
+    assert not path.startswith("/v2"), f"{base} opened {path}, Prefect's new UI (see {shot})"
+    _no_connection_error(browser, shot)
+    nav[0].click()
+    link = f"a[href$='/runs/flow-run/{flow_run.id}']"
+    shown = lambda b: [e for e in b.find_elements("css selector", link) if e.is_displayed()]  # noqa: E731
+    found = _wait(browser, shown, budget.left(60), "the flow run's name under Runs")
+    _no_connection_error(browser, _shot(browser, shots, "0_runs"))
+    found[0].click()
+    _wait(browser, lambda b: b.find_elements("css selector", BADGE), budget.left(60), "the run's state badge")
+    _no_connection_error(browser, _shot(browser, shots, "1_flow_run"))
+
+
+def _open_flow_run(browser, base: str, flow_run_id, budget: Budget, shots: Path, name: str) -> None:
+    """Open the flow-run page; wait until it shows the run (its state badge: the UI's API answered)."""
+    browser.get(f"{base}/runs/flow-run/{flow_run_id}")
+    _wait(browser, lambda b: b.find_elements("css selector", BADGE), budget.left(60), "the state badge")
+    _no_connection_error(browser, _shot(browser, shots, name))
+
+
+def _artifact_cards(browser, budget: Budget, shots: Path, name: str, want: set[str]) -> list[str]:
+    """Click the Artifacts tab; the cards' titles, once the cards `want` are among them."""
+    tab = lambda b: b.find_elements("css selector", "li.p-tab#artifacts")  # noqa: E731
+    _wait(browser, tab, budget.left(60), "the Artifacts tab")[0].click()
+
+    def titles(b):
+        got = [e.text.strip() for e in b.find_elements("css selector", ".artifact-card__title")]
+        return got if want <= set(got) else None
+
+    try:
+        return _wait(browser, titles, budget.left(60), f"the artifact cards {sorted(want)}")
+    finally:
+        _shot(browser, shots, name)
 
 
 def _open_card(browser, key: str) -> None:
@@ -134,51 +212,93 @@ def _open_card(browser, key: str) -> None:
     next(e for e in cards if key in e.find_element("css selector", ".artifact-card__title").text).click()
 
 
-def _press_retry(browser, shots: Path) -> None:
-    """The Retry button of the flow-run page, then the dialog's confirmation."""
+def _press_retry(browser, budget: Budget, shots: Path) -> None:
+    """The Retry button of the flow-run page, then the dialog's Retry."""
 
-    def button(label: str):
-        def find(b):
-            hits = [e for e in b.find_elements("css selector", "button") if e.text.strip() == label]
-            return hits[-1] if hits and hits[-1].is_displayed() and hits[-1].is_enabled() else False
+    def shown(hits: list):
+        return hits[-1] if hits and hits[-1].is_displayed() and hits[-1].is_enabled() else False
 
-        return find
+    def page_button(b):
+        return shown([e for e in b.find_elements("css selector", "button") if e.text.strip() == "Retry"])
 
-    _wait(browser, button("Retry"), 120, "the Retry button").click()
-    time.sleep(1)
-    browser.save_screenshot(str(shots / "3_retry_dialog.png"))
-    assert "will be run again" in _page_text(browser) or "persisted result" in _page_text(browser)
-    dialog = browser.find_elements("css selector", "[role=dialog], .p-modal")
-    buttons = [e for d in dialog for e in d.find_elements("css selector", "button") if e.text.strip()]
-    confirm = [e for e in buttons if e.text.strip() in ("Retry", "Submit", "Confirm")]
-    assert confirm, [e.text for e in buttons]
-    confirm[-1].click()
+    def dialog_button(b):
+        dialogs = [d for d in b.find_elements("css selector", ".p-modal") if "persisted result" in d.text]
+        buttons = [e for d in dialogs for e in d.find_elements("css selector", "button")]
+        return shown([e for e in buttons if e.text.strip() == "Retry"])
+
+    _wait(browser, page_button, budget.left(60), "the Retry button").click()
+    try:
+        confirm = _wait(browser, dialog_button, budget.left(30), "the Retry dialog")
+    finally:
+        _shot(browser, shots, "3_retry_dialog")
+    confirm.click()
+    _wait(browser, lambda b: not dialog_button(b), budget.left(30), "the Retry dialog to close")
+
+
+CURVES = "img[alt='training curves'][src^='data:image/png;base64,']"
+"""The summary's curves (flows/artifacts.py embeds curves.png as this image)."""
+
+
+def _curves_width(browser, budget: Budget) -> int:
+    img = _wait(browser, lambda b: b.find_elements("css selector", CURVES), budget.left(60), "the curves")[0]
+    js = "return arguments[0].complete && arguments[0].naturalWidth"
+    return _wait(browser, lambda b: b.execute_script(js, img), budget.left(30), "the curves image to load")
+
+
+def _table(browser) -> tuple[list[str], list[list[str]]]:
+    """The artifact page's table: header names and rows of cell texts (also cells scrolled out of view)."""
+    js = """const t = document.querySelector('table');
+      if (!t) return null;
+      const cells = (r, tag) => [...r.querySelectorAll(tag)].map(c => c.textContent.trim());
+      const rows = [...t.querySelectorAll('tbody tr')].map(r => cells(r, 'td'));
+      return [cells(t.querySelector('thead') || t, 'th'), rows];"""
+    got = browser.execute_script(js)
+    return (got[0], got[1]) if got else ([], [])
+
+
+def _quiet(log: Path) -> str:
+    """The `dapo deploy` shell's output; asserts it is quiet (none of Prefect's per-task-run lines, at most
+    one line per train step and attempt) and not silent (the flow run's info lines reach it)."""
+    text = log.read_text(errors="replace")
+    per_task = [line for line in text.splitlines() if "Task run" in line and "Finished in state" in line]
+    assert not per_task, f"{len(per_task)} per-task lines in {log}, e.g. {per_task[:3]}"
+    steps = Counter(int(m) for m in re.findall(r"step (\d+) \(gen_step \d+\) done in", text))
+    assert steps, f"no step line in {log}: the flow run's info lines should reach the shell"
+    assert max(steps.values()) <= 2, f"a step's line more than once per attempt in {log}: {steps}"
+    return text
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server, tiny_assets, tmp_path):
     from prefect.client.schemas.objects import StateType
 
     api, env, _home = script_server
     base = api.removesuffix("/api")
+    with urllib.request.urlopen(f"{base}/ui-settings", timeout=10) as r:  # what the UI's page asks first
+        ui = json.load(r)
+    assert ui["api_url"] == api and ui["default_ui"] == "v1", ui
+    budget = Budget(BODY_S)
     shots = tmp_path / "screenshots"
     shots.mkdir()
+    log = tmp_path / "dapo_deploy.log"  # the `dapo deploy` shell: what a person sees there
     ov = tiny_overrides(tiny_assets, **{**SERVED, "trainer.total_training_steps": STEPS})
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "deploy", "--config", str(CONFIG), "--name", "browser", *ov],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    serve_env = {k: v for k, v in env.items() if k != "PREFECT_LOGGING_LEVEL"}  # a person's: INFO
+    with log.open("wb") as out:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "deploy", "--config", str(CONFIG), "--name", "browser", *ov],
+            env=serve_env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         with _client(api) as client:
-            dep = _deployment(client, "browser", serve)
+            dep = _deployment(client, "browser", serve, budget.left(180))
             fr = client.create_flow_run_from_deployment(dep.id, parameters={"run_id": "browser"})
             run = tiny_assets / "runs" / "browser"
-            wait_for((run / "ckpt" / "step_2").is_dir, 600, "the run's second checkpoint", serve)
+            wait_for((run / "ckpt" / "step_2").is_dir, budget.left(300), "the run's second checkpoint", serve)
             victims = _descendants(serve.pid)  # the flow-run process the runner started (and its children)
             assert victims, "the flow run should run in a child process of the runner"
             for pid in victims:
@@ -189,51 +309,54 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
                 state = client.read_flow_run(fr.id).state
                 return state if state is not None and state.is_final() else None
 
-            assert wait_for(ended, 300, "the killed run's final state", serve).type == StateType.CRASHED
+            state = wait_for(ended, budget.left(120), "the killed run's final state", serve)
+            assert state.type == StateType.CRASHED, state
 
-            _open_flow_run(browser, base, fr.id, shots, "1_crashed")
-            _wait(browser, lambda b: _badge(b) == "Crashed", 120, "the Crashed badge")
-            before = _artifact_cards(browser, shots, "2_artifacts_crashed")
-            assert 1 <= len(before) <= 6, before
+            _from_the_address(browser, base, fr, budget, shots)
+            _wait(browser, lambda b: _badge(b) == "Crashed", budget.left(60), "the Crashed badge")
+            want = {"dapo-browser-progress", "dapo-browser-steps"}
+            before = _artifact_cards(browser, budget, shots, "2_artifacts_crashed", want)
+            assert len(before) <= 6, before
 
-            _open_flow_run(browser, base, fr.id, shots, "2b_crashed_again")
-            _press_retry(browser, shots)
+            _open_flow_run(browser, base, fr.id, budget, shots, "2b_crashed_again")
+            _press_retry(browser, budget, shots)
 
             def completed():
                 state = client.read_flow_run(fr.id).state
                 return state is not None and state.type == StateType.COMPLETED
 
-            wait_for(completed, 600, "the retried run to complete", serve)
+            wait_for(completed, budget.left(300), "the retried run to complete", serve)
             assert client.read_flow_run(fr.id).run_count == 2
             left = _task_runs(client, fr.id)
             assert not [t.name for t in left if t.state_type == StateType.RUNNING]
 
-            _open_flow_run(browser, base, fr.id, shots, "4_completed")
-            assert _badge(browser) == "Completed"
-            cards = _artifact_cards(browser, shots, "5_artifacts_completed")
+            _open_flow_run(browser, base, fr.id, budget, shots, "4_completed")
+            _wait(browser, lambda b: _badge(b) == "Completed", budget.left(60), "the Completed badge")
+            want.add("dapo-browser-summary")
+            cards = _artifact_cards(browser, budget, shots, "5_artifacts_completed", want)
             assert len(cards) <= 6, cards
             assert sum(c.endswith("-progress") for c in cards) == 1, cards
-            assert {"dapo-browser-progress", "dapo-browser-steps", "dapo-browser-summary"} <= set(cards)
 
             _open_card(browser, "dapo-browser-summary")
-            img = _wait(browser, lambda b: b.find_elements("css selector", "img"), 120, "the curves image")[0]
-            _wait(
-                browser,
-                lambda b: b.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img),
-                60,
-                "the curves image to load",
-            )
-            width = browser.execute_script("return arguments[0].naturalWidth", img)
-            browser.save_screenshot(str(shots / "6_summary.png"))
-            assert width > 0
+            try:
+                assert _curves_width(browser, budget) > 0
+            finally:
+                _shot(browser, shots, "6_summary")
 
-            _open_flow_run(browser, base, fr.id, shots, "7_completed_again")  # the steps table
-            _artifact_cards(browser, shots, "7_artifacts_again")
+            _open_flow_run(browser, base, fr.id, budget, shots, "7_completed_again")  # the steps table
+            _artifact_cards(browser, budget, shots, "7_artifacts_again", want)
             _open_card(browser, "dapo-browser-steps")
-            rows = lambda b: len(b.find_elements("css selector", "tbody tr")) >= STEPS  # noqa: E731
-            _wait(browser, rows, 120, "the table's rows")
-            browser.save_screenshot(str(shots / "8_steps_table.png"))
-            assert "kept_groups" in _page_text(browser)
+            try:
+                rows = lambda b: len(_table(b)[1]) >= STEPS  # noqa: E731
+                _wait(browser, rows, budget.left(60), f"the steps table's {STEPS} rows")
+            finally:
+                _shot(browser, shots, "8_steps_table")
+            header, cells = _table(browser)
+            assert "kept_groups" in header, header
+            assert [r[0] for r in cells] == [str(s) for s in range(STEPS, 0, -1)], cells  # newest first
+            empty = {h for r in cells for h, c in zip(header, r, strict=True) if not c}
+            assert not empty, f"steps-table columns without a value: {sorted(empty)}"
+        _quiet(log)
     finally:
         stop(serve, signal.SIGKILL)
-        print(f"screenshots: {shots}")
+        print(f"screenshots: {shots}; dapo deploy output: {log}")

@@ -219,14 +219,14 @@ def _serve(server, assets: Path, name: str, **env) -> subprocess.Popen:
     )
 
 
-def _deployment(client, name: str, serve: subprocess.Popen):
+def _deployment(client, name: str, serve: subprocess.Popen, timeout: float = 300):
     def found():
         try:
             return client.read_deployment_by_name(f"dapo-train/{name}")
         except Exception:
             return None
 
-    return wait_for(found, 300, f"deployment dapo-train/{name}", serve)
+    return wait_for(found, timeout, f"deployment dapo-train/{name}", serve)
 
 
 def _final_state(client, flow_run_id, timeout: float, proc=None):
