@@ -399,8 +399,8 @@ def acquire(
                 time.sleep(poll_s)
                 continue
             aside = where is not None and where.name != LEASE_FILE
-            if aside:
-                where.unlink(missing_ok=True)  # type: ignore[union-attr]  (left by a holder that died mid-beat)
+            if where is not None and aside:  # left by a holder that died mid-beat
+                where.unlink(missing_ok=True)
             elif not _move_aside(run_dir, held):
                 continue  # it changed meanwhile: look again
             took_over = f"took over the run lease {run_dir / LEASE_FILE} from {held.describe(now)}: {why}"
