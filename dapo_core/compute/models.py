@@ -176,7 +176,7 @@ def _tiny_config(tiny_cfg: Mapping[str, Any], tokenizer: PreTrainedTokenizerFast
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        rope_theta=float(tiny_cfg.get("rope_theta", 10000.0)),
+        rope_theta=10000.0,  # RoPE base, Qwen2's; not a config key
         torch_dtype="float32",
     )
 
