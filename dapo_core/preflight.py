@@ -4,8 +4,8 @@
 (a `DapoUserError`: one paragraph naming the file / row / key and the fix): the **data files** (parquet,
 verl column types, clean rows, a scorer per `data_source` that parses every ground truth); the **model
 folder** (`config.json`, safetensors header and size, a tokenizer); the **checkpoint to resume**
-(`CheckpointDir.verify`); a writable **store**; **free disk** (`MIN_FREE_BYTES`); and **the model fits the
-run** (positions, tokenizer vs embedding, chat template, the CPU memory plan). docs/INTERNALS.md
+(`CheckpointDir.verify`; a run resumed where it was written); writable **folders**; **free disk**; **the model
+fits the run** (positions, tokenizer vs embedding, chat template, the CPU memory plan). docs/INTERNALS.md
 (dapo_core/preflight.py) lists each check in full.
 
 Files that a prior stage of the same job writes (the prepared data and the tiny base model of `dapo train`)
@@ -15,14 +15,17 @@ are skipped in phase "pipeline" and checked in phase "train", which the training
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
+from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -392,16 +395,30 @@ def check_writable(folder: str | Path, *, key: str) -> None:
         p = p.parent
     try:
         if not p.is_dir():
-            raise NotADirectoryError(20, "not a folder")
+            raise NotADirectoryError(errno.ENOTDIR, f"{p} is a file, not a folder")
         with tempfile.NamedTemporaryFile(dir=p, prefix=".dapo-preflight-", delete=True) as f:
             f.write(b"ok")
             f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
+        why = _WRITE_ERRORS.get(e.errno or 0, "the file system does not take new files there")
         raise PreflightError(
-            f"cannot write in {p} ({e.strerror or e}), so {folder} cannot be written",
+            f"cannot write in {p} ({e.strerror or e}: {why}), so {folder} cannot be written",
             where=key,
-            fix=f"choose a writable folder for {key} or fix its permissions",
+            fix=f"point {key} at a folder on a writable disk with free space (or fix its permissions)",
         ) from None
+
+
+_WRITE_ERRORS = {
+    errno.EROFS: "a read-only file system",
+    errno.EACCES: "no permission",
+    errno.EPERM: "no permission",
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "over the disk quota",
+    errno.ENOTDIR: "a path under a file",
+}
+"""What a failed test write in `check_writable` means, by errno (else: a file system that takes no files,
+such as /proc)."""
 
 
 def check_free_disk(folder: str | Path, *, need: int = MIN_FREE_BYTES, key: str = "trainer.runs_dir") -> None:
@@ -420,10 +437,25 @@ def check_free_disk(folder: str | Path, *, need: int = MIN_FREE_BYTES, key: str 
 
 # ------------------------------------------------------------------------------------------------- all
 def check_run_settings(cfg: DapoConfig) -> None:
-    """Run settings that would otherwise fail once the workers start: threads and the lease timeout."""
+    """Run settings that would otherwise fail once the workers start: threads, the lease timeout, and a run
+    id that names one folder of `trainer.runs_dir`."""
     from dapo_core.compute.numerics import resolve_threads
 
     resolve_threads(cfg.trainer.num_threads)
+    name = cfg.trainer.experiment_name
+    if (
+        name is not None
+        and name != ""
+        and ("/" in name or "\\" in name or name.strip() in (".", "..") or name != name.strip())
+    ):
+        raise PreflightError(
+            f"trainer.experiment_name={name!r} is not a run id: it must name one folder of trainer.runs_dir "
+            f"({cfg.trainer.runs_dir}), not a path (a path would start a new, empty run elsewhere instead of "
+            "resuming)",
+            where="trainer.experiment_name",
+            fix=f"give the run folder's name only (e.g. {Path(name.strip()).name or 'my-run'!r}) and set "
+            "trainer.runs_dir to the folder that holds it",
+        )
     if not cfg.trainer.lease_timeout_s > 0 or cfg.trainer.lease_wait_s < 0:
         raise PreflightError(
             f"trainer.lease_timeout_s={cfg.trainer.lease_timeout_s} must be > 0 and trainer.lease_wait_s="
@@ -432,6 +464,82 @@ def check_run_settings(cfg: DapoConfig) -> None:
             fix="set lease_timeout_s to e.g. 120 (seconds without a heartbeat before a run may be taken "
             "over) and lease_wait_s to 0 (refuse a second writer at once) or a wait in seconds",
         )
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def check_resume(
+    cfg: DapoConfig, note: Callable[[str], object] = lambda _: None, *, checkpoints: bool = True
+) -> None:
+    """The run named by `trainer.experiment_name`, when it exists, can be resumed where it is
+    (`resume_mode` auto): it was not moved from the folder its replay buffer names (`check_not_moved`), and
+    (with `checkpoints`) its checkpoint to resume from is complete (read only: the `latest` pointer's, sizes
+    checked; without a usable pointer the newest that verifies, `note`-ing what is skipped)."""
+    from dapo_core.store.checkpoint import CheckpointDir
+    from dapo_core.store.lease import read_holder, stale_reason
+
+    tr = cfg.trainer
+    if not tr.experiment_name or tr.resume_mode != "auto":
+        return
+    run = Path(tr.runs_dir) / tr.experiment_name
+    if not run.is_dir():
+        return
+    holder = read_holder(run)
+    if holder is not None and stale_reason(holder, tr.lease_timeout_s) is None:
+        return  # a live writer holds it: the run's open waits for it or refuses, and then looks again
+    check_not_moved(run)
+    if not checkpoints or not (run / "ckpt").is_dir():
+        return
+    ckpts = CheckpointDir(run)
+    step = ckpts.resume_step(warn=note, repair=False)
+    if step is None:
+        return
+    try:
+        ckpts.verify(step, checksum=False)
+    except DapoUserError as e:
+        raise PreflightError(
+            f"run {run.name} would resume from its latest checkpoint {ckpts.path(step)}, which is "
+            f"incomplete: {e.what}",
+            where=str(ckpts.dir / "latest"),
+            fix=f"restore that checkpoint from a backup, or delete {ckpts.dir / 'latest'} to resume from the "
+            "newest checkpoint that is complete (or start a new run: a new trainer.experiment_name)",
+        ) from None
+
+
+def check_not_moved(run: Path) -> None:
+    """A run whose ledger names its stage files at another folder (a replay-buffer run folder that was moved
+    or copied) is refused: those files are read by their recorded location. Read only; a run without such
+    records (the sync step order) resumes anywhere."""
+    recorded = _recorded_location(run / "ledger.sqlite")
+    here = run.absolute()
+    if recorded is None or recorded == here:
+        return
+    raise PreflightError(
+        f"run {run.name} was written at {recorded} and has been moved (or copied) to {here}: its replay "
+        "buffer names its stage files by their absolute location, so it cannot resume here",
+        where=str(run / "ledger.sqlite"),
+        fix=f"resume it at {recorded}: move the folder back, or link it (`ln -s {here} {recorded}`), and set "
+        f"trainer.runs_dir={recorded.parent}",
+    )
+
+
+def _recorded_location(ledger: Path) -> Path | None:
+    """The run folder of the first stage file URI in the ledger's tags (`"uri": "file://..."` in
+    ledger.sqlite or its -wal file, scanned as bytes: opening SQLite, even read-only, would create files in
+    the run); None without one."""
+    pattern = re.compile(rb'"uri": "(file://[^"]{1,4096})"')
+    for path in (ledger, ledger.with_name(ledger.name + "-wal")):
+        try:
+            with path.open("rb") as f:
+                tail = b""
+                while chunk := f.read(1 << 20):
+                    found = pattern.search(tail + chunk)
+                    if found:
+                        uri = found.group(1).decode("utf-8", "replace")
+                        return Path(unquote(urlparse(uri).path)).parent.parent
+                    tail = chunk[-8192:]
+        except OSError:
+            continue
+    return None
 
 
 def _prepared_by_pipeline(cfg: DapoConfig) -> set[str]:
@@ -451,10 +559,16 @@ def _files(cfg: DapoConfig, phase: Phase) -> Iterable[tuple[str, str]]:
 
 
 def preflight(
-    cfg: DapoConfig, *, phase: Phase, checkpoint: str = "", model_path: str | None = None
+    cfg: DapoConfig,
+    *,
+    phase: Phase,
+    checkpoint: str = "",
+    model_path: str | None = None,
+    note: Callable[[str], object] = lambda _: None,
 ) -> list[str]:
     """Run every check for `phase` ("pipeline": `dapo train` before the first flow; "train": the training
-    flow; "eval": an evaluation); raise the first problem as a `DapoUserError`. Returns what was checked."""
+    flow; "eval": an evaluation); raise the first problem as a `DapoUserError`. Returns what was checked;
+    `note` gets what is fine but worth saying (a checkpoint skipped on resume)."""
     done: list[str] = []
     tr = cfg.trainer
     if phase != "eval":
@@ -462,6 +576,13 @@ def preflight(
     check_writable(tr.runs_dir, key="trainer.runs_dir")
     check_free_disk(tr.runs_dir)
     done.append(f"store {tr.runs_dir} writable")
+    if phase == "pipeline":  # the pipeline's flows write the data, the base and final models, the metrics
+        check_writable(cfg.data.synthetic.out_dir, key="data.synthetic.out_dir")
+        check_writable(tr.models_dir, key="trainer.models_dir")
+    if phase != "train":
+        check_writable(Path(cfg.eval.output).parent, key="eval.output")
+    if phase != "eval":
+        check_resume(cfg, note, checkpoints=os.environ.get(SKIP_ENV, "") in ("", "0"))
     if os.environ.get(SKIP_ENV, "") in ("", "0"):
         pending = _prepared_by_pipeline(cfg) if phase == "pipeline" else set()
         if phase == "pipeline" and not cfg.data.synthetic.enable:

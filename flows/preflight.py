@@ -145,7 +145,13 @@ def cli_preflight(cfg: DapoConfig, command: str, *, flow_only: bool = False, che
         if command == "eval" and os.environ.get(SKIP_ENV, "") in ("", "0"):
             model = model_folder_of(checkpoint, key="eval.checkpoint (--checkpoint)")
         step_ckpt = checkpoint if command == "eval" and Path(checkpoint).name.startswith("step_") else ""
-        preflight(cfg, phase=phase, checkpoint=step_ckpt, model_path=model)
+        preflight(
+            cfg,
+            phase=phase,
+            checkpoint=step_ckpt,
+            model_path=model,
+            note=lambda text: print(f"dapo {command}: {text}", file=sys.stderr, flush=True),
+        )
 
 
 def load_config_reported(config: str, overrides: Sequence[str], command: str) -> Any:

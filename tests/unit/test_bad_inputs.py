@@ -271,6 +271,72 @@ def _lease(host: str, heartbeat_offset_s: float) -> Callable[[Ws], None]:
     return setup
 
 
+def _checkpoints(*complete: int, half: int | None = None, latest: int | None = None) -> Callable[[Ws], None]:
+    """runs/r1 with complete checkpoints `complete`, one `half` whose weights file is gone (a copy that was
+    interrupted), and a `latest` pointer naming `latest` (none when None)."""
+
+    def setup(ws: Ws) -> None:
+        from dapo_core.store.checkpoint import CheckpointDir
+
+        run = ws.runs / "r1"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        ckpts = CheckpointDir(run)
+
+        def write(d: Path) -> None:
+            (d / "actor").mkdir()
+            (d / "actor" / "model.safetensors").write_bytes(b"w" * 64)
+            (d / "driver_state.json").write_text("{}")
+
+        for step in (*complete, *([half] if half is not None else [])):
+            ckpts.save(step, write)
+        if half is not None:
+            (ckpts.path(half) / "actor" / "model.safetensors").unlink()
+        (ckpts.dir / "latest").unlink(missing_ok=True)
+        if latest is not None:
+            (ckpts.dir / "latest").write_text(f"{latest}\n")
+
+    return setup
+
+
+def _moved_replay_run(ws: Ws) -> None:
+    """runs/r1 (replay-buffer order) moved here from /srv/old-runs: its ledger names its stage files there."""
+    import sqlite3
+
+    run = ws.runs / "r1"
+    run.mkdir()
+    con = sqlite3.connect(run / "ledger.sqlite")
+    con.execute("CREATE TABLE kv (key TEXT PRIMARY KEY, tags TEXT NOT NULL)")
+    uri = "file:///srv/old-runs/r1/step_000001/replay_add_00001.arrow"
+    con.execute("INSERT INTO kv VALUES (?, ?)", ("u_0", json.dumps({"row": 0, "uri": uri})))
+    con.commit()
+    con.close()
+
+
+def _only_config_json(m: Path) -> None:
+    """A model folder whose download stopped after config.json."""
+    for p in m.iterdir():
+        if p.name != "config.json":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def _disk_free(free: int) -> Callable[[pytest.MonkeyPatch, Ws], None]:
+    """The file system of the workspace has `free` bytes left (`shutil.disk_usage` reports it)."""
+
+    def patch(monkeypatch: pytest.MonkeyPatch, ws: Ws) -> None:
+        real = shutil.disk_usage
+
+        def usage(path: str | Path) -> object:
+            u = real(path)
+            if str(Path(path).absolute()).startswith(str(ws.root)):
+                return type(u)(u.total, u.total - free, free)
+            return u
+
+        monkeypatch.setattr(shutil, "disk_usage", usage)
+
+    return patch
+
+
 def _dangling_data(ws: Ws) -> None:
     """The data folder was moved: the configured train file is a symlink to nothing."""
     moved = ws.root / "moved.parquet"
@@ -294,6 +360,8 @@ class Case:
     code: int = 2
     before: str = "clear"
     env: dict[str, str] = field(default_factory=dict)
+    patch: Callable[[pytest.MonkeyPatch, Ws], None] | None = None
+    """A condition of the machine that cannot be built in a folder (a full disk), set with monkeypatch."""
 
 
 _T = lambda ws: str(ws.train)  # noqa: E731
@@ -958,6 +1026,143 @@ CASES: list[Case] = [
         ("trainer.num_threads=-1", "Fix: set it to 1"),
         before="ugly",
     ),
+    # --- the operator's machine: disks, folders that take no files, runs moved or half copied
+    Case(
+        "disk almost full",
+        "store",
+        _train(),
+        ("only 100 MiB free", "need 256 MiB", "trainer.runs_dir", "free some disk space"),
+        "PreflightError",
+        patch=_disk_free(100 * 2**20),
+        before="silent",
+    ),
+    Case(
+        "runs_dir on a file system that takes no files (/proc)",
+        "store",
+        lambda ws: [*_train()(ws), "trainer.runs_dir=/proc/dapo-runs"],
+        ("cannot write in /proc", "does not take new files", "trainer.runs_dir", "writable disk"),
+        "PreflightError",
+        before="ugly",
+    ),
+    Case(
+        "data folder under a file (dapo train writes the data)",
+        "store",
+        lambda ws: [
+            "train",
+            "--config",
+            TINY,
+            f"trainer.runs_dir={ws.runs}",
+            f"data.synthetic.out_dir={ws.root}/afile/data",
+        ],
+        ("cannot write in", "afile", "a path under a file", "data.synthetic.out_dir"),
+        "PreflightError",
+        setup=_runs_file,
+        before="ugly",
+    ),
+    Case(
+        "models_dir under a file (dapo train writes the models)",
+        "store",
+        lambda ws: [
+            "train",
+            "--config",
+            TINY,
+            f"trainer.runs_dir={ws.runs}",
+            f"trainer.models_dir={ws.root}/afile/models",
+        ],
+        ("cannot write in", "afile", "trainer.models_dir"),
+        "PreflightError",
+        setup=_runs_file,
+        before="ugly",
+    ),
+    Case(
+        "eval --output in a folder that takes no files",
+        "store",
+        lambda ws: [
+            "eval",
+            "--config",
+            TINY,
+            *_good(ws),
+            "--checkpoint",
+            str(ws.model),
+            "--output",
+            "/proc/dapo/eval.json",
+        ],
+        ("cannot write in /proc", "/proc/dapo", "eval.output"),
+        "PreflightError",
+        before="ugly",
+    ),
+    Case(
+        "experiment_name given as a path",
+        "config",
+        _train("trainer.experiment_name=runs/r1"),
+        ("trainer.experiment_name='runs/r1' is not a run id", "not a path", "'r1'", "trainer.runs_dir"),
+        "PreflightError",
+        before="silent",
+    ),
+    Case(
+        "run folder moved (replay-buffer run)",
+        "checkpoint",
+        _train("trainer.experiment_name=r1"),
+        (
+            "was written at /srv/old-runs/r1",
+            "has been moved",
+            "cannot resume here",
+            "ln -s",
+            "trainer.runs_dir=/srv/old-runs",
+        ),
+        "PreflightError",
+        setup=_moved_replay_run,
+        before="ugly",
+    ),
+    Case(
+        "latest names a half-copied checkpoint",
+        "checkpoint",
+        _train("trainer.experiment_name=r1"),
+        (
+            "would resume from its latest checkpoint",
+            "step_2",
+            "incomplete",
+            "model.safetensors",
+            "delete",
+            "ckpt/latest",
+        ),
+        "PreflightError",
+        setup=_checkpoints(1, half=2, latest=2),
+        before="ugly",
+    ),
+    Case(
+        "no latest, the only checkpoint half-copied",
+        "checkpoint",
+        _train("trainer.experiment_name=r1"),
+        ("latest is missing", "none of the checkpoints", "verifies", "restore a checkpoint from a backup"),
+        "CheckpointError",
+        setup=_checkpoints(half=1),
+        before="ugly",
+    ),
+    Case(
+        "no latest, newest checkpoint half-copied, an older one complete",
+        "checkpoint",
+        _train("trainer.experiment_name=r1"),
+        (
+            "dapo train: warning:",
+            "latest is missing",
+            "using the newest checkpoint that verifies",
+            "step_1",
+            "skipped: step 2",
+        ),
+        code=0,
+        error="",
+        setup=_checkpoints(1, half=2),
+    ),
+    Case(
+        "model folder with config.json only",
+        "model",
+        _train(),
+        ("has no *.safetensors weights", "actor_rollout_ref.model.path", "save the model with safetensors"),
+        "PreflightError",
+        setup=_model(_only_config_json),
+        before="ugly",
+    ),
 ]
 
 
@@ -985,8 +1190,8 @@ def no_flows(monkeypatch) -> list:
     return calls
 
 
-def test_the_table_has_at_least_80_bad_inputs():
-    assert len(CASES) >= 80 and len({c.id for c in CASES}) == len(CASES)
+def test_the_table_has_at_least_90_bad_inputs():
+    assert len(CASES) >= 90 and len({c.id for c in CASES}) == len(CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -999,6 +1204,8 @@ def test_bad_input(case: Case, ws: Ws, no_flows: list, monkeypatch, capsys):
     monkeypatch.delenv("DAPO_SKIP_PREFLIGHT", raising=False)
     for k, v in case.env.items():
         monkeypatch.setenv(k, v)
+    if case.patch is not None:
+        case.patch(monkeypatch, ws)
     monkeypatch.setattr(flows.preflight, "last_user_error", None)
     if case.setup is not None:
         case.setup(ws)
