@@ -28,6 +28,7 @@ from prefect import flow
 
 from dapo_core.config import load_config, load_config_text, to_safe_yaml, typed
 from dapo_core.errors import DapoUserError
+from dapo_core.preflight import check_writable
 from flows.base_model import base_model_flow
 from flows.dapo_train import dapo_train
 from flows.evaluate import evaluate_flow
@@ -296,6 +297,8 @@ def _dvc_main(args: argparse.Namespace, state: dict) -> int:
     code = train_checks(tcfg, flow_only=True)
     if code:
         return code
+    for folder, key in ((args.models_dir, "--models-dir"), (args.metrics_dir, "--metrics-dir")):
+        check_writable(folder, key=f"{key} (the train stage's outputs)")  # written after training
     quiet_user_error_tracebacks(debug_enabled(args.debug))
     quiet_worker_noise()
     start_local_prefect(args.command)  # Prefect's own 20 s start-up timeout fails on a loaded machine

@@ -145,3 +145,12 @@ def test_bad_milestones_are_one_paragraph(stage, inputs, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and calls == [] and "Traceback" not in err
     assert "--milestones '10,x'" in err and "Fix:" in err
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_training(stage, inputs, tmp_path, capsys):
+    pl, calls = stage
+    (tmp_path / "afile").write_text("not a folder")
+    models = str(tmp_path / "afile" / "models")
+    code, err = _run(pl, _params(tmp_path, inputs), capsys, "--models-dir", models)
+    assert code == 2 and calls == [], err
+    assert "cannot write in" in err and "--models-dir" in err and "a path under a file" in err
