@@ -36,7 +36,7 @@ train: $(STAMP)
 REAL_MODEL := models/smollm2_135m
 train-real: $(STAMP)
 	test -f $(REAL_MODEL)/import.json || $(BIN)/dapo import-model --out $(REAL_MODEL)
-	OMP_NUM_THREADS=2 $(BIN)/dapo train --config configs/smollm2_cpu.yaml $(ARGS)
+	$(BIN)/dapo train --config configs/smollm2_cpu.yaml $(ARGS)
 
 ## make test: the fast default (unit tests without the `slow` marker)
 test: $(STAMP)
