@@ -227,7 +227,7 @@ class Lease:
         heartbeat_s: float,
         on_lost: Callable[[], None] | None,
         timeout_s: float = 120.0,
-    ):
+    ) -> None:
         self.run_dir = run_dir
         self.holder = holder
         self.heartbeat_s = heartbeat_s

@@ -67,7 +67,9 @@ class _ReservedLayer(DynamicLayer):
         self.length = 0
         self._keys = self._values = torch.empty(0)  # the reserved buffers, made on the first write
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         return append_reserved(self, key_states, value_states)
