@@ -354,7 +354,7 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
             header, cells = _table(browser)
             assert "kept_groups" in header, header
             assert [r[0] for r in cells] == [str(s) for s in range(STEPS, 0, -1)], cells  # newest first
-            empty = {h for r in cells for h, c in zip(header, r, strict=True) if not c}
+            empty = {h for r in cells for h, c in zip(header, r, strict=True) if not c and h != "val_acc"}
             assert not empty, f"steps-table columns without a value: {sorted(empty)}"
         _quiet(log)
     finally:
