@@ -47,3 +47,19 @@ def in_process_run_overrides(tmp_path: Path, num_train: int = 32, num_val: int =
         "trainer.logger=[jsonl]",
         "reward_model.num_workers=1",
     ]
+
+
+def write_good_inputs(root: Path) -> Path:
+    """Good inputs in `root`: train.parquet and val.parquet (24 and 8 synthetic problems) and a tiny model
+    folder `model/` with the schema's default shape; returns `root`."""
+    from dataclasses import asdict
+
+    from dapo_core.compute.models import build_tiny_model
+    from dapo_core.config.schema import TinyModelConfig
+    from dapo_core.data.datasets import make_synthetic_splits, write_parquet
+
+    train, val = make_synthetic_splits(24, 8, seed=0)
+    write_parquet(train, root / "train.parquet")
+    write_parquet(val, root / "val.parquet")
+    build_tiny_model(root / "model", asdict(TinyModelConfig()), 0)
+    return root

@@ -23,7 +23,7 @@ import struct
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -38,16 +38,9 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """Good inputs, built once: train/val parquet files and a tiny model folder."""
-    from dapo_core.compute.models import build_tiny_model
-    from dapo_core.config.schema import TinyModelConfig
-    from dapo_core.data.datasets import make_synthetic_splits, write_parquet
+    from tests.helpers import write_good_inputs
 
-    root = tmp_path_factory.mktemp("bad_inputs_base")
-    train, val = make_synthetic_splits(24, 8, seed=0)
-    write_parquet(train, root / "train.parquet")
-    write_parquet(val, root / "val.parquet")
-    build_tiny_model(root / "model", asdict(TinyModelConfig()), 0)
-    return root
+    return write_good_inputs(tmp_path_factory.mktemp("bad_inputs_base"))
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -19,16 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
-    from dapo_core.compute.models import build_tiny_model
-    from dapo_core.config.schema import TinyModelConfig
-    from dapo_core.data.datasets import make_synthetic_splits, write_parquet
+    from tests.helpers import write_good_inputs
 
-    root = tmp_path_factory.mktemp("dvc_entry")
-    train, val = make_synthetic_splits(24, 8, seed=0)
-    write_parquet(train, root / "train.parquet")
-    write_parquet(val, root / "val.parquet")
-    build_tiny_model(root / "model", asdict(TinyModelConfig()), 0)
-    return root
+    return write_good_inputs(tmp_path_factory.mktemp("dvc_entry"))
 
 
 def _params(tmp_path: Path, inputs: Path, **extra: str) -> Path:
