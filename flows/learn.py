@@ -95,6 +95,7 @@ def learn(
         metrics.append(m)
         return out
 
+    rt.rollout.release()  # colocated GPUs: the training ranks get the engine's memory
     parts = rt.cfg.trainer.parameter_sync_step if part is not None else 1
     reason = old_log_prob_needed(rt.cfg, parts)
     if rt.run_id not in _ANNOUNCED:

@@ -24,6 +24,7 @@ from dapo_core.algo.kl import get_kl_controller
 from dapo_core.compute.cluster import Cluster, PlacementError, proxy, worker_threads
 from dapo_core.compute.groups import create_role
 from dapo_core.compute.models import load_tokenizer
+from dapo_core.compute.pools import DevicePool, pool_layout, same_nodes
 from dapo_core.compute.replicas import RolloutReplicas, create_replicas, replica_layout
 from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
 from dapo_core.config import (
@@ -119,41 +120,63 @@ def _dp_layout(cfg: DapoConfig) -> dict[str, int]:
     return {"nnodes": cfg.trainer.nnodes, "per_node": cfg.trainer.n_gpus_per_node}
 
 
+def colocated(cfg: DapoConfig, device: str) -> bool:
+    """Whether the run shares every GPU among the roles (`dapo_core.compute.pools`): fsdp2 on GPU under Ray,
+    the layout `dapo plan` models for it."""
+    return device == "cuda" and cfg.trainer.use_ray and cfg.actor_rollout_ref.actor.strategy == "fsdp2"
+
+
 def gpu_demand(cfg: DapoConfig) -> dict[str, int]:
-    """GPUs each role asks Ray for on GPU. Every role holds devices of its own: the rollout replicas take
-    `trainer.nnodes × n_gpus_per_node` (M replicas × TP), and each rank of the actor, reference and critic
-    groups one more; a training rank and a rollout shard never share a GPU."""
+    """GPUs the run asks Ray for on GPU. Colocated (fsdp2): the pool of `trainer.nnodes × n_gpus_per_node`
+    GPUs that every role shares. Otherwise every role holds devices of its own: the rollout replicas take
+    `trainer.nnodes × n_gpus_per_node` (M replicas × TP), the actor, reference and critic one each."""
     tr, ro = cfg.trainer, cfg.actor_rollout_ref.rollout
     tp = max(ro.tensor_model_parallel_size, 1)
-    layout = _dp_layout(cfg)
-    ranks = layout["nnodes"] * layout["per_node"]
-    need = {"rollout": max(tr.nnodes * tr.n_gpus_per_node // tp, 1) * tp, "actor": ranks}
+    if colocated(cfg, "cuda"):
+        return {"pool": tr.nnodes * tr.n_gpus_per_node}
+    need = {"rollout": max(tr.nnodes * tr.n_gpus_per_node // tp, 1) * tp, "actor": 1}
     if need_reference_policy(cfg):
-        need["ref"] = ranks
+        need["ref"] = 1
     if use_critic(cfg):
-        need["critic"] = ranks
+        need["critic"] = 1
     return need
 
 
 def check_gpu_count(cfg: DapoConfig, have: float) -> None:
     """Refuse, before any worker starts, a GPU run whose roles ask Ray for more GPUs than the cluster has
-    (`gpu_demand`); without it the last role waits for a placement that cannot come."""
+    (`gpu_demand`), and the replay-buffer order on a colocated pool (its generation runs beside training,
+    which needs GPUs of its own); without it the last role waits for a placement that cannot come."""
+    tr = cfg.trainer
+    if colocated(cfg, "cuda") and tr.step_order == "replay_buffer":
+        raise PlacementError(
+            "trainer.step_order=replay_buffer generates while the actor trains, but with "
+            "actor_rollout_ref.actor.strategy=fsdp2 on GPU every GPU holds an actor rank and a rollout shard "
+            "that take turns (colocated), so the two cannot run at once",
+            where="trainer.step_order",
+            fix="use trainer.step_order=sync with fsdp2, or actor_rollout_ref.actor.strategy=torch or "
+            "deepspeed (one GPU per role) for the replay-buffer order",
+        )
     need = gpu_demand(cfg)
     total = sum(need.values())
     if total <= have:
         return
-    parts = ", ".join(f"{role} {n}" for role, n in need.items())
-    training = len(need) - 1
     tp = max(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, 1)
-    if cfg.actor_rollout_ref.actor.strategy == "fsdp2":  # each training role: one GPU per rank of the world
-        world = int(have) // (1 + training)
-    else:  # the training roles: one GPU each
-        world = int(have) - training
-    world = max(world // tp * tp, 0)
+    if "pool" in need:
+        world = int(have) // tp * tp
+        what = (
+            f"its colocated pool asks Ray for trainer.nnodes × trainer.n_gpus_per_node = {total} GPUs (every "
+            f"GPU holds a rank of each training role and a rollout shard) and the cluster has {have:g}"
+        )
+    else:
+        parts = ", ".join(f"{role} {n}" for role, n in need.items())
+        world = max((int(have) - (len(need) - 1)) // tp * tp, 0)
+        what = (
+            f"this run asks Ray for {total} GPUs ({parts}) and the cluster has {have:g}: with "
+            f"actor_rollout_ref.actor.strategy={cfg.actor_rollout_ref.actor.strategy} every role runs on "
+            f"GPUs of its own (fsdp2 shares them)"
+        )
     raise PlacementError(
-        f"this run asks Ray for {total} GPUs ({parts}) and the cluster has {have:g}: every role runs on "
-        f"GPUs of its own (a training rank and a rollout shard never share one; colocating them, as verl's "
-        f"hybrid engine does, is not built)",
+        what,
         where="trainer.nnodes / trainer.n_gpus_per_node",
         fix=(
             f"make trainer.nnodes × trainer.n_gpus_per_node at most {world} (a multiple of "
@@ -162,6 +185,18 @@ def check_gpu_count(cfg: DapoConfig, have: float) -> None:
             else "add GPUs to the cluster: it cannot hold one rollout replica and the training roles"
         ),
     )
+
+
+def device_pool(cfg: DapoConfig, cluster: Cluster) -> DevicePool:
+    """Reserve the colocated pool (`colocated`) the roles share: one GPU bundle per GPU, shared by a rank of
+    each training role and the rollout shard."""
+    tr = cfg.trainer
+    roles = 1 + int(need_reference_policy(cfg)) + int(use_critic(cfg))
+    tp = max(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, 1)
+    layout = pool_layout(tr.nnodes, tr.n_gpus_per_node, roles, tp)
+    res = tr.ray_resources
+    where = same_nodes({"actor": res.actor, "ref": res.ref, "critic": res.critic, "rollout": res.rollout})
+    return DevicePool.create(layout, resources=where, timeout_s=cluster.start_timeout_s)
 
 
 def _local_ray_cpus(cfg: DapoConfig) -> int:
@@ -189,12 +224,14 @@ def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: 
             "tensor_parallel_size": ro.tensor_model_parallel_size,
             "enforce_eager": ro.enforce_eager,
             "max_num_seqs": ro.max_num_seqs,
+            # colocated: the engine sleeps while the training ranks on its GPUs run
+            "enable_sleep_mode": cluster.pool is not None and ro.free_cache_engine,
             **layout.engine_opts,
         }
     if ro.dtype != "auto":
         engine_opts["dtype"] = ro.dtype
 
-    def factory(num_threads: int | None) -> Callable[[], RolloutWorker]:
+    def factory(num_threads: int | None, visible_devices: str | None) -> Callable[[], RolloutWorker]:
         return functools.partial(
             RolloutWorker,
             model_path,
@@ -205,6 +242,7 @@ def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: 
             val_sampling=_sampling(ro.val_kwargs, cfg.data.max_response_length),
             engine_opts=engine_opts,
             num_threads=num_threads,
+            visible_devices=visible_devices,
         )
 
     return create_replicas(
@@ -213,6 +251,7 @@ def _rollout_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, device: 
         layout,
         max_new_tokens=cfg.data.max_response_length,
         resources=cfg.trainer.ray_resources.rollout,
+        pool=cluster.pool,
     )
 
 
@@ -243,7 +282,15 @@ def _actor_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, 
         use_shared_prompt=arr.model.use_shared_prompt,
     )
     where = cfg.trainer.ray_resources.actor
-    group = create_role(cluster, "actor", factory, num_gpus=_gpus(device), resources=where, **_dp_layout(cfg))
+    group = create_role(
+        cluster,
+        "actor",
+        factory,
+        num_gpus=_gpus(device),
+        resources=where,
+        pool=cluster.pool,
+        **_dp_layout(cfg),
+    )
     return proxy(group, ActorWorker)
 
 
@@ -276,7 +323,9 @@ def _ref_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, de
         dtype=arr.ref.dtype,
     )
     where = cfg.trainer.ray_resources.ref
-    group = create_role(cluster, "ref", factory, num_gpus=_gpus(device), resources=where, **_dp_layout(cfg))
+    group = create_role(
+        cluster, "ref", factory, num_gpus=_gpus(device), resources=where, pool=cluster.pool, **_dp_layout(cfg)
+    )
     return proxy(group, RefWorker)
 
 
@@ -301,7 +350,9 @@ def _critic_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int,
     )
     where = cfg.trainer.ray_resources.critic
     layout = _dp_layout(cfg)
-    group = create_role(cluster, "critic", factory, num_gpus=_gpus(device), resources=where, **layout)
+    group = create_role(
+        cluster, "critic", factory, num_gpus=_gpus(device), resources=where, pool=cluster.pool, **layout
+    )
     return proxy(group, CriticWorker)
 
 
@@ -505,6 +556,8 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             import ray
 
             check_gpu_count(cfg, float(ray.cluster_resources().get("GPU", 0.0)))
+            if colocated(cfg, device):
+                cluster.pool = device_pool(cfg, cluster)
         rt = TrainRun(
             run_id=run_id,
             cfg=cfg,

@@ -122,11 +122,19 @@ class _RayHost:
     def ping(self) -> str:
         return "ok"
 
-    def where(self) -> dict[str, str]:
-        """The Ray node this worker runs on: its node id and address."""
+    def where(self) -> dict[str, Any]:
+        """The Ray node this worker runs on (its node id and address) and, when it holds GPUs, their ids on
+        that node (`gpus`, as CUDA_VISIBLE_DEVICES names them)."""
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+        here: dict[str, Any] = {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+        }
+        gpus = [str(i) for i in ray.get_gpu_ids()]
+        if gpus:
+            here["gpus"] = gpus
+        return here
 
 
 @dataclass
@@ -485,11 +493,14 @@ class Cluster:
     ) -> None:
         self.run_id = run_id
         self.use_ray = use_ray
-        self.placement: dict[str, dict[str, str]] = {}
+        self.placement: dict[str, dict[str, Any]] = {}
         """Where each Ray worker runs: role -> {"node_id", "node_ip"} (of rank 0 for a group; empty for
         in-process workers)."""
         self.workers: list[dict[str, Any]] = []
-        """Every rank of every role: {"role", "rank", "node_id", "node_ip"} ("in-process" without Ray)."""
+        """Every rank of every role: {"role", "rank", "node_id", "node_ip"} ("in-process" without Ray), and
+        `gpus` for a worker holding GPUs."""
+        self.pool: Any = None
+        """The colocated `DevicePool` the workers share (GPU fsdp2 runs), released by `shutdown`."""
         self.device = device
         self.num_threads = num_threads
         self._started_ray = False
@@ -528,10 +539,12 @@ class Cluster:
         num_gpus: float = 0.0,
         num_cpus: float = 1.0,
         resources: Mapping[str, Any] | None = None,
+        scheduling_strategy: Any = None,
     ) -> Handle:
         """Create the worker `role` from a zero-argument `factory` (a picklable callable) and return its
         handle. `resources`: Ray custom resources the worker asks for (`trainer.ray_resources.<role>`), which
-        puts it on a node that advertises them; ignored for in-process workers.
+        puts it on a node that advertises them; ignored for in-process workers. `scheduling_strategy`: a
+        placement-group bundle to run in (a colocated pool's GPU, `dapo_core.compute.pools`).
 
         An existing actor of the same name (e.g. left by a crashed driver) is killed and replaced, so a
         resumed run never talks to a worker holding stale weights. A placement no live node can satisfy
@@ -554,7 +567,8 @@ class Cluster:
         import ray
 
         request = {"CPU": float(num_cpus), **({"GPU": float(num_gpus)} if num_gpus else {}), **custom}
-        check_feasible(role, request, ray.nodes())
+        if scheduling_strategy is None:  # a bundle already holds what it asks for
+            check_feasible(role, request, ray.nodes())
         name = actor_name(self.run_id, role)
         try:
             stale = ray.get_actor(name, namespace=NAMESPACE)
@@ -568,8 +582,9 @@ class Cluster:
             namespace=NAMESPACE,
             num_cpus=num_cpus,
             num_gpus=num_gpus,
-            resources=custom or None,
+            resources=(custom or None) if scheduling_strategy is None else None,
             max_concurrency=1,
+            scheduling_strategy=scheduling_strategy,
         ).remote(factory, self.num_threads, os.environ.get(WORKER_LOGS_ENV) == "1")
         try:  # construction errors surface here, with the role in the traceback
             _ray_get(actor.ping.remote(), timeout=self.start_timeout_s)
@@ -624,6 +639,9 @@ class Cluster:
             with _REGISTRY_LOCK:
                 _LOCAL_REGISTRY.pop((self.run_id, role), None)
         self._owned.clear()
+        if self.pool is not None:
+            self.pool.kill()
+            self.pool = None
         if self._started_ray:
             import ray
 

@@ -1,7 +1,8 @@
 """Worker groups: one model role as `nnodes × n_gpus_per_node` Ray actors (ranks) that act as one worker.
 
 `create_group` reserves a Ray placement group for the role (its own pool: one bundle per node, spread over
-distinct nodes; on CPU a rank is a process with one core), starts one `_RankHost` per rank, has rank 0 name a
+distinct nodes; on CPU a rank is a process with one core), or places rank `i` on GPU `i` of the colocated pool
+the roles share (`dapo_core.compute.pools`), starts one `_RankHost` per rank, has rank 0 name a
 rendezvous (its node address and a free port) and builds the worker object on every rank at once after the
 ranks joined their process group (`dapo_core.compute.dist.init_data_parallel`).
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from dapo_core.compute import cluster as C
 from dapo_core.compute.cluster import Handle, PlacementError
+from dapo_core.compute.pools import DevicePool
 
 __all__ = ["GroupHandle", "GroupLayout", "create_group", "create_role"]
 
@@ -144,33 +146,47 @@ def create_group(
     *,
     num_gpus: float = 0.0,
     resources: Mapping[str, Any] | None = None,
+    pool: DevicePool | None = None,
 ) -> GroupHandle:
     """Start `role` as `layout.size` ranks in a placement group of `layout.nnodes` bundles (one per node,
     STRICT_SPREAD), join their process group and build `factory()` on each; records every rank in
-    `cluster.workers`."""
+    `cluster.workers`. With a colocated `pool`, rank `i` runs on the pool's GPU `i` with its share of it
+    instead (`num_gpus` and `resources` are the pool's)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    custom = C.checked_resources(role, resources)
     per_rank_cpu = 1.0
-    bundle = {
-        "CPU": per_rank_cpu * layout.per_node,
-        **({"GPU": num_gpus * layout.per_node} if num_gpus else {}),
-        **custom,
-    }
-    _check_nodes(role, bundle, layout, ray.nodes())
-    pg = placement_group([dict(bundle) for _ in range(layout.nnodes)], strategy="STRICT_SPREAD")
-    try:
-        C._ray_get(pg.ready(), timeout=cluster.start_timeout_s)
-    except TimeoutError:
-        ray.util.remove_placement_group(pg)
-        raise PlacementError(
-            f"the {role} group's {layout.nnodes} bundle(s) of {bundle} were not granted within "
-            f"{cluster.start_timeout_s:.0f}s; the cluster has {ray.available_resources()} free",
-            where="trainer.nnodes / trainer.n_gpus_per_node",
-            fix="free resources (other runs' workers hold them), or lower trainer.n_gpus_per_node",
-        ) from None
+    pg: Any = None
+    if pool is None:
+        custom = C.checked_resources(role, resources)
+        bundle = {
+            "CPU": per_rank_cpu * layout.per_node,
+            **({"GPU": num_gpus * layout.per_node} if num_gpus else {}),
+            **custom,
+        }
+        _check_nodes(role, bundle, layout, ray.nodes())
+        pg = placement_group([dict(bundle) for _ in range(layout.nnodes)], strategy="STRICT_SPREAD")
+        try:
+            C._ray_get(pg.ready(), timeout=cluster.start_timeout_s)
+        except TimeoutError:
+            ray.util.remove_placement_group(pg)
+            raise PlacementError(
+                f"the {role} group's {layout.nnodes} bundle(s) of {bundle} were not granted within "
+                f"{cluster.start_timeout_s:.0f}s; the cluster has {ray.available_resources()} free",
+                where="trainer.nnodes / trainer.n_gpus_per_node",
+                fix="free resources (other runs' workers hold them), or lower trainer.n_gpus_per_node",
+            ) from None
+    elif pool.layout.world != layout.size:
+        raise ValueError(f"the {role} group has {layout.size} ranks but the pool {pool.layout.world} GPUs")
+
+    def strategy(rank: int) -> Any:
+        if pool is not None:
+            return pool.strategy(rank)
+        return PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=rank // layout.per_node
+        )
+
     remote_cls: Any = ray.remote(_RankHost)
     verbose = os.environ.get(C.WORKER_LOGS_ENV) == "1"
     ranks = []
@@ -183,11 +199,9 @@ def create_group(
                 name=name,
                 namespace=C.NAMESPACE,
                 num_cpus=per_rank_cpu,
-                num_gpus=num_gpus,
+                num_gpus=pool.layout.fraction if pool is not None else num_gpus,
                 max_concurrency=1,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=rank // layout.per_node
-                ),
+                scheduling_strategy=strategy(rank),
             ).remote(cluster.num_threads, verbose)
         )
     handle = GroupHandle(role=role, ranks=ranks, placement_group=pg, ray_actor=ranks[0])
@@ -219,10 +233,11 @@ def create_role(
     per_node: int = 1,
     num_gpus: float = 0.0,
     resources: Mapping[str, Any] | None = None,
+    pool: DevicePool | None = None,
 ) -> Handle:
-    """The model role `role` as `nnodes × per_node` data-parallel ranks (`create_group`); one rank is a plain
-    worker (`Cluster.create`). Several ranks need Ray."""
-    if nnodes * per_node == 1:
+    """The model role `role` as `nnodes × per_node` data-parallel ranks (`create_group`; on the colocated
+    `pool`'s GPUs when given); one rank is a plain worker (`Cluster.create`). Several ranks need Ray."""
+    if nnodes * per_node == 1 and pool is None:
         return cluster.create(role, factory, num_gpus=num_gpus, resources=resources)
     if not cluster.use_ray:
         raise PlacementError(
@@ -232,5 +247,11 @@ def create_role(
             fix="set trainer.use_ray=true, or trainer.nnodes=1 and trainer.n_gpus_per_node=1",
         )
     return create_group(
-        cluster, role, factory, GroupLayout(nnodes, per_node), num_gpus=num_gpus, resources=resources
+        cluster,
+        role,
+        factory,
+        GroupLayout(nnodes, per_node),
+        num_gpus=num_gpus,
+        resources=resources,
+        pool=pool,
     )

@@ -224,8 +224,7 @@ precision)."""
 
 
 def _opt(obj: Any, dotted: str, default: Any) -> Any:
-    """`obj.a.b`, or `default` where the schema has no such key (verl's `ulysses_sequence_parallel_size`,
-    followed when the config has it)."""
+    """`obj.a.b`, or `default` where the config has no such key or it is null."""
     for part in dotted.split("."):
         if obj is None or not hasattr(obj, part):
             return default
@@ -299,8 +298,6 @@ class Layout:
     strategy: str
     dp: int
     """Ranks the actor's weights, gradients and optimizer state are sharded over."""
-    sp: int
-    """Ulysses sequence-parallel degree (FSDP only): a micro-batch's tokens spread over sp GPUs."""
     tp: int
     replicas: int
     colocated: bool
@@ -330,9 +327,8 @@ def resolve_layout(cfg: Any, *, dp: int = 1, device: str | None = None) -> Layou
     tp = int(arr.rollout.tensor_model_parallel_size) if arr.rollout.name == "vllm" else 1
     if strategy in FSDP_STRATEGIES:
         world = nnodes * per_node
-        sp = int(_opt(arr.actor, "ulysses_sequence_parallel_size", 1))
-        return Layout(dev, nnodes, per_node, strategy, world, sp, tp, max(1, world // tp), True)
-    return Layout(dev, nnodes, per_node, strategy, dp, 1, tp, 1, False)
+        return Layout(dev, nnodes, per_node, strategy, world, tp, max(1, world // tp), True)
+    return Layout(dev, nnodes, per_node, strategy, dp, tp, 1, False)
 
 
 @dataclass
@@ -451,18 +447,15 @@ def activation_bytes(
 
 
 def _micro_tokens(
-    *, dynamic: bool, budget: int, micro_rows: int, width: int, packed: bool, sp: int = 1
+    *, dynamic: bool, budget: int, micro_rows: int, width: int, packed: bool
 ) -> tuple[int, int, str]:
-    """(tokens N of the largest micro-batch on one GPU, Σ T² of its attention blocks, how N was chosen).
-
-    With Ulysses sequence parallel (verl's convention) an sp group's budget is `budget·sp` and each GPU holds
-    1/sp of the group's tokens; a row longer than the budget still goes alone, split over the sp GPUs.
-    """
+    """(tokens N of the largest micro-batch on one GPU, Σ T² of its attention blocks, how N was chosen). No
+    engine here has sequence parallelism (verl's Ulysses), so a micro-batch's tokens are on one GPU."""
     if dynamic and packed:
-        n = max(budget * sp, width)
+        n = max(budget, width)
         sq, how = n * n, f"token budget {budget} (packed; a longer row goes alone, width {width})"
     elif dynamic:
-        rows = max(1, budget * sp // width)
+        rows = max(1, budget // width)
         n, sq, how = (
             rows * width,
             rows * width * width,
@@ -474,8 +467,6 @@ def _micro_tokens(
     else:
         n = micro_rows * width
         sq, how = micro_rows * width * width, f"{micro_rows} rows × padded width {width}"
-    if sp > 1:
-        return -(-n // sp), sq // sp, how + f", spread over sp={sp} GPUs"
     return n, sq, how
 
 
@@ -716,9 +707,7 @@ def _layout_line(lay: Layout) -> str:
     if lay.colocated:
         return (
             f"layout: {lay.nnodes} node(s) × {lay.per_node} {unit} = {lay.world}; actor ({lay.strategy}) "
-            f"sharded over dp={lay.dp}"
-            + (f", Ulysses sp={lay.sp}" if lay.sp > 1 else "")
-            + f"; {lay.replicas} rollout "
+            f"sharded over dp={lay.dp}" + f"; {lay.replicas} rollout "
             f"replica(s) of tp={lay.tp}; every GPU holds an actor rank and a rollout shard (colocated)"
         )
     return (
@@ -740,14 +729,13 @@ def _pass_rows(
     micro_rows: int,
     width: int,
     packed: bool,
-    sp: int,
     scores: bool,
     ckpt: bool | None,
     entropy: bool,
 ) -> None:
     """Activation, mask and logits rows of one pass; `ckpt` None = a forward without gradients."""
     n, sq, how = _micro_tokens(
-        dynamic=dynamic, budget=budget, micro_rows=micro_rows, width=width, packed=packed, sp=sp
+        dynamic=dynamic, budget=budget, micro_rows=micro_rows, width=width, packed=packed
     )
     if ckpt is None:
         role.rows.append(_no_grad_row(s, n, cb, sq if scores else 0, how, phase))
@@ -783,8 +771,8 @@ def _actor_plan(
     _place(a, st, lay)
     scores = lay.device == "cpu"
     mini_rows = int(actor.ppo_mini_batch_size) * n
-    data_dp = max(1, lay.dp // lay.sp) if lay.colocated else 1
-    common = {"width": width, "packed": packed, "sp": lay.sp, "scores": scores}
+    data_dp = lay.dp if lay.colocated else 1
+    common = {"width": width, "packed": packed, "scores": scores}
     _pass_rows(
         a,
         s,
@@ -838,7 +826,7 @@ def _ref_plan(
     cb = rb if lay.strategy not in FSDP_STRATEGIES else st.compute_bytes
     _place(r, st, lay)
     gen_rows = int(cfg.data.train_batch_size) * int(arr.rollout.n)
-    data_dp = max(1, lay.dp // lay.sp) if lay.colocated else 1
+    data_dp = lay.dp if lay.colocated else 1
     _pass_rows(
         r,
         s,
@@ -849,7 +837,6 @@ def _ref_plan(
         micro_rows=max(1, int(ref.log_prob_micro_batch_size_per_gpu or -(-gen_rows // data_dp))),
         width=width,
         packed=packed,
-        sp=lay.sp,
         scores=lay.device == "cpu",
         ckpt=None,
         entropy=False,
@@ -868,9 +855,7 @@ def _critic_plan(
     actor = arr.actor
     c = RolePlan("critic", budget=gpu_mem, procs_per_node=lay.per_node if lay.colocated else 1)
     cp = s.num_params - (0 if s.tie_word_embeddings else s.embedding_params)  # no LM head; + value head
-    torch_lay = Layout(
-        lay.device, lay.nnodes, lay.per_node, "torch", 1, 1, lay.tp, lay.replicas, lay.colocated
-    )
+    torch_lay = Layout(lay.device, lay.nnodes, lay.per_node, "torch", 1, lay.tp, lay.replicas, lay.colocated)
     st = _train_states(s, torch_lay, None, params=cp, trained=True)
     st.dev[0].formula = f"P_backbone·4 B = {cp:,}·4 (torch engine, float32)"
     _place(c, st, lay)
@@ -973,6 +958,15 @@ def _rollout_plan(
             Row("process", PROCESS_BYTES[lay.device], "vLLM worker: Python, torch, CUDA context (assumed)"),
             Row("weight sync", s.num_params * db // tp, f"P·{db} B / tp: received weights", "sync"),
         ]
+        if lay.colocated and lay.device == "cuda" and ro.free_cache_engine:
+            r.host_rows.append(
+                Row(
+                    "asleep",
+                    s.num_params * db // tp,
+                    f"P·{db} B / tp: weights in host RAM while training",
+                    "train",
+                )
+            )
         if lay.device == "cpu":
             r.rows[:0] = [r.host_rows[0]]
             r.rows.append(r.host_rows[1])
@@ -1027,14 +1021,16 @@ def _rollout_plan(
 
 def _shared_gpu(cfg: Any, roles: list[RolePlan], gpu_mem: int | None) -> RolePlan:
     """The sum on one GPU of a colocated layout: every role's held rows, plus the largest pass of any role.
-    The rollout holds util·GPU while it generates; with `free_cache_engine` its cache is released for the
-    training passes and only its weights stay."""
+    The rollout holds util·GPU while it generates; with `free_cache_engine` it frees it for the training
+    passes (`RolloutWorker.release_memory`): vLLM sleeps (weights to host RAM, cache dropped), the HF engine
+    returns its cache and keeps its weights."""
     free = bool(cfg.actor_rollout_ref.rollout.free_cache_engine)
+    sleeps = cfg.actor_rollout_ref.rollout.name == "vllm"
     g = RolePlan("GPU shared by all roles", budget=gpu_mem)
     for role in roles:
         for row in role.rows:
             phase = f"{role.role} {row.phase}" if row.phase else ""
-            if role.role == "rollout" and row.name != "weights":
+            if role.role == "rollout" and (row.name != "weights" or sleeps):
                 phase = "rollout generate" if free else ""
             name = row.name if phase and phase.startswith(role.role) else f"{role.role} {row.name}"
             g.rows.append(Row(name, row.bytes, row.formula, phase))
@@ -1049,7 +1045,8 @@ def _shared_gpu(cfg: Any, roles: list[RolePlan], gpu_mem: int | None) -> RolePla
                 )
             )
     g.note = "passes never overlap (sync step order); " + (
-        "free_cache_engine: the rollout's cache is released while training"
+        "free_cache_engine: the rollout's memory is released while training"
+        + (" (vLLM sleep mode; its weights wait in host RAM)" if sleeps else " (its weights stay)")
         if free
         else "the rollout keeps its reservation throughout"
     )

@@ -66,14 +66,13 @@ def _fmt(v: Any) -> str:
 
 def candidates(cfg: Any, check: str, heads: int) -> list[list[list[str]]]:
     """Per candidate, the override sets to try in order (closest to the current config first); `heads` (the
-    model's attention heads) bounds the tensor- and sequence-parallel degrees."""
+    model's attention heads) bounds the rollout's tensor-parallel degree."""
     from dapo_core.compute.engines.train import TRAIN_ENGINES
 
     arr = cfg.actor_rollout_ref
     actor, ro = arr.actor, arr.rollout
     out: list[list[list[str]]] = []
-    sp = int(getattr(actor, "ulysses_sequence_parallel_size", 1) or 1)
-    floor = -(-(int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)) // sp)
+    floor = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
 
     def flag(key: str, value: Any = True) -> None:
         if _has(cfg, key) and _get(cfg, key) != value:
@@ -121,9 +120,6 @@ def candidates(cfg: Any, check: str, heads: int) -> list[list[list[str]]]:
         if actor.strategy in FSDP_STRATEGIES:
             nn = int(cfg.trainer.nnodes)
             numbers("trainer.nnodes", [nn * 2, nn * 4, nn * 8])
-            per = int(cfg.trainer.n_gpus_per_node)
-            sps = [k for k in (2, 4, 8) if k <= per and heads % k == 0]
-            numbers(A + "actor.ulysses_sequence_parallel_size", sps)
         for strategy in ("fsdp2", "deepspeed"):
             if strategy != actor.strategy and strategy in TRAIN_ENGINES and str(cfg.trainer.device) != "cpu":
                 extra = [f"{A}actor.deepspeed.bf16=true"] if strategy == "deepspeed" else []

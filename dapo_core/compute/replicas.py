@@ -11,7 +11,9 @@ uid, so the tokens do not depend on the split (log-probs to float precision: a s
 prompt). `push` sends one copy of the weights to every replica and records the version each reports; a replica
 that did not confirm the current version is never used (`StaleWeights`), and each checks again when it
 generates. Device seam, `replica_layout`: tensor parallelism (vLLM; a replica reserves TP GPUs and runs its TP
-ranks with vLLM's multiprocessing executor) is GPU-only, refused on CPU and for the HF engine.
+ranks with vLLM's multiprocessing executor) is GPU-only, refused on CPU and for the HF engine. On a colocated
+pool (`dapo_core.compute.pools`) a replica shares its GPUs with the training ranks and frees its memory while
+they run (`release`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dapo_core.compute.cluster import Cluster, Future, broadcast, checked_resources, proxy, submit
+from dapo_core.compute.pools import DevicePool
 from dapo_core.compute.workers.rollout import RolloutWorker, StaleWeights
 from dapo_core.errors import DapoUserError
 from dapo_core.store.jobs import StageJob, stage_files
@@ -77,8 +80,8 @@ def replica_layout(nnodes: int, n_gpus_per_node: int, tp: int, engine: str, devi
     On GPU a replica with TP > 1 reserves `tp` GPUs for its Ray actor and vLLM starts its TP ranks on them
     with its multiprocessing executor (`distributed_executor_backend="mp"`; vLLM's Ray executor would ask Ray
     for GPUs the replica already holds). This path needs several GPUs and is not exercised on CPU. The
-    replicas then hold every GPU of the cluster in Ray's accounting: training workers that also ask Ray for
-    GPUs find none left unless they are placed on the same devices (colocated, as in verl)."""
+    replicas then hold every GPU of the cluster in Ray's accounting, so the training roles need GPUs of their
+    own, unless the run is colocated (`dapo_core.compute.pools`), where the replicas take a share of each."""
     world = int(nnodes) * int(n_gpus_per_node)
     key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     if tp < 1 or world < 1 or world % tp:
@@ -165,8 +168,9 @@ class RolloutReplicas:
         *,
         max_new_tokens: int,
         names: Sequence[str] | None = None,
-        placement: Mapping[str, Mapping[str, str]] | None = None,
+        placement: Mapping[str, Mapping[str, Any]] | None = None,
         tensor_parallel: int = 1,
+        colocated: bool = False,
     ) -> None:
         if not workers:
             raise ValueError("RolloutReplicas needs at least one replica")
@@ -175,6 +179,8 @@ class RolloutReplicas:
         self.max_new_tokens = int(max_new_tokens)
         self.placement = placement if placement is not None else {}
         self.tensor_parallel = int(tensor_parallel)
+        self.colocated = bool(colocated)
+        """The replicas share their GPUs with the training ranks: `release` frees their memory."""
         self.versions: list[int | None] = [w.weight_version() for w in self.workers]
         """The weight version each replica reported last (None: it did not confirm the last push)."""
         if len(set(self.versions)) != 1:
@@ -215,6 +221,14 @@ class RolloutReplicas:
                 f"refusing to generate with stale weights",
                 fix="resume the run (new rollout replicas load the checkpoint's weights)",
             )
+
+    def release(self) -> None:
+        """Before the training stages of a colocated layout: every replica frees its engine's GPU memory
+        (`RolloutWorker.release_memory`; the next weight push or generation takes it back). No-op when the
+        replicas have devices of their own."""
+        if self.colocated:
+            for f in [submit(w.release_memory) for w in self.workers]:
+                f.result()
 
     # ------------------------------------------------------------------ generation
     def generate(self, table: pa.Table, gen_step: int, validate: bool = False) -> pa.Table:
@@ -336,21 +350,55 @@ def _merged_metrics(rows: list[int], parts: list[dict[str, float]]) -> dict[str,
 
 def create_replicas(
     cluster: Cluster,
-    factory: Callable[[int | None], Callable[[], RolloutWorker]],
+    factory: Callable[[int | None, str | None], Callable[[], RolloutWorker]],
     layout: ReplicaLayout,
     *,
     max_new_tokens: int,
     resources: Mapping[str, Any] | None = None,
+    pool: DevicePool | None = None,
 ) -> RolloutReplicas:
-    """Create `layout.count` replicas as workers `rollout-<i>` (`factory(num_threads)` returns a replica's
-    zero-argument worker factory). Under Ray each replica holds one logical CPU (and `layout.num_gpus`
-    GPUs) and, on CPU, `cluster.num_threads // M` torch threads (at least one). Replicas left by a crashed
-    driver of the run are killed first; a cluster without room for all of them within `LEFTOVER_GRACE_S` is
-    refused with one paragraph instead of waiting for resources that never come."""
+    """Create `layout.count` replicas as workers `rollout-<i>` (`factory(num_threads, visible_devices)`
+    returns a replica's zero-argument worker factory). Under Ray each replica holds one logical CPU (and
+    `layout.num_gpus` GPUs) and, on CPU, `cluster.num_threads // M` torch threads (at least one). Replicas
+    left by a crashed driver of the run are killed first; a cluster without room for all of them within
+    `LEFTOVER_GRACE_S` is refused with one paragraph instead of waiting for resources that never come. On a
+    colocated `pool`, replica `i` shares the GPUs of its bundles (`PoolLayout.replica_bundles`) and its
+    engine sees those devices (`visible_devices`, for TP > 1)."""
     m = layout.count
     where = checked_resources("rollout", resources)
     threads = max(1, cluster.num_threads // m) if cluster.use_ray and layout.num_gpus == 0 else None
     names = [replica_role(i) for i in range(m)]
+    if pool is not None:
+        if pool.layout.replicas != m:
+            raise ValueError(f"{m} replicas but the pool holds {pool.layout.replicas}")
+        import ray
+
+        from dapo_core.compute.cluster import NAMESPACE, actor_name
+
+        for name in names:
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(actor_name(cluster.run_id, name), namespace=NAMESPACE))
+        tp = pool.layout.tp
+        pooled = [
+            proxy(
+                cluster.create(
+                    name,
+                    factory(None, pool.visible_devices(i) if tp > 1 else None),
+                    num_gpus=pool.layout.fraction,
+                    scheduling_strategy=pool.strategy(pool.layout.replica_bundles(i)[0]),
+                ),
+                RolloutWorker,
+            )
+            for i, name in enumerate(names)
+        ]
+        return RolloutReplicas(
+            pooled,
+            max_new_tokens=max_new_tokens,
+            names=names,
+            placement=cluster.placement,
+            tensor_parallel=layout.tensor_parallel,
+            colocated=True,
+        )
     if cluster.use_ray:
         import ray
 
@@ -379,7 +427,8 @@ def create_replicas(
             )
     workers = [
         proxy(
-            cluster.create(name, factory(threads), num_gpus=layout.num_gpus, resources=where), RolloutWorker
+            cluster.create(name, factory(threads, None), num_gpus=layout.num_gpus, resources=where),
+            RolloutWorker,
         )
         for i, name in enumerate(names)
     ]

@@ -159,13 +159,13 @@ def test_replicas_left_by_a_crashed_driver_make_room_and_a_cluster_too_small_is_
     cluster = Cluster("t4", use_ray=True, num_cpus=2)
     layout = R.ReplicaLayout(count=2, tensor_parallel=1, num_gpus=0.0, engine_opts={})
     try:
-        R.create_replicas(cluster, lambda threads: Counter, layout, max_new_tokens=4)
+        R.create_replicas(cluster, lambda threads, devices: Counter, layout, max_new_tokens=4)
         # the same run again, its first replicas still alive and holding both CPUs: they are replaced
-        again = R.create_replicas(cluster, lambda threads: Counter, layout, max_new_tokens=4)
+        again = R.create_replicas(cluster, lambda threads, devices: Counter, layout, max_new_tokens=4)
         assert len(again.workers_info()) == 2
         monkeypatch.setattr(R, "LEFTOVER_GRACE_S", 2.0)
         three = R.ReplicaLayout(count=3, tensor_parallel=1, num_gpus=0.0, engine_opts={})
         with pytest.raises(DapoUserError, match=r"3 rollout replicas need CPU=3.*trainer\.n_gpus_per_node"):
-            R.create_replicas(cluster, lambda threads: Counter, three, max_new_tokens=4)
+            R.create_replicas(cluster, lambda threads, devices: Counter, three, max_new_tokens=4)
     finally:
         cluster.shutdown()

@@ -8,10 +8,13 @@ is). `generate_stage` reads its prompts from the run store and commits its outpu
 only the distinct prompts are ever written by the driver). With several rollout replicas
 (`dapo_core.compute.replicas`) each replica gets the same job with `rows`, the positions of its share of the
 (repeated) rows, commits that share, and refuses to generate unless its weights are `expect_version`.
+On a colocated GPU pool `release_memory` frees the engine's GPU memory for the training ranks (vLLM's sleep
+mode; the HF engine returns its cached blocks) and the next generation or weight load takes it back.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -53,9 +56,14 @@ class RolloutWorker:
         val_sampling: Mapping[str, Any],
         engine_opts: Mapping[str, Any] | None = None,
         num_threads: int | None = None,
+        visible_devices: str | None = None,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
+        if visible_devices is not None:  # a colocated TP replica's GPUs, set before CUDA starts
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        self.device = device
+        self._released = False
         self.seed = int(seed)
         self.engine = make_rollout_engine(
             engine, model_path, device=device, seed=seed, **dict(engine_opts or {})
@@ -69,6 +77,7 @@ class RolloutWorker:
         """Add `response_ids`, `rollout_log_probs`, `finish_reason`, `weight_version`, `gen_step` to
         `table`; with `expect_version`, raise `StaleWeights` unless the engine holds that weight version."""
         self.check_version(expect_version)
+        self._take_memory()
         params = self.val_params if validate else self.train_params
         uids = table.column("uid").to_pylist()
         sample_idx = table.column("sample_idx").to_pylist()
@@ -148,6 +157,7 @@ class RolloutWorker:
     ) -> int:
         """Load new weights (HF names) into the engine; returns the new weight version."""
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        self._take_memory()
         self.engine.sync_weights(items)
         return self.engine.weight_version
 
@@ -156,6 +166,25 @@ class RolloutWorker:
         version); returns it."""
         self.engine.weight_version = int(version)
         return self.engine.weight_version
+
+    def release_memory(self) -> None:
+        """Free the engine's GPU memory while the training ranks on the same GPUs run: vLLM's sleep mode
+        (level 1: weights to host RAM, KV cache dropped; needs `enable_sleep_mode`), else the CUDA caching
+        allocator's free blocks. No-op on CPU."""
+        engine: Any = self.engine  # sleep mode: the vLLM engine's
+        if getattr(engine, "enable_sleep_mode", False):
+            if not self._released:
+                engine.sleep(level=1)
+                self._released = True
+        elif self.device == "cuda" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _take_memory(self) -> None:
+        """Take back what `release_memory` freed (vLLM: wake up) before generating or loading weights."""
+        if self._released:
+            engine: Any = self.engine
+            engine.wake_up()
+            self._released = False
 
     def close(self) -> None:
         """Release the engine."""
