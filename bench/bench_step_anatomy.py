@@ -140,7 +140,7 @@ def task_floor(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
     from prefect import flow, task
     from prefect.cache_policies import NO_CACHE
 
-    from tasks.common import STAGE_TASK_OPTS, run_name
+    from tasks.stage_commit import STAGE_TASK_OPTS, run_name
 
     def empty(run_id: str, step: int) -> None:
         return None

@@ -22,24 +22,23 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from dapo_core.config import ConfigError, DapoConfig, gen_batch_size, load_config, load_config_text, typed
+from dapo_core.config import (
+    ConfigError,
+    DapoConfig,
+    gen_batch_size,
+    load_config,
+    load_config_text,
+    runs_ahead,
+    typed,
+)
 from dapo_core.preflight import preflight
 from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
 from flows.artifacts import RunArtifacts
 from flows.learn import learn
 from flows.progress import quiet_worker_noise
 from flows.replay_order import replay_train_step
-from flows.run_setup import (
-    DriverState,
-    TrainRun,
-    add_metrics,
-    close_run,
-    observe_rewards,
-    open_run,
-    refill_size,
-    restore,
-    step_metrics,
-)
+from flows.run_setup import DriverState, TrainRun, close_run, open_run, restore
+from flows.step_support import add_metrics, observe_rewards, refill_size, step_metrics
 from flows.ui_state import crash_orphaned_task_runs, quiet_task_run_console
 from tasks.rollout import generate, reward
 from tasks.update import checkpoint
@@ -170,7 +169,7 @@ def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] 
             val0 = validate(run_id, 0, state.gen_step)[1]
             rt.tracker.log(0, val0)
             ui.validation(0, val0)
-        step_fn = replay_train_step if tr.step_order == "replay_buffer" else train_step
+        step_fn = replay_train_step if runs_ahead(cfg) else train_step
         while state.train_step < total:
             step = state.train_step + 1
             rt.progress.begin_step(step, total)

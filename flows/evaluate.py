@@ -63,7 +63,7 @@ def eval_chunks(rows: int, micro_batch: int | None, parts: int = 20) -> list[tup
 @task(name="evaluate_model")
 def evaluate_model(cfg_yaml: str, model_dir: str) -> dict:
     """Generate `eval.n` samples per held-out prompt and summarise the scores."""
-    from flows.run_setup import default_model_path, val_prompts
+    from flows.run_inputs import default_model_path, val_prompts
 
     cfg = typed(load_config_text(cfg_yaml))
     ev = cfg.eval

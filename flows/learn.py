@@ -20,10 +20,11 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from dapo_core.config import DapoConfig, need_reference_policy, use_critic
-from flows.run_setup import TrainRun, default_model_path
-from tasks.common import StageResult
+from dapo_core.config import DapoConfig, need_reference_policy, sync_parts, use_critic
+from flows.run_inputs import default_model_path
+from flows.run_setup import TrainRun
 from tasks.compute import advantage, old_log_prob, ref, values
+from tasks.stage_commit import StageResult
 from tasks.update import update_actor, update_critic
 
 
@@ -96,7 +97,7 @@ def learn(
         return out
 
     rt.rollout.release()  # colocated GPUs: the training ranks get the engine's memory
-    parts = rt.cfg.trainer.parameter_sync_step if part is not None else 1
+    parts = sync_parts(rt.cfg) if part is not None else 1
     reason = old_log_prob_needed(rt.cfg, parts)
     if rt.run_id not in _ANNOUNCED:
         _ANNOUNCED.add(rt.run_id)

@@ -1,4 +1,4 @@
-"""The replay-buffer step order (`trainer.step_order=replay_buffer`; the reference's `trainer_base`).
+"""The step orders that generate ahead: `async` and `replay_buffer` (the reference's `trainer_base`).
 
     for each global step k:
         collect the generation launched during step k−1 (previous weights) → reward → replay buffer
@@ -9,9 +9,9 @@
             old_log_prob → [ref] → [values] → advantage → [update_critic] → update_actor   (one local update)
         sync weights to the rollout worker (once, after all local updates)
 
-`replay_train_step` has the contract of `flows.dapo_train.train_step`. Trajectories carry the weight version
-that generated them (`training/off_policy/*`, docs/REFERENCE.md §7.7); generation ahead is skipped when it
-could never be used and at the last step. docs/INTERNALS.md has the staleness arithmetic.
+`async`: one local update per step, groups older than `trainer.max_staleness` weight versions dropped, stale
+samples corrected by the rollout IS weights. Trajectories carry their weight version (`training/off_policy/*`,
+docs/INTERNALS.md); `replay_train_step` has the contract of `flows.dapo_train.train_step`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from dapo_core.config import DapoConfig, gen_batch_size
+from dapo_core.config import DapoConfig, gen_batch_size, off_policy_threshold, sync_parts
 from dapo_core.stages import DynamicSamplingExhausted, exhausted_message
 from flows.learn import learn
-from flows.run_setup import DriverState, TrainRun, add_metrics, refill_size, step_metrics
+from flows.run_setup import DriverState, TrainRun
+from flows.step_support import add_metrics, refill_size, step_metrics
 from tasks.replay import (
     collect_generation,
     join_parts,
@@ -46,8 +47,7 @@ def _collect(rt: TrainRun, launch_step: int, tag: str, metrics: dict) -> None:
 
 
 def _ahead_enabled(cfg: DapoConfig) -> bool:
-    tr = cfg.trainer
-    return not (tr.max_off_policy_strategy == "drop" and tr.max_off_policy_threshold < 2)
+    return not (cfg.trainer.max_off_policy_strategy == "drop" and off_policy_threshold(cfg) < 2)
 
 
 def _collect_inflight(rt: TrainRun, step: int, state: DriverState, metrics: dict) -> None:
@@ -56,6 +56,16 @@ def _collect_inflight(rt: TrainRun, step: int, state: DriverState, metrics: dict
         rt.progress.stage(f"collect rollouts of step {launch_step} ({tag})")
         _collect(rt, launch_step, tag, metrics)
     regenerate_reissued(rt.run_id, step, state.gen_step + 1)  # same gen_step (seeds) as their first launch
+
+
+def weight_lag_metrics(rt: TrainRun, batch_uri: str, version: int) -> dict[str, float]:
+    """How many weight versions behind the policy being trained (`version`) the batch's samples were
+    generated: `training/off_policy/weight_version_lag_{max,mean}` (the async order bounds the max by
+    `trainer.max_staleness`)."""
+    made = rt.store.read_uri(batch_uri, columns=["weight_version"]).column("weight_version")
+    lag = version - made.to_numpy(zero_copy_only=False)
+    p = "training/off_policy/weight_version_lag"
+    return {f"{p}_max": float(lag.max(initial=0)), f"{p}_mean": float(lag.mean()) if lag.size else 0.0}
 
 
 def sample_with_refill(rt: TrainRun, step: int, state: DriverState, metrics: dict) -> str:
@@ -100,6 +110,7 @@ def replay_train_step(rt: TrainRun, step: int, state: DriverState) -> dict:
     metrics: dict = {}
     _collect_inflight(rt, step, state, metrics)
     batch_uri = sample_with_refill(rt, step, state, metrics)
+    metrics.update(weight_lag_metrics(rt, batch_uri, state.weight_version))
 
     # Generation for the next step runs on the rollout worker with the current (previous) weights, during the
     # update.
@@ -114,7 +125,7 @@ def replay_train_step(rt: TrainRun, step: int, state: DriverState) -> dict:
             state.gen_step += 1
             launch_generation(run_id, step, "ga", state.gen_step, prompts_uri)
 
-    parts = cfg.trainer.parameter_sync_step
+    parts = sync_parts(cfg)
     per_part: dict[str, list[float]] = defaultdict(list)
     adv_uris = []
     for i, uri in enumerate(split_batch(run_id, step, batch_uri, parts)):

@@ -1,7 +1,7 @@
 """Compute-side stage tasks: old_log_prob, ref, values, advantage.
 
-Each hands its worker a `StageJob` (`tasks.common.worker_stage`): the worker reads the input view from the run
-store, computes, validates and commits the output itself; the driver sees the URI and the metrics. The
+Each hands its worker a `StageJob` (`tasks.stage_commit.worker_stage`): the worker reads the input view from
+the run store, computes, validates and commits the output itself; the driver sees the URI and the metrics. The
 advantage stage has no model: its table function runs on the reward worker (`RewardWorker.transform_stage`).
 """
 
@@ -16,13 +16,7 @@ from prefect import task
 
 from dapo_core.stages import compute_advantage_table
 from tasks import runtime
-from tasks.common import (
-    STAGE_TASK_OPTS,
-    StageResult,
-    run_name,
-    stage_name,
-    worker_stage,
-)
+from tasks.stage_commit import STAGE_TASK_OPTS, StageResult, run_name, stage_name, worker_stage
 
 _OPTS = STAGE_TASK_OPTS
 _KL_COEF = "_kl_coef_after"

@@ -10,7 +10,7 @@ has the reward worker commit `reward_<tag>` and adds the groups to the buffer (`
 `parameter_sync_step` parts run through `tasks.compute` / `tasks.update` with `part=i`, and `join_parts`
 commits the step's `advantage` selection.
 
-Every stage commits through `tasks.common`, so a committed (step, stage) is skipped on retry or resume;
+Every stage commits through `tasks.stage_commit`, so a committed (step, stage) is skipped on retry or resume;
 ledger writes follow the stage they describe and are idempotent. More in docs/INTERNALS.md.
 """
 
@@ -22,28 +22,29 @@ import numpy as np
 import pyarrow as pa
 from prefect import task
 
+from dapo_core.config import off_policy_threshold
 from dapo_core.data import batch as B
 from dapo_core.stages import apply_group_filter, filter_column
 from dapo_core.store.replay import ReplayBuffer
 from tasks import runtime
-from tasks.common import (
+from tasks.faults import InjectedFault, injected_fault, worker_died
+from tasks.stage_commit import (
     STAGE_TASK_OPTS,
-    InjectedFault,
-    balanced_order,
-    check_whole_groups,
     committed,
-    filter_metric,
-    from_ipc,
-    injected_fault,
-    lengths_of,
     precomputed,
-    rows_of,
     run_stage,
     select_stage,
     stage_job,
-    uids_of,
-    worker_died,
     worker_stage,
+)
+from tasks.tables import (
+    balanced_order,
+    check_whole_groups,
+    filter_metric,
+    from_ipc,
+    lengths_of,
+    rows_of,
+    uids_of,
 )
 
 _OPTS = STAGE_TASK_OPTS
@@ -62,7 +63,7 @@ def buffer(rt: runtime.Runtime) -> ReplayBuffer:
             filter_groups_metric=filter_column(filter_metric(rt))
             if cfg.algorithm.filter_groups.enable
             else None,
-            max_off_policy_threshold=cfg.trainer.max_off_policy_threshold,
+            max_off_policy_threshold=off_policy_threshold(cfg),
             max_off_policy_strategy=cfg.trainer.max_off_policy_strategy,
         )
     return rt.replay_buffer

@@ -14,21 +14,23 @@ from dapo_core.seeding import uid_factory
 from dapo_core.stages import apply_group_filter, filter_column, truncate_to_groups
 from dapo_core.store.jobs import StageJob
 from tasks import runtime
-from tasks.common import (
+from tasks.stage_commit import (
     STAGE_TASK_OPTS,
     StageResult,
-    balanced_order,
-    check_whole_groups,
     committed,
-    filter_metric,
-    lengths_of,
     precomputed,
-    rows_of,
     run_stage,
     select_stage,
+    worker_stage,
+)
+from tasks.tables import (
+    balanced_order,
+    check_whole_groups,
+    filter_metric,
+    lengths_of,
+    rows_of,
     to_ipc,
     uids_of,
-    worker_stage,
 )
 
 _OPTS = STAGE_TASK_OPTS

@@ -17,11 +17,12 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from dapo_core.config import runs_ahead
 from dapo_core.errors import find_user_error
 from dapo_core.store.replay import referenced_steps
 from dapo_core.store.retention import apply_retention
 from tasks import runtime
-from tasks.common import StageResult, retry_unless_user_error, run_name, run_stage, stage_name
+from tasks.stage_commit import StageResult, retry_unless_user_error, run_name, run_stage, stage_name
 
 # No retries for the updates: a failure may come after an optimizer step, and a retry would apply it twice.
 _OPTS: dict[str, Any] = {"cache_policy": NO_CACHE}
@@ -148,7 +149,7 @@ def checkpoint(run_id: str, step: int, driver_state: dict) -> str:
 def replay_pins(rt: runtime.Runtime) -> set[int]:
     """Steps whose files the replay buffer still needs (its groups' `replay_add` files); none in the sync
     order."""
-    if rt.cfg.trainer.step_order != "replay_buffer":
+    if not runs_ahead(rt.cfg):
         return set()
     return referenced_steps(rt.store)
 

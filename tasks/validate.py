@@ -20,7 +20,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks import runtime
-from tasks.common import (
+from tasks.stage_commit import (
     StageResult,
     committed,
     precomputed,

@@ -89,9 +89,9 @@ def worker_threads(num_threads: int, busy_at_once: int, device: str = "cpu", cor
     return 1 if device != "cpu" else threads
 
 
-def _init_worker_process(num_threads: int, verbose: bool = True) -> None:
-    """Per-process set-up inside an actor: `num_threads` torch threads (`worker_threads` picks them); quiet
-    unless `verbose`."""
+def _init_worker_process(num_threads: int, verbose: bool = True, deterministic: bool = False) -> None:
+    """Per-process set-up inside an actor: `num_threads` torch threads (`worker_threads` picks them) and
+    deterministic algorithms on or off (`trainer.deterministic`); quiet unless `verbose`."""
     if not verbose:
         quiet_worker_process()
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
@@ -99,6 +99,7 @@ def _init_worker_process(num_threads: int, verbose: bool = True) -> None:
         import torch
 
         torch.set_num_threads(num_threads)
+        torch.use_deterministic_algorithms(deterministic)
     except ImportError:  # pragma: no cover - torch is a hard dependency
         pass
 
@@ -106,8 +107,10 @@ def _init_worker_process(num_threads: int, verbose: bool = True) -> None:
 class _RayHost:
     """A generic Ray actor body: builds the worker object from a factory and forwards method calls to it."""
 
-    def __init__(self, factory: Callable[[], Any], num_threads: int, verbose: bool = True) -> None:
-        _init_worker_process(num_threads, verbose)
+    def __init__(
+        self, factory: Callable[[], Any], num_threads: int, verbose: bool = True, deterministic: bool = False
+    ) -> None:
+        _init_worker_process(num_threads, verbose, deterministic)
         self._obj = factory()
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -477,7 +480,8 @@ class Cluster:
 
     Parameters: `run_id`; `use_ray` (False = in-process workers); `address` (a Ray address to join; None =
     `RAY_ADDRESS` or start a local Ray); `num_cpus` for a local Ray; `device` ("cpu" | "cuda");
-    `num_threads` torch threads per worker process.
+    `num_threads` torch threads per worker process and `deterministic` algorithms on or off in each (without
+    Ray: in this process, restored by `shutdown`).
     """
 
     def __init__(
@@ -489,6 +493,7 @@ class Cluster:
         num_cpus: int | None = None,
         device: str = "cpu",
         num_threads: int = 1,
+        deterministic: bool = False,
         start_timeout_s: float = 600.0,
     ) -> None:
         self.run_id = run_id
@@ -503,9 +508,17 @@ class Cluster:
         """The colocated `DevicePool` the workers share (GPU fsdp2 runs), released by `shutdown`."""
         self.device = device
         self.num_threads = num_threads
+        self.deterministic = deterministic
+        self._restore_numerics: tuple[int, bool] | None = None
         self._started_ray = False
         self._owned: dict[str, Handle] = {}
         self.start_timeout_s = start_timeout_s
+        if not use_ray:  # the workers compute in this process: give it their numerics
+            import torch
+
+            self._restore_numerics = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+            torch.set_num_threads(num_threads)
+            torch.use_deterministic_algorithms(deterministic)
         if use_ray:
             import ray
 
@@ -585,7 +598,7 @@ class Cluster:
             resources=(custom or None) if scheduling_strategy is None else None,
             max_concurrency=1,
             scheduling_strategy=scheduling_strategy,
-        ).remote(factory, self.num_threads, os.environ.get(WORKER_LOGS_ENV) == "1")
+        ).remote(factory, self.num_threads, os.environ.get(WORKER_LOGS_ENV) == "1", self.deterministic)
         try:  # construction errors surface here, with the role in the traceback
             _ray_get(actor.ping.remote(), timeout=self.start_timeout_s)
         except TimeoutError:
@@ -642,6 +655,12 @@ class Cluster:
         if self.pool is not None:
             self.pool.kill()
             self.pool = None
+        if self._restore_numerics is not None:
+            import torch
+
+            torch.set_num_threads(self._restore_numerics[0])
+            torch.use_deterministic_algorithms(self._restore_numerics[1])
+            self._restore_numerics = None
         if self._started_ray:
             import ray
 

@@ -31,8 +31,8 @@ __all__ = ["GroupHandle", "GroupLayout", "create_group", "create_role"]
 class _RankHost(C._RayHost):
     """A rank of a group: joins the group's process group, then builds its worker object."""
 
-    def __init__(self, num_threads: int, verbose: bool = True) -> None:
-        C._init_worker_process(num_threads, verbose)
+    def __init__(self, num_threads: int, verbose: bool = True, deterministic: bool = False) -> None:
+        C._init_worker_process(num_threads, verbose, deterministic)
         self._obj = None
 
     def rendezvous(self) -> tuple[str, int]:
@@ -202,7 +202,7 @@ def create_group(
                 num_gpus=pool.layout.fraction if pool is not None else num_gpus,
                 max_concurrency=1,
                 scheduling_strategy=strategy(rank),
-            ).remote(cluster.num_threads, verbose)
+            ).remote(cluster.num_threads, verbose, cluster.deterministic)
         )
     handle = GroupHandle(role=role, ranks=ranks, placement_group=pg, ray_actor=ranks[0])
     try:

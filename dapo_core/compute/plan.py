@@ -1256,7 +1256,7 @@ def measure_actor_update(
 ) -> dict[str, int]:
     """Measure the peak memory of actor updates above the loaded weights, next to the plan's estimate.
 
-    Builds the `ActorWorker` as flows/run_setup.py does and runs `update_actor` `steps` times on one
+    Builds the `ActorWorker` as flows/roles.py does and runs `update_actor` `steps` times on one
     mini-batch of rows at full width (max_prompt_length + max_response_length, the plan's worst case).
     On CPU the peak is the process's resident high-water mark (VmHWM, reset through
     /proc/self/clear_refs after the weights are loaded) minus the resident size then; on CUDA it is

@@ -45,7 +45,7 @@ _ENUMS: dict[str, tuple[tuple[str, ...], str]] = {
     "algorithm.rollout_correction.loss_type": (SUPPORTED_LOSS_TYPES, ""),
     "data.truncation": (("left", "right", "error"), ""),
     "trainer.resume_mode": (("auto", "disable", "resume_path"), ""),
-    "trainer.step_order": (("sync", "replay_buffer"), ""),
+    "trainer.step_order": (("sync", "async", "replay_buffer"), ""),
     "actor_rollout_ref.rollout.dtype": (("auto", "float32", "bfloat16"), "auto: the engine's default"),
     "actor_rollout_ref.ref.dtype": (("float32", "bfloat16"), ""),
     "trainer.max_off_policy_strategy": (("drop", "wait"), ""),
@@ -105,6 +105,37 @@ def _problem(parse: Any, *args: Any) -> str | None:
     except (TypeError, ValueError) as e:
         return str(e)
     return None
+
+
+def _async_problems(c: dict) -> list[str]:
+    """The async order's settings: a staleness bound >= 0, the replay-buffer order's own keys at their
+    defaults (the async order sets them), and a correction for the stale samples."""
+    tr, rc = c["trainer"], c["algorithm"]["rollout_correction"]
+    errs = []
+    if not isinstance(tr["max_staleness"], int) or tr["max_staleness"] < 0:
+        errs.append(
+            f"trainer.max_staleness: {tr['max_staleness']!r} must be a whole number >= 0 (DAPO async: 1)."
+        )
+    for key, default in (
+        ("parameter_sync_step", 1),
+        ("max_off_policy_threshold", 8),
+        ("max_off_policy_strategy", "drop"),
+    ):
+        if tr[key] != default:
+            errs.append(
+                f"trainer.{key}: {tr[key]!r} is the replay_buffer order's setting; step_order=async syncs "
+                f"the weights after every update and drops groups older than trainer.max_staleness — remove "
+                f"it (or use step_order=replay_buffer)."
+            )
+    if tr["max_staleness"] and not (rc["rollout_is"] or rc["bypass_mode"] or rc["preset"]):
+        errs.append(
+            "algorithm.rollout_correction.rollout_is: step_order=async trains on samples up to "
+            f"trainer.max_staleness={tr['max_staleness']} weight versions old, which need a correction "
+            "against the policy that sampled them — set rollout_is=token (truncated importance sampling, "
+            "rollout_is_threshold 2.0; with the recomputed old log-probs this is the decoupled objective), "
+            "or trainer.max_staleness=0."
+        )
+    return errs
 
 
 def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
@@ -308,6 +339,8 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
 
     # --- step order
     tr = c["trainer"]
+    if tr["step_order"] == "async":
+        errs.extend(_async_problems(c))
     if tr["step_order"] == "replay_buffer" and tbs % max(tr["parameter_sync_step"], 1):
         errs.append(
             f"trainer.parameter_sync_step: {tr['parameter_sync_step']} does not divide data.train_batch_size "

@@ -54,8 +54,11 @@ __all__ = [
     "load_config",
     "load_config_text",
     "need_reference_policy",
+    "off_policy_threshold",
     "resolve_device",
+    "runs_ahead",
     "section",
+    "sync_parts",
     "to_safe_yaml",
     "to_yaml",
     "typed",
@@ -456,6 +459,26 @@ def gen_batch_size(cfg: DictConfig | DapoConfig) -> int:
 def need_reference_policy(cfg: DictConfig | DapoConfig) -> bool:
     """True when a KL term needs the frozen reference model (KL in reward or KL loss)."""
     return bool(cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss)
+
+
+def runs_ahead(cfg: DictConfig | DapoConfig) -> bool:
+    """True for the step orders whose rollouts run ahead of training through the replay buffer (`async`,
+    `replay_buffer`); False for `sync`."""
+    return cfg.trainer.step_order != "sync"
+
+
+def sync_parts(cfg: DictConfig | DapoConfig) -> int:
+    """Local updates per global step before the weights go to the rollout: `trainer.parameter_sync_step` in
+    the replay-buffer order, 1 in the async order (and in sync)."""
+    return int(cfg.trainer.parameter_sync_step) if cfg.trainer.step_order == "replay_buffer" else 1
+
+
+def off_policy_threshold(cfg: DictConfig | DapoConfig) -> int:
+    """The replay buffer's largest span (`global_steps − prompt_global_steps + 1`, the reference's count): the
+    async order's `max_staleness + 1` (a group generated during step k−1 and trained at step k has span 2 and
+    weight-version lag 1), else `trainer.max_off_policy_threshold`."""
+    tr = cfg.trainer
+    return int(tr.max_staleness) + 1 if tr.step_order == "async" else int(tr.max_off_policy_threshold)
 
 
 def use_critic(cfg: DictConfig | DapoConfig) -> bool:

@@ -609,7 +609,9 @@ class TrainerConfig:
     max_critic_ckpt_to_keep: int | None = None
     """Keep at most this many critic checkpoints; null = all. Not implemented yet (default only)."""
     step_order: str = "sync"
-    """sync (one weight version per step) | replay_buffer (rollouts run ahead)."""
+    """sync (one weight version per step) | async (next batch generated during the update) | replay_buffer."""
+    max_staleness: int = 1
+    """async: largest weight-version lag of a trained sample; older groups are dropped (0: none ahead)."""
     parameter_sync_step: int = 1
     """replay_buffer: local updates per global step before syncing rollout weights."""
     max_off_policy_threshold: int = 8
@@ -643,7 +645,7 @@ class TrainerConfig:
     num_threads: int = 1
     """Torch threads per process on CPU (SFT, workers, eval); 0 = share the cores (numbers vary by host)."""
     deterministic: bool = False
-    """torch.use_deterministic_algorithms in the SFT warm-up and evaluation (GPU kernels; CPU unchanged)."""
+    """torch.use_deterministic_algorithms in every computing process: SFT warm-up, workers, eval."""
 
 
 @dataclass

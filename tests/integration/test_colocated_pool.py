@@ -27,7 +27,7 @@ def test_roles_share_each_gpu_of_the_pool_and_a_tp_replica_sees_its_bundles(tiny
     import ray
 
     from dapo_core.compute.models import load_tokenizer
-    from flows.run_setup import _actor_worker, _ref_worker, _rollout_worker, device_pool
+    from flows.roles import actor_worker, device_pool, ref_worker, rollout_replicas
 
     cfg = typed(load_config(CONFIG, tiny_overrides(tiny_assets, **COLOCATED)))
     model = str(tiny_assets / "models" / "tiny_base")
@@ -37,9 +37,9 @@ def test_roles_share_each_gpu_of_the_pool_and_a_tp_replica_sees_its_bundles(tiny
         cluster = Cluster("colocated", device="cpu")
         cluster.pool = device_pool(cfg, cluster)
         assert cluster.pool.layout.shares == 3  # actor, ref, rollout
-        rollout = _rollout_worker(cfg, cluster, model, "cpu")
-        actor = _actor_worker(cfg, cluster, model, pad, "cpu")
-        _ref_worker(cfg, cluster, model, pad, "cpu")
+        rollout = rollout_replicas(cfg, cluster, model, "cpu")
+        actor = actor_worker(cfg, cluster, model, pad, "cpu")
+        ref_worker(cfg, cluster, model, pad, "cpu")
         gpus = {(w["role"], w["rank"]): w["gpus"] for w in cluster.workers if w["role"] in ("actor", "ref")}
         gpus.update({("rollout", w["rank"]): w["gpus"] for w in rollout.workers_info()})
         for rank in (0, 1):

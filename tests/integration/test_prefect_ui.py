@@ -149,7 +149,7 @@ def test_training_and_evaluation_publish_artifacts(tiny_assets):
 
 
 def test_fault_switch_is_inert_when_unset(prefect_home, monkeypatch):
-    from tasks.common import injected_fault
+    from tasks.faults import injected_fault
 
     monkeypatch.delenv("DAPO_FAULT", raising=False)
     assert injected_fault("update_actor", 2, "r") is None

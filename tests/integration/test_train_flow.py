@@ -219,7 +219,10 @@ def test_failed_open_run_leaves_no_workers_and_retried_draw_skips_no_prompt(tiny
     moved (ledger write) is retried with the same prompts."""
     import flows.run_setup as rs
     from dapo_core.compute.cluster import _LOCAL_REGISTRY
+    from dapo_core.compute.models import load_tokenizer
+    from flows.run_inputs import default_model_path, read_table, train_sampler
     from tasks.rollout import sample_prompts
+    from tasks.runtime import ChunkSampler
 
     cfg = typed(_cfg(tiny_assets, **{"trainer.experiment_name": "openfail", "trainer.use_ray": "false"}))
 
@@ -237,10 +240,8 @@ def test_failed_open_run_leaves_no_workers_and_retried_draw_skips_no_prompt(tiny
 
     rt = rs.open_run(cfg, "openfail")
     try:
-        fresh = rs.ChunkSampler(  # the configured sampler, untouched
-            rs.train_sampler(
-                cfg, rs.read_table(cfg.data.train_files), rs.load_tokenizer(rs.default_model_path(cfg))
-            )
+        fresh = ChunkSampler(  # the configured sampler, untouched
+            train_sampler(cfg, read_table(cfg.data.train_files), load_tokenizer(default_model_path(cfg)))
         )
         expected = fresh.next_batch(3).column("prompt_id").to_pylist()
         original = rt.store.register_prompts

@@ -256,7 +256,27 @@ def test_struct_mode_rejects_new_attributes():
             "calculate_log_probs",
             "true",
         ),
-        (["trainer.step_order=async"], "trainer.step_order", "replay_buffer"),
+        (["trainer.step_order=lockstep"], "trainer.step_order", "async"),
+        (["trainer.step_order=async"], "algorithm.rollout_correction.rollout_is", "rollout_is=token"),
+        (
+            ["trainer.step_order=async", "trainer.max_staleness=-1"],
+            "trainer.max_staleness",
+            ">= 0",
+        ),
+        (
+            [
+                "trainer.step_order=async",
+                "algorithm.rollout_correction.rollout_is=token",
+                "trainer.parameter_sync_step=2",
+            ],
+            "trainer.parameter_sync_step",
+            "remove it",
+        ),
+        (
+            ["trainer.step_order=async", "trainer.max_staleness=0", "trainer.max_off_policy_threshold=3"],
+            "trainer.max_off_policy_threshold",
+            "max_staleness",
+        ),
         (
             ["trainer.step_order=replay_buffer", "trainer.parameter_sync_step=3"],
             "parameter_sync_step",
@@ -302,6 +322,26 @@ def test_valid_edge_values_pass():
         "algorithm.rollout_correction.rollout_rs_threshold='0.999_1.001,0.01'",
     )
     _load("trainer.step_order=replay_buffer", "trainer.parameter_sync_step=4")
+    _load("trainer.step_order=async", "algorithm.rollout_correction.rollout_is=token")
+    _load("trainer.step_order=async", "trainer.max_staleness=0")  # nothing stale, nothing to correct
+
+
+def test_the_async_order_is_the_replay_loop_with_one_update_and_a_version_bound():
+    from dapo_core.config import off_policy_threshold, runs_ahead, sync_parts, typed
+
+    sync = typed(_load())
+    assert not runs_ahead(sync) and sync_parts(sync) == 1
+    a = typed(
+        _load(
+            "trainer.step_order=async",
+            "trainer.max_staleness=2",
+            "algorithm.rollout_correction.rollout_is=token",
+        )
+    )
+    assert runs_ahead(a) and sync_parts(a) == 1
+    assert off_policy_threshold(a) == 3  # span counts the step itself: lag 2 is span 3
+    r = typed(_load("trainer.step_order=replay_buffer", "trainer.parameter_sync_step=4"))
+    assert runs_ahead(r) and sync_parts(r) == 4 and off_policy_threshold(r) == 8
 
 
 def test_warnings_not_errors():

@@ -13,7 +13,7 @@ from dapo_core.compute.cluster import PlacementError
 from dapo_core.compute.pools import pool_layout, same_nodes
 from dapo_core.config import load_config, typed
 from dapo_core.errors import DapoUserError
-from flows.run_setup import check_gpu_count, colocated, gpu_demand
+from flows.roles import check_gpu_count, colocated, gpu_demand
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -9,7 +9,7 @@ import pytest
 
 from dapo_core.algo.dynamic_sampling import KeepRateEstimator, expected_surplus, surplus_bounded_size
 from dapo_core.config import ConfigError, load_config, typed
-from flows.run_setup import refill_size
+from flows.step_support import refill_size
 
 
 def test_expected_surplus_is_the_binomial_expectation():

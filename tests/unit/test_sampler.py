@@ -11,7 +11,7 @@ import pytest
 from dapo_core.config import load_config, typed
 from dapo_core.data.datasets import DataError, PromptSampler, make_synthetic_math
 from dapo_core.data.sampler import ALL_CORRECT, ALL_WRONG, MIXED, HistorySampler, group_outcomes
-from flows.run_setup import train_sampler
+from flows.run_inputs import train_sampler
 
 ROWS = 40
 

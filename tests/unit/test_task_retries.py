@@ -10,7 +10,7 @@ from prefect.states import Failed
 
 from dapo_core.errors import DapoUserError
 from dapo_core.stages import DynamicSamplingExhausted
-from tasks.common import retry_unless_user_error
+from tasks.stage_commit import retry_unless_user_error
 
 TASK_MODULES = ["tasks.rollout", "tasks.compute", "tasks.update", "tasks.replay", "tasks.validate"]
 

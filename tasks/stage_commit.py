@@ -1,5 +1,4 @@
-"""The commit discipline shared by every stage task (skip if committed, else compute → validate → commit), and
-the small table helpers the rollout-side tasks of both step orders share.
+"""The commit discipline shared by every stage task: skip if committed, else compute → validate → commit.
 
 Three ways to commit a stage, all skipped when the stage is committed already:
 
@@ -12,23 +11,19 @@ Three ways to commit a stage, all skipped when the stage is committed already:
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Callable
-from fnmatch import fnmatch
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from prefect.cache_policies import NO_CACHE
 
-from dapo_core.compute.workers.rollout import generation_metrics as rollout_generation_metrics
-from dapo_core.data import batch as B
 from dapo_core.data.schemas import validate_stage
-from dapo_core.errors import DapoUserError, find_user_error
+from dapo_core.errors import find_user_error
 from dapo_core.store.jobs import StageJob
+from tasks.faults import InjectedFault, injected_fault, worker_died
 from tasks.runtime import Runtime
 
 StageResult = tuple[str, dict[str, float]]
@@ -194,83 +189,6 @@ def select_stage(
     return uri, metrics
 
 
-def lengths_of(rt: Runtime, uris: list[str]) -> pa.Table:
-    """`uid`, `sample_idx`, `prompt_ids` and `response_ids` lengths of the concatenated views at `uris` (list
-    offsets only, memory-mapped: no token is read)."""
-    return pa.concat_tables([rt.store.read_lengths(u, ["prompt_ids", "response_ids"]) for u in uris])
-
-
-def check_whole_groups(table: pa.Table, n: int, where: str) -> None:
-    """Raise when a uid of `table` (a selection) does not have exactly `n` rows."""
-    counts = pc.value_counts(table.column("uid"))
-    bad = [c["values"] for c in counts.to_pylist() if c["counts"] != n]
-    if bad:
-        raise ValueError(f"{where}: groups {bad[:5]} do not have n={n} rows after selection")
-
-
-class WorkerDied(DapoUserError, RuntimeError):
-    """A worker process (Ray actor) died in the middle of a stage: killed, out of memory, or crashed."""
-
-
-def worker_died(exc: BaseException, rt: Runtime, step: int, stage: str) -> WorkerDied | None:
-    """A `WorkerDied` paragraph (what died, where, how to resume) when `exc` is or wraps Ray's actor-died
-    error, else None. What the stages committed before stays; a resume starts new workers."""
-    from ray.exceptions import RayActorError
-
-    cur: BaseException | None = exc
-    for _ in range(10):
-        if cur is None or isinstance(cur, RayActorError):
-            break
-        cur = cur.__cause__ or cur.__context__
-    if not isinstance(cur, RayActorError):
-        return None
-    first = (str(cur).strip().splitlines() or [type(cur).__name__])[0][:200]
-    try:
-        last = rt.store.checkpoints.latest_step()
-    except ValueError:
-        last = None
-    since = f"checkpoint step {last}" if last is not None else "the start (no checkpoint yet)"
-    return WorkerDied(
-        f"a worker process of run {rt.run_id} died during stage {stage!r} of step {step} (killed, out of "
-        f"memory, or crashed: {first}); the stages committed before it are kept",
-        fix=(
-            f"find what stopped it (memory, a kill), then resume with the same command and "
-            f"trainer.experiment_name={rt.run_id}: new workers start from {since} and committed stages are "
-            f"replayed"
-        ),
-    )
-
-
-class InjectedFault(RuntimeError):
-    """The failure `DAPO_FAULT` asked for (tests of retry and resume)."""
-
-
-def injected_fault(stage: str, step: int, run_id: str) -> str | None:
-    """The message of the fault `DAPO_FAULT=<stage>:<step>[:<run_id pattern>]` injects into (stage, step), or
-    None.
-
-    A test switch, off and inert unless the variable is set: the stage of that step (and of the runs whose id
-    matches the shell-style pattern, if given) fails before computing, on the first attempt of the Prefect
-    flow run only (`flow_run.run_count <= 1`), so a Retry of the flow run in the UI continues past it. Stage
-    names are the run store's (`update_actor`, `generate_g0`, ...)."""
-    spec = os.environ.get("DAPO_FAULT", "")
-    if not spec:
-        return None
-    parts = spec.split(":")
-    if len(parts) not in (2, 3) or not parts[1].isdigit():
-        raise ValueError(
-            f"DAPO_FAULT={spec!r}: expected <stage>:<step>[:<run_id pattern>], e.g. update_actor:2 or "
-            "update_actor:2:nightly-* — or unset it"
-        )
-    if parts[0] != stage or int(parts[1]) != step or (len(parts) == 3 and not fnmatch(run_id, parts[2])):
-        return None
-    from prefect.runtime import flow_run
-
-    if flow_run.run_count > 1:
-        return None
-    return f"DAPO_FAULT={spec}: injected failure of stage {stage} at step {step} of run {run_id}"
-
-
 def precomputed(table: pa.Table, metrics: dict[str, float] | None = None) -> Callable[[], StageOutput]:
     """A `run_stage` compute function for a table that is already computed (committed as it is)."""
     return lambda: (table, metrics or {})
@@ -300,50 +218,3 @@ def run_name(stage: str) -> Callable[[], str]:
         return f"{stage}-step{params.get('step')}" + ("" if part is None else f"-p{part}")
 
     return name
-
-
-def filter_metric(rt: Runtime) -> str:
-    """`algorithm.filter_groups.metric` (the config checks require it whenever dynamic sampling is on)."""
-    metric = rt.cfg.algorithm.filter_groups.metric
-    if metric is None:
-        raise ValueError("algorithm.filter_groups.metric: required with filter_groups.enable — use acc")
-    return metric
-
-
-def balanced_order(rt: Runtime, lengths: pa.Table) -> np.ndarray:
-    """The row order for equal per-rank token loads (`B.balance_order`, one training process) of a batch with
-    these `prompt_ids`/`response_ids` lengths (`lengths_of`); the identity unless `trainer.balance_batch`."""
-    if not rt.cfg.trainer.balance_batch:
-        return np.arange(lengths.num_rows, dtype=np.int64)
-    seqlens = lengths.column("prompt_ids").to_numpy().astype(np.int64) + lengths.column(
-        "response_ids"
-    ).to_numpy().astype(np.int64)
-    return B.balance_order(seqlens, dp_size=1)
-
-
-def uids_of(table: pa.Table) -> list[str]:
-    """The group uids of `table`, in order of first appearance."""
-    return list(dict.fromkeys(table.column("uid").to_pylist()))
-
-
-def rows_of(table: pa.Table, uids: list[str]) -> pa.Table:
-    """The rows of `table` whose uid is in `uids` (table order)."""
-    return table.filter(pc.is_in(table.column("uid"), value_set=pa.array(uids, pa.string())))
-
-
-def to_ipc(table: pa.Table) -> bytes:
-    """`table` as Arrow IPC stream bytes (a ledger payload)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def from_ipc(data: bytes) -> pa.Table:
-    """The table `to_ipc` wrote."""
-    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
-
-
-def generation_metrics(out: pa.Table) -> dict[str, float]:
-    """Mean response length and generated tokens of a generation batch (the rollout worker's function)."""
-    return rollout_generation_metrics(out)
