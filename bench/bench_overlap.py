@@ -1,6 +1,6 @@
 """Generation/update overlap: the share of wall time in which the rollout worker and the actor worker both run
-a call, in the replay-buffer order (generation for step k+1 launched before step k's update) and the sync
-order.
+a call, in the orders that generate ahead (async, replay-buffer: generation for step k+1 launched before step
+k's update) and the sync order.
 
 Starts a local Ray itself (the flow's `local_ray_options`: loopback, workers at normal priority), so Ray's
 task timeline (`ray.timeline()`: start and end of every worker call, per worker process) outlives the flow's
@@ -64,8 +64,9 @@ def calls_by_worker(events: list[dict], since_us: float) -> dict[str, list[tuple
     return out
 
 
-def run_order(order: str, steps: int, tmp: Path) -> dict:
-    """Train `steps` steps in `order` on the already started Ray; overlap figures from its timeline."""
+def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None) -> dict:
+    """Train `steps` steps in `order` on the already started Ray; overlap figures from its timeline. `extra`:
+    more overrides (the async order gets token-level rollout IS, which it requires)."""
     import ray
 
     from dapo_core.config import load_config, to_yaml
@@ -87,6 +88,8 @@ def run_order(order: str, steps: int, tmp: Path) -> dict:
             f"trainer.total_training_steps={steps}",
             f"trainer.step_order={order}",
             f"trainer.experiment_name={run_id}",
+            *(["algorithm.rollout_correction.rollout_is=token"] if order == "async" else []),
+            *(extra or []),
         ],
     )
     since = 0.0
@@ -125,8 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     """Start Ray, run both orders, print the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--orders", default="replay_buffer,sync")
+    ap.add_argument("--orders", default="async,replay_buffer,sync")
     ap.add_argument("--json", default="")
+    ap.add_argument("overrides", nargs="*", help="config overrides for every order (key=value)")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="dapo-overlap-"))
     os.environ.setdefault("PREFECT_HOME", str(tmp / "prefect"))
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             configure_logging=False,
             **local_ray_options(),
         )
-        res[order] = run_order(order, args.steps, tmp)
+        res[order] = run_order(order, args.steps, tmp, args.overrides)
         ray.shutdown()
     print(f"{args.steps} steps per order; shares of the span from the first to the last rollout/actor call")
     print("| order | step s (median) | rollout busy | actor busy | both busy |")

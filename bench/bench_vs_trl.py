@@ -12,7 +12,10 @@ afterwards every saved policy is scored by the same evaluator (our `evaluate_mod
 temperature 1 and greedy accuracy on `data/val.parquet`.
 
 Modes: `pinned` runs both at once, each pinned to one core (`taskset`); `whole` runs them one after the other,
-each with the whole machine. Run (after `dapo prepare` and `dapo base`, and `bash
+each with the whole machine. `--real` is the real model's shape: `configs/smollm2_cpu.yaml`'s model
+(`models/smollm2_135m`, from `dapo import-model`), data (`data/smollm2/`), prompts × samples per step,
+learning rate, response length, temperature and top-p, on both sides (TRL trains in float32; ours samples in
+the config's dtype). Run (after `dapo prepare` and `dapo base`, and `bash
 bench/peer/setup_trl_env.sh`): `.venv/bin/python bench/bench_vs_trl.py --mode pinned --seeds 0,1` (about 2 ×
 10 minutes plus evaluation). Prints a JSON line per side, seed and mark, then a summary: medians over seeds,
 and the minutes each side needs to reach the other's final accuracy. Check /proc/loadavg: the machine must be
@@ -65,6 +68,9 @@ def ours_cmd(args: argparse.Namespace, seed: int, run_id: str) -> list[str]:
         f"{a}.rollout.n={args.n}",
         f"{a}.actor.ppo_mini_batch_size={args.prompts}",
         f"{a}.actor.optim.lr={args.lr}",
+        f"data.max_response_length={args.max_new_tokens}",
+        f"{a}.rollout.temperature={args.temperature}",
+        f"{a}.rollout.top_p={args.top_p}",
         f"{a}.actor.optim.lr_warmup_steps=0",
         "trainer.total_training_steps=100000",
         f"trainer.save_freq={args.save_every}",
@@ -169,6 +175,14 @@ def run_trl(args: argparse.Namespace, seed: int, core: str | None, threads: int)
         str(args.n),
         "--lr",
         str(args.lr),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--temperature",
+        str(args.temperature),
+        "--top-p",
+        str(args.top_p),
+        "--micro",
+        str(args.micro),
         "--seed",
         str(seed),
         "--threads",
@@ -219,6 +233,24 @@ def evaluate(args: argparse.Namespace, folder: str) -> dict[str, float]:
     return out
 
 
+def real_shape(args: argparse.Namespace) -> None:
+    """Set the shape of `configs/smollm2_cpu.yaml` (read through our config loader, so both sides follow the
+    config as it is): model, data, prompts per step, samples per prompt, lr, response length and sampling."""
+    sys.path.insert(0, str(ROOT))
+    from dapo_core.config import load_config
+
+    args.config = "configs/smollm2_cpu.yaml"
+    cfg = load_config(ROOT / args.config)
+    ro = cfg.actor_rollout_ref.rollout
+    args.model = str(cfg.actor_rollout_ref.model.path)
+    args.train, args.val = str(cfg.data.train_files[0]), str(cfg.data.val_files[0])
+    args.prompts, args.n = int(cfg.data.train_batch_size), int(ro.n)
+    args.lr = float(cfg.actor_rollout_ref.actor.optim.lr)
+    args.max_new_tokens = int(cfg.data.max_response_length)
+    args.temperature, args.top_p = float(ro.temperature), float(ro.top_p)
+    args.micro = min(args.micro, 16)  # bounds TRL's (rows × length × 49,152) logits
+
+
 def minutes_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
     """First training-clock minute at which the piecewise-linear accuracy curve reaches `target`."""
     prev = (0.0, curve[0][1]) if curve else None
@@ -253,6 +285,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="response length of both sides")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--micro", type=int, default=64, help="TRL: completions per forward/backward")
+    ap.add_argument("--real", action="store_true", help="the real model's shape (configs/smollm2_cpu.yaml)")
     ap.add_argument("--work", default="bench/out/vs_trl")
     ap.add_argument(
         "--ours-override",
@@ -282,6 +319,8 @@ def main() -> None:
         "never shares the machine with training (needed for two invocations at once)",
     )
     args = ap.parse_args()
+    if args.real:
+        real_shape(args)
     args.marks = sorted(float(m) for m in args.marks.split(","))
     work = Path(args.work).resolve()
     args.work = str(work)

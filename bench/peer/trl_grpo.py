@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=64, help="completions per forward/backward")
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -123,8 +125,8 @@ def main() -> None:
         gradient_accumulation_steps=rows // args.micro,
         num_generations=args.n,
         max_completion_length=args.max_new_tokens,
-        temperature=1.0,
-        top_p=1.0,
+        temperature=args.temperature,
+        top_p=args.top_p,
         loss_type="dapo",
         epsilon=0.2,
         epsilon_high=0.28,
