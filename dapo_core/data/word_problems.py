@@ -3,13 +3,17 @@
 A problem is a start quantity ("Mia has 23 stickers.") followed by one to three events, each one operation on
 the running count: gains (+), losses (−), "k times as many" (×), and sharing equally into k groups and
 keeping one (÷, only when it divides exactly). The question asks for the final count; every intermediate
-count is a non-negative integer. The user message is :data:`WORD_INSTRUCTION` (asking for the final line the
-DAPO verifier reads, `Answer: <n>`), a one-shot worked example (:data:`WORD_EXAMPLE`: a 135 M instruction
-model copies its short format, so its answers parse and stay short), then the question.
+count is a non-negative integer.
+
+The prompt is a short chat: the worked examples of :data:`WORD_EXAMPLES` as earlier user / assistant turns
+(the first user turn opens with :data:`WORD_INSTRUCTION`, which asks for the final line the DAPO verifier
+reads, `Answer: <n>`), then the question as the last user turn. A 135 M instruction model answers in the
+assistants' short format (one equation per step, then the `Answer:` line), so its answers parse and stay
+short.
 `reward_model.ground_truth` is the integer as a string; `extra_info` keeps the `expression` (e.g.
 `((23+5)*2)`) and the number of operations.
 
-:func:`make_word_problem_splits` draws the held-out split first (seed + 1) and excludes its texts from the
+:func:`make_word_problem_splits` draws the held-out split first (seed + 1) and excludes its questions from the
 training split, so the two are disjoint by problem text.
 """
 
@@ -21,19 +25,47 @@ from typing import Any
 
 from dapo_core.data.datasets import DataError
 
-__all__ = ["WORD_DATA_SOURCE", "WORD_EXAMPLE", "WORD_INSTRUCTION", "make_word_problem_splits", "make_word_problems"]
+__all__ = [
+    "WORD_DATA_SOURCE",
+    "WORD_EXAMPLES",
+    "WORD_INSTRUCTION",
+    "make_word_problem_splits",
+    "make_word_problems",
+    "word_prompt",
+]
 
 WORD_DATA_SOURCE = "synthetic_word"
 """`data_source` of generated word problems (scored by `math_dapo`)."""
 
 WORD_INSTRUCTION = 'Solve the problem. Show the calculation, then write the final line "Answer: N".'
-"""Opens every user message: the verifier reads the last `Answer:` line."""
+"""Opens the first user turn: the verifier reads the last `Answer:` line."""
 
-WORD_EXAMPLE = (
-    "Example:\nQuestion: Tom has 12 pens. He gives 5 pens to a friend. Then he ends up with 2 times as many "
-    "pens as before. How many pens does Tom have now?\nSolution: 12 - 5 = 7. 7 * 2 = 14.\nAnswer: 14"
+WORD_EXAMPLES: tuple[tuple[str, str], ...] = (
+    (
+        "Anna has 3 shirts. She buys 4 more shirts. How many shirts does Anna have now?",
+        "3 + 4 = 7.\nAnswer: 7",
+    ),
+    (
+        "Tom has 12 pens. He gives 5 pens to a friend. He finds 3 more pens. "
+        "How many pens does Tom have now?",
+        "12 - 5 = 7. 7 + 3 = 10.\nAnswer: 10",
+    ),
 )
-"""A one-shot worked example after the instruction (its name and item never occur in generated problems)."""
+"""Worked examples (question, answer) shown as earlier chat turns; their names and items never occur in
+generated problems."""
+
+
+def word_prompt(question: str) -> list[dict[str, str]]:
+    """The chat messages of one problem: the worked examples as earlier turns, then `question`."""
+    messages: list[dict[str, str]] = []
+    for i, (q, a) in enumerate(WORD_EXAMPLES):
+        opening = f"{WORD_INSTRUCTION}\n\n" if i == 0 else ""
+        messages += [
+            {"role": "user", "content": f"{opening}Question: {q}"},
+            {"role": "assistant", "content": a},
+        ]
+    return [*messages, {"role": "user", "content": f"Question: {question}"}]
+
 
 _NAMES = ("Mia", "Leo", "Ava", "Sam", "Zoe", "Max", "Ella", "Ben", "Lily", "Noah", "Ruby", "Omar")
 _ITEMS = (
@@ -116,7 +148,8 @@ def make_word_problems(
     exclude: set[str] | None = None,
     split: str = "train",
 ) -> list[dict[str, Any]]:
-    """`num` distinct word problems (numbers in [min_value, max_value], 1..max_ops operations) as verl rows."""
+    """`num` distinct word problems (numbers in [min_value, max_value], 1..max_ops operations) as verl rows;
+    problems whose text is in `exclude` are skipped."""
     if num < 0 or not 1 <= max_ops <= 3:
         raise DataError(
             f"num={num} must be >= 0 and max_ops={max_ops} in 1..3 (data.synthetic.num_operands - 1)"
@@ -138,14 +171,14 @@ def make_word_problems(
         if tries > 50 * num + 1000:
             raise DataError(f"could only draw {len(rows)} of {num} distinct word problems; widen max_value")
         p = _problem(rng, min_value, max_value, max_ops, ops)
-        content = f"{WORD_INSTRUCTION}\n\n{WORD_EXAMPLE}\n\nQuestion: {p['text']}"
-        if content in seen or content in excluded:
+        text = p["text"]
+        if text in seen or text in excluded:
             continue
-        seen.add(content)
+        seen.add(text)
         rows.append(
             {
                 "data_source": WORD_DATA_SOURCE,
-                "prompt": [{"role": "user", "content": content}],
+                "prompt": word_prompt(text),
                 "ability": "MATH",
                 "reward_model": {"ground_truth": str(p["answer"]), "style": "rule"},
                 "extra_info": {
@@ -169,6 +202,6 @@ def make_word_problem_splits(
     if "num_operands" in kwargs:
         kwargs["max_ops"] = int(kwargs.pop("num_operands")) - 1
     val = make_word_problems(num_val, seed=seed + 1, split="test", **kwargs)
-    keys = {r["prompt"][0]["content"] for r in val}
+    keys = {r["prompt"][-1]["content"].removeprefix("Question: ") for r in val}  # the problem texts
     train = make_word_problems(num_train, seed=seed, split="train", exclude=keys, **kwargs)
     return train, val
