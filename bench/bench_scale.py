@@ -399,7 +399,7 @@ def main() -> None:
     d = sub.add_parser("driver")
     d.add_argument("--steps", type=int, default=2)
     d.add_argument("--tree", default=None)
-    d.add_argument("--order", choices=["sync", "replay_buffer"], default="sync")
+    d.add_argument("--order", choices=["sync", "async", "replay_buffer"], default="sync")
     s = sub.add_parser("synthetic")
     s.add_argument("--rows", type=int, default=8192)
     s.add_argument("--n", type=int, default=16)

@@ -138,15 +138,18 @@ def device_pool(cfg: DapoConfig, cluster: Cluster) -> DevicePool:
     return DevicePool.create(layout, resources=where, timeout_s=cluster.start_timeout_s)
 
 
-def local_ray_cpus(cfg: DapoConfig) -> int:
+def local_ray_cpus(cfg: DapoConfig, device: str = "cpu") -> int:
     """Logical CPUs of a local Ray: one per worker process (rollout replicas, reward, and each rank of the
-    actor, reference and critic groups), at least `max(8, os.cpu_count())`."""
+    actor, reference and critic groups; a colocated pool reserves `shares` on every GPU bundle), at least
+    `max(8, os.cpu_count())`."""
     tr, ro = cfg.trainer, cfg.actor_rollout_ref.rollout
-    replicas = max(tr.nnodes * tr.n_gpus_per_node // max(ro.tensor_model_parallel_size, 1), 1)
+    world = tr.nnodes * tr.n_gpus_per_node
+    replicas = max(world // max(ro.tensor_model_parallel_size, 1), 1)
     layout = dp_layout(cfg)
     ranks = layout["nnodes"] * layout["per_node"]
     roles = 1 + int(need_reference_policy(cfg)) + int(use_critic(cfg))
-    return max(replicas + 1 + roles * ranks, 8, os.cpu_count() or 2)
+    need = (roles + 1) * world + 1 if colocated(cfg, device) else replicas + 1 + roles * ranks
+    return max(need, 8, os.cpu_count() or 2)
 
 
 def rollout_replicas(cfg: DapoConfig, cluster: Cluster, model_path: str, device: str) -> RolloutReplicas:

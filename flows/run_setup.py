@@ -147,7 +147,7 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             use_ray=cfg.trainer.use_ray,
             address=cfg.trainer.ray_address,
             device=device,
-            num_cpus=local_ray_cpus(cfg),
+            num_cpus=local_ray_cpus(cfg, device),
             # sync order: one stage at a time; replay order: generation overlaps the update
             num_threads=worker_threads(cfg.trainer.num_threads, 2 if runs_ahead(cfg) else 1, device),
             deterministic=cfg.trainer.deterministic,

@@ -89,28 +89,55 @@ def worker_threads(num_threads: int, busy_at_once: int, device: str = "cpu", cor
     return 1 if device != "cpu" else threads
 
 
-def _init_worker_process(num_threads: int, verbose: bool = True, deterministic: bool = False) -> None:
-    """Per-process set-up inside an actor: `num_threads` torch threads (`worker_threads` picks them) and
-    deterministic algorithms on or off (`trainer.deterministic`); quiet unless `verbose`."""
-    if not verbose:
+@dataclass(frozen=True)
+class HostOptions:
+    """How a worker process is set up (`Cluster.host_options`)."""
+
+    num_threads: int = 1
+    """Torch threads (`worker_threads` picks them)."""
+    verbose: bool = False
+    """Keep the libraries' info lines and progress bars (`DAPO_WORKER_LOGS=1`)."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms (`trainer.deterministic`)."""
+    free_cuda_cache: bool = False
+    """Return the CUDA caching allocator's free blocks after every call (colocated GPUs: the next role on
+    the device, e.g. a waking vLLM engine, gets them)."""
+
+
+def _init_worker_process(opts: HostOptions) -> None:
+    """Per-process set-up inside an actor: its torch threads and deterministic algorithms, quiet unless
+    verbose. Deterministic cuBLAS needs a fixed workspace, set before CUDA starts."""
+    if not opts.verbose:
         quiet_worker_process()
-    os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+    os.environ.setdefault("OMP_NUM_THREADS", str(opts.num_threads))
+    if opts.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
         import torch
 
-        torch.set_num_threads(num_threads)
-        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(opts.num_threads)
+        torch.use_deterministic_algorithms(opts.deterministic)
     except ImportError:  # pragma: no cover - torch is a hard dependency
         pass
+
+
+def free_cuda_cache() -> None:
+    """Give the CUDA caching allocator's free blocks back to the device (no-op where CUDA never started)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 class _RayHost:
     """A generic Ray actor body: builds the worker object from a factory and forwards method calls to it."""
 
-    def __init__(
-        self, factory: Callable[[], Any], num_threads: int, verbose: bool = True, deterministic: bool = False
-    ) -> None:
-        _init_worker_process(num_threads, verbose, deterministic)
+    def __init__(self, factory: Callable[[], Any], opts: HostOptions) -> None:
+        _init_worker_process(opts)
+        self._free_cuda_cache = opts.free_cuda_cache
         self._obj = factory()
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -120,7 +147,11 @@ class _RayHost:
         # data, see `chain`).
         args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
         kwargs = {k: ray.get(v) if isinstance(v, ray.ObjectRef) else v for k, v in kwargs.items()}
-        return getattr(self._obj, method)(*args, **kwargs)
+        try:
+            return getattr(self._obj, method)(*args, **kwargs)
+        finally:
+            if self._free_cuda_cache:
+                free_cuda_cache()
 
     def ping(self) -> str:
         return "ok"
@@ -514,6 +545,8 @@ class Cluster:
         self._owned: dict[str, Handle] = {}
         self.start_timeout_s = start_timeout_s
         if not use_ray:  # the workers compute in this process: give it their numerics
+            if deterministic:
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             import torch
 
             self._restore_numerics = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
@@ -598,7 +631,7 @@ class Cluster:
             resources=(custom or None) if scheduling_strategy is None else None,
             max_concurrency=1,
             scheduling_strategy=scheduling_strategy,
-        ).remote(factory, self.num_threads, os.environ.get(WORKER_LOGS_ENV) == "1", self.deterministic)
+        ).remote(factory, self.host_options())
         try:  # construction errors surface here, with the role in the traceback
             _ray_get(actor.ping.remote(), timeout=self.start_timeout_s)
         except TimeoutError:
@@ -618,6 +651,15 @@ class Cluster:
         handle = Handle(role=role, ray_actor=actor)
         self._owned[role] = handle
         return handle
+
+    def host_options(self) -> HostOptions:
+        """The set-up of this run's worker processes."""
+        return HostOptions(
+            num_threads=self.num_threads,
+            verbose=os.environ.get(WORKER_LOGS_ENV) == "1",
+            deterministic=self.deterministic,
+            free_cuda_cache=self.pool is not None,
+        )
 
     def own(self, role: str, handle: Handle) -> None:
         """Take `handle` (e.g. a worker group's) into the workers `shutdown` kills."""

@@ -16,7 +16,6 @@ rank 0 commits the stage, so no table passes through the driver.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +30,9 @@ __all__ = ["GroupHandle", "GroupLayout", "create_group", "create_role"]
 class _RankHost(C._RayHost):
     """A rank of a group: joins the group's process group, then builds its worker object."""
 
-    def __init__(self, num_threads: int, verbose: bool = True, deterministic: bool = False) -> None:
-        C._init_worker_process(num_threads, verbose, deterministic)
+    def __init__(self, opts: C.HostOptions) -> None:
+        C._init_worker_process(opts)
+        self._free_cuda_cache = opts.free_cuda_cache
         self._obj = None
 
     def rendezvous(self) -> tuple[str, int]:
@@ -188,7 +188,6 @@ def create_group(
         )
 
     remote_cls: Any = ray.remote(_RankHost)
-    verbose = os.environ.get(C.WORKER_LOGS_ENV) == "1"
     ranks = []
     for rank in range(layout.size):
         name = f"{C.actor_name(cluster.run_id, role)}/{rank}"
@@ -202,7 +201,7 @@ def create_group(
                 num_gpus=pool.layout.fraction if pool is not None else num_gpus,
                 max_concurrency=1,
                 scheduling_strategy=strategy(rank),
-            ).remote(cluster.num_threads, verbose, cluster.deterministic)
+            ).remote(cluster.host_options())
         )
     handle = GroupHandle(role=role, ranks=ranks, placement_group=pg, ray_actor=ranks[0])
     try:

@@ -43,7 +43,10 @@ def resolve_threads(num_threads: int, share: int = 1, cores: int | None = None) 
 @contextmanager
 def torch_numerics(num_threads: int, deterministic: bool) -> Iterator[int]:
     """Run the block with `resolve_threads(num_threads)` torch threads and deterministic algorithms on or off;
-    restores the process's previous settings afterwards. Yields the thread count."""
+    restores the process's previous settings afterwards. Yields the thread count. Deterministic cuBLAS needs
+    its fixed workspace (`CUBLAS_WORKSPACE_CONFIG`), set here unless the environment has one."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch  # here, so that the preflight can check the thread count without importing torch
 
     threads = resolve_threads(num_threads)

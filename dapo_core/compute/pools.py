@@ -108,17 +108,19 @@ class DevicePool:
 
         from dapo_core.compute import cluster as C
 
-        bundle = {"GPU": 1.0, "CPU": float(layout.shares), **dict(resources or {})}
+        bundle = {"GPU": 1.0, "CPU": float(layout.shares)}
+        first = {**bundle, **dict(resources or {})}  # a node's custom resource is asked once per node
         pool = cls(layout)
         for _ in range(layout.nnodes):
-            pool.groups.append(placement_group([dict(bundle) for _ in range(layout.per_node)], "STRICT_PACK"))
+            bundles = [dict(first)] + [dict(bundle) for _ in range(layout.per_node - 1)]
+            pool.groups.append(placement_group(bundles, "STRICT_PACK"))
         try:
             for pg in pool.groups:
                 C._ray_get(pg.ready(), timeout=timeout_s)
         except TimeoutError:
             pool.kill()
             raise C.PlacementError(
-                f"the colocated pool of {layout.nnodes} node(s) × {layout.per_node} GPU bundles of {bundle} "
+                f"the colocated pool of {layout.nnodes} node(s) × {layout.per_node} GPU bundles of {first} "
                 f"was not granted within {timeout_s:.0f}s; the cluster has {ray.available_resources()} free "
                 f"(each node must offer trainer.n_gpus_per_node GPUs)",
                 where="trainer.nnodes / trainer.n_gpus_per_node",

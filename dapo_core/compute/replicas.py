@@ -391,6 +391,12 @@ def create_replicas(
             )
             for i, name in enumerate(names)
         ]
+        if tp > 1:  # Ray knows the replica's share of its first GPU; its engine runs on all of its bundles'
+            for i, name in enumerate(names):
+                cluster.placement[name] = {
+                    **cluster.placement[name],
+                    "gpus": pool.visible_devices(i).split(","),
+                }
         return RolloutReplicas(
             pooled,
             max_new_tokens=max_new_tokens,

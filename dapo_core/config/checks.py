@@ -127,7 +127,7 @@ def _async_problems(c: dict) -> list[str]:
                 f"the weights after every update and drops groups older than trainer.max_staleness — remove "
                 f"it (or use step_order=replay_buffer)."
             )
-    if tr["max_staleness"] and not (rc["rollout_is"] or rc["bypass_mode"] or rc["preset"]):
+    if tr["max_staleness"] and not (rc["rollout_is"] or rc["bypass_mode"]):  # presets are expanded by now
         errs.append(
             "algorithm.rollout_correction.rollout_is: step_order=async trains on samples up to "
             f"trainer.max_staleness={tr['max_staleness']} weight versions old, which need a correction "

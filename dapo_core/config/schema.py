@@ -377,7 +377,7 @@ class RolloutConfig:
     enforce_eager: bool = True
     """vLLM: disable CUDA graphs."""
     free_cache_engine: bool = True
-    """vLLM: release the KV cache between rollouts. No-op here."""
+    """Colocated GPUs: the engine frees its memory while training (vLLM sleep mode, HF cached blocks)."""
     enable_chunked_prefill: bool = True
     """vLLM: chunked prefill. Not implemented yet (default only)."""
     max_num_batched_tokens: int = 8192

@@ -48,10 +48,6 @@ NO_OPS: dict[str, str] = {
         "the engines always return the sampled tokens' log-probs; as in verl, rollout correction still "
         "requires true"
     ),
-    "actor_rollout_ref.rollout.free_cache_engine": (
-        "the rollout worker has a device of its own and keeps its KV cache (verl frees it for a trainer "
-        "sharing the GPUs)"
-    ),
     "reward_model.overlong_buffer.log": (
         "`overlong_reward` and `overlong` are always written (verl writes them only when true)"
     ),

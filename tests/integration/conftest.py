@@ -35,12 +35,16 @@ def prefect_home(tmp_path_factory):
             os.environ[k] = v
 
 
-def kill_at(victim: subprocess.Popen, marker: Path, timeout_s: float = 600) -> None:
+def kill_at(victim: subprocess.Popen, marker: Path, timeout_s: float = 600, log: Path | None = None) -> None:
     """SIGKILL ``victim``'s whole process group (it must run with ``start_new_session=True``) as soon as
-    ``marker`` exists; fail if the run ends first or the marker does not appear within ``timeout_s``."""
+    ``marker`` exists; fail if the run ends first or the marker does not appear within ``timeout_s`` (with
+    the tail of ``log``, the victim's output, in the message)."""
     deadline = time.time() + timeout_s
     while not marker.exists():
-        assert victim.poll() is None, "the run ended before it could be killed"
+        if victim.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else ""
+            ended = f"the run ended (exit {victim.returncode}) before it could be killed"
+            raise AssertionError(f"{ended}\n{tail}")
         assert time.time() < deadline, f"{marker} did not appear within {timeout_s:.0f} s"
         time.sleep(0.05)
     os.killpg(victim.pid, signal.SIGKILL)

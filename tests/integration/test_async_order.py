@@ -69,16 +69,18 @@ def test_async_order_bounds_staleness_corrects_it_and_resumes_bitwise(tiny_asset
         weights = store.read_stage(2, "advantage_p0").column("rollout_is_weights").to_pylist()
         assert any(abs(w - 1.0) > 1e-6 for row in weights for w in row)  # stale samples are reweighted
 
-    victim = subprocess.Popen(
-        _cmd(tiny_assets, "async_resumed"),
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    log = tiny_assets / "async_resumed.log"
+    with log.open("w") as out:
+        victim = subprocess.Popen(
+            _cmd(tiny_assets, "async_resumed"),
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     resumed = tiny_assets / "runs" / "async_resumed"
-    kill_at(victim, resumed / "step_000002" / "prompts_ga.manifest.json")  # step 3's batch is being made
+    kill_at(victim, resumed / "step_000002" / "prompts_ga.manifest.json", log=log)  # step 3's batch is made
     assert (resumed / "ckpt" / "latest").read_text().strip() == "1"
     done = subprocess.run(
         _cmd(tiny_assets, "async_resumed"), env=env, cwd=ROOT, capture_output=True, text=True, check=False

@@ -37,6 +37,7 @@ def test_roles_share_each_gpu_of_the_pool_and_a_tp_replica_sees_its_bundles(tiny
         cluster = Cluster("colocated", device="cpu")
         cluster.pool = device_pool(cfg, cluster)
         assert cluster.pool.layout.shares == 3  # actor, ref, rollout
+        assert cluster.host_options().free_cuda_cache  # each call ends by returning its cached GPU blocks
         rollout = rollout_replicas(cfg, cluster, model, "cpu")
         actor = actor_worker(cfg, cluster, model, pad, "cpu")
         ref_worker(cfg, cluster, model, pad, "cpu")

@@ -88,16 +88,18 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
         return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
 
     subprocess.run(cmd("dp2_straight"), check=True, env=env, cwd=root, capture_output=True)
-    victim = subprocess.Popen(
-        cmd("dp2_resumed"),
-        env=env,
-        cwd=root,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    log = tiny_assets / "dp2_resumed.log"
+    with log.open("w") as out:
+        victim = subprocess.Popen(
+            cmd("dp2_resumed"),
+            env=env,
+            cwd=root,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     run = tiny_assets / "runs" / "dp2_resumed"
-    kill_at(victim, run / "step_000002" / "generate_g0.manifest.json")
+    kill_at(victim, run / "step_000002" / "generate_g0.manifest.json", log=log)
     assert (run / "ckpt" / "latest").read_text().strip() == "1"
     assert sorted(p.name for p in (run / "ckpt" / "step_1" / "actor").glob("model.rank*.safetensors")) == [
         "model.rank0.safetensors",

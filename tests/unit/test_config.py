@@ -259,6 +259,11 @@ def test_struct_mode_rejects_new_attributes():
         (["trainer.step_order=lockstep"], "trainer.step_order", "async"),
         (["trainer.step_order=async"], "algorithm.rollout_correction.rollout_is", "rollout_is=token"),
         (
+            ["trainer.step_order=async", "algorithm.rollout_correction.preset=disabled"],
+            "algorithm.rollout_correction.rollout_is",
+            "rollout_is=token",
+        ),
+        (
             ["trainer.step_order=async", "trainer.max_staleness=-1"],
             "trainer.max_staleness",
             ">= 0",

@@ -202,6 +202,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm_kwargs = llm_kwargs
         self.llm = LLM(**llm_kwargs)
         self._asleep = False
+        self._awake_tags: set[str] = set()
         self._warned_renormalised = False
 
     # ---------------------------------------------------------------- generation
@@ -324,7 +325,7 @@ class VLLMRolloutEngine(RolloutEngine):
         Unknown names raise `KeyError`, wrong shapes `ValueError`, both before anything is loaded.
         The prefix cache is reset so no KV computed with the old weights is reused.
         """
-        if self._asleep:
+        if self._asleep and "weights" not in self._awake_tags:
             raise RuntimeError("VLLMRolloutEngine.sync_weights called while asleep; call wake_up() first.")
         named = self._check_named(named_tensors)
         # The tensors travel inside the pickled callable: passed as `args`, vLLM decodes them in the engine
@@ -363,13 +364,22 @@ class VLLMRolloutEngine(RolloutEngine):
             )
         self.llm.sleep(level=level)
         self._asleep = True
+        self._awake_tags = set()
 
-    def wake_up(self) -> None:
-        """Re-allocate weights and KV cache after `sleep` (no-op when awake)."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate weights and KV cache after `sleep` (no-op when awake); `tags` (vLLM's `weights`,
+        `kv_cache`) wakes only those, so new weights can load before the cache takes its room."""
         if not self._asleep:
             return
-        self.llm.wake_up()
-        self._asleep = False
+        if tags is None:
+            self.llm.wake_up()
+            self._asleep = False
+            return
+        self.llm.wake_up(tags=tags)
+        self._awake_tags |= set(tags)
+        if {"weights", "kv_cache"} <= self._awake_tags:
+            self._asleep = False
+            self._awake_tags = set()
 
     def close(self) -> None:
         """Shut down vLLM's engine and worker processes and drop the engine. Safe to call twice."""

@@ -157,7 +157,13 @@ class RolloutWorker:
     ) -> int:
         """Load new weights (HF names) into the engine; returns the new weight version."""
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        self._take_memory()
+        if self._released:  # the weights first, so the cache takes its room only after the load (vLLM)
+            engine: Any = self.engine
+            engine.wake_up(tags=["weights"])
+            engine.sync_weights(items)
+            engine.wake_up(tags=["kv_cache"])
+            self._released = False
+            return self.engine.weight_version
         self.engine.sync_weights(items)
         return self.engine.weight_version
 
