@@ -328,7 +328,7 @@ def resolve_layout(cfg: Any, *, dp: int = 1, device: str | None = None) -> Layou
     if strategy in FSDP_STRATEGIES:
         world = nnodes * per_node
         return Layout(dev, nnodes, per_node, strategy, world, tp, max(1, world // tp), True)
-    return Layout(dev, nnodes, per_node, strategy, dp, tp, 1, False)
+    return Layout(dev, nnodes, per_node, strategy, dp, tp, max(1, nnodes * per_node // tp), False)
 
 
 @dataclass
@@ -711,10 +711,11 @@ def _layout_line(lay: Layout) -> str:
             f"replica(s) of tp={lay.tp}; every GPU holds an actor rank and a rollout shard (colocated)"
         )
     return (
-        f"layout: one {'GPU' if lay.device == 'cuda' else 'process'} per model role ({lay.strategy} engine, "
-        f"one process per role; ZeRO dp={lay.dp}"
+        f"layout: one {'GPU' if lay.device == 'cuda' else 'process'} per training role "
+        f"({lay.strategy} engine; ZeRO dp={lay.dp}"
         + (" what-if" if lay.dp > 1 else "")
-        + f"); rollout tp={lay.tp}"
+        + f"); {lay.replicas} rollout replica(s) of tp={lay.tp} on {unit} of their own "
+        f"(trainer.nnodes × n_gpus_per_node = {lay.world})"
     )
 
 
@@ -911,7 +912,7 @@ def _rollout_plan(
         db = _DTYPE_NAMES.get(dtype, 2 if lay.device == "cuda" else 4)
         kv_heads = -(-s.num_key_value_heads // tp)
         per_tok = 2 * L * kv_heads * s.head_dim * db
-        r = RolePlan("rollout", procs_per_node=lay.per_node if lay.colocated else tp)
+        r = RolePlan("rollout", procs_per_node=lay.per_node)  # every device holds one TP rank
         r.rows.append(Row("weights", s.num_params * db // tp, f"P·{db} B / tp {tp}"))
         tokens, seqs = int(ro.max_num_batched_tokens), int(ro.max_num_seqs)
         work = tokens * (4 * s.hidden_size + 2 * s.intermediate_size // tp) * db + seqs * V * 4 * 2
@@ -976,7 +977,7 @@ def _rollout_plan(
     rows = min(-(-rows_all // lay.replicas), int(ro.max_num_seqs))  # one replica's share
     prompts = -(-rows // n)
     per_tok = 2 * L * s.kv_dim * db
-    r = RolePlan("rollout", budget=gpu_mem, procs_per_node=lay.per_node if lay.colocated else 1)
+    r = RolePlan("rollout", budget=gpu_mem, procs_per_node=lay.per_node)  # one replica per device
     r.rows.append(Row("weights", s.num_params * db, f"P·{db} B (HF engine, rollout.dtype {dtype})"))
     r.rows.append(
         Row(

@@ -366,8 +366,9 @@ def test_the_rollout_row_is_what_vllm_needs_not_its_reservation():
     gpu = parse_bytes("80GiB")
     rollout = make_plan(cfg, gpu_mem=gpu).roles[-1]
     kv = {r.name: r.bytes for r in rollout.rows}["kv cache"]
-    # 4 sequences of T = 22,528 tokens; per token 2·layers·ceil(kv_heads/tp)·head_dim·2 B (2 kv heads, tp 4).
-    assert kv == 4 * 22528 * 2 * 24 * 1 * 64 * 2
+    # 4 rows over the 2 replicas of 8 GPUs / tp 4: 2 sequences of T = 22,528 tokens each; per token
+    # 2·layers·ceil(kv_heads/tp)·head_dim·2 B (2 kv heads, tp 4).
+    assert kv == 2 * 22528 * 2 * 24 * 1 * 64 * 2
     assert rollout.total < rollout.budget == int(0.8 * gpu)
     assert rollout.rows[0].bytes == s.num_params * 2 // 4
     unknown = make_plan(cfg).roles[-1]  # no GPU size: the same need, no reservation
