@@ -368,18 +368,11 @@ def create_replicas(
     where = checked_resources("rollout", resources)
     threads = max(1, cluster.num_threads // m) if cluster.use_ray and layout.num_gpus == 0 else None
     names = [replica_role(i) for i in range(m)]
-    if pool is not None:
-        if pool.layout.replicas != m:
-            raise ValueError(f"{m} replicas but the pool holds {pool.layout.replicas}")
-        import ray
-
-        from dapo_core.compute.cluster import NAMESPACE, actor_name
-
-        for name in names:
-            with contextlib.suppress(ValueError):
-                ray.kill(ray.get_actor(actor_name(cluster.run_id, name), namespace=NAMESPACE))
+    if pool is not None and pool.layout.replicas != m:
+        raise ValueError(f"{m} replicas but the pool holds {pool.layout.replicas}")
+    if pool is not None:  # a stale replica of the same name is replaced by `Cluster.create`
         tp = pool.layout.tp
-        pooled = [
+        workers = [
             proxy(
                 cluster.create(
                     name,
@@ -397,14 +390,28 @@ def create_replicas(
                     **cluster.placement[name],
                     "gpus": pool.visible_devices(i).split(","),
                 }
-        return RolloutReplicas(
-            pooled,
-            max_new_tokens=max_new_tokens,
-            names=names,
-            placement=cluster.placement,
-            tensor_parallel=layout.tensor_parallel,
-            colocated=True,
-        )
+    else:
+        workers = _plain_replicas(cluster, factory, layout, names, where, threads)
+    return RolloutReplicas(
+        workers,
+        max_new_tokens=max_new_tokens,
+        names=names,
+        placement=cluster.placement,
+        tensor_parallel=layout.tensor_parallel,
+        colocated=pool is not None,
+    )
+
+
+def _plain_replicas(
+    cluster: Cluster,
+    factory: Callable[[int | None, str | None], Callable[[], RolloutWorker]],
+    layout: ReplicaLayout,
+    names: list[str],
+    where: dict[str, float],
+    threads: int | None,
+) -> list[RolloutWorker]:
+    """The replicas on devices of their own, after making room that a crashed driver's replicas held."""
+    m = len(names)
     if cluster.use_ray:
         import ray
 
@@ -431,17 +438,10 @@ def create_replicas(
                     "more (RAY_ADDRESS / ray start --num-cpus / --num-gpus, infra/ray_cluster.sh)"
                 ),
             )
-    workers = [
+    return [
         proxy(
             cluster.create(name, factory(threads, None), num_gpus=layout.num_gpus, resources=where),
             RolloutWorker,
         )
-        for i, name in enumerate(names)
+        for name in names
     ]
-    return RolloutReplicas(
-        workers,
-        max_new_tokens=max_new_tokens,
-        names=names,
-        placement=cluster.placement,
-        tensor_parallel=layout.tensor_parallel,
-    )
