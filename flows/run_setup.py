@@ -12,6 +12,8 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 from dapo_core.algo.dynamic_sampling import KeepRateEstimator
 from dapo_core.algo.kl import get_kl_controller
@@ -335,6 +337,7 @@ def close_run(rt: TrainRun) -> None:
     from dapo_core.metrics.tracking import plot_run
 
     try:
+        write_memory_report(rt)
         rt.tracker.close()
         jsonl = rt.store.root / "metrics.jsonl"
         if jsonl.exists():
@@ -350,3 +353,39 @@ def close_run(rt: TrainRun) -> None:
         lease = _LEASES.pop(rt.run_id, None)
         if lease is not None:
             lease.release()
+
+
+def write_memory_report(rt: TrainRun) -> dict[str, Any] | None:
+    """Write `memory.json` (each worker process's peak resident memory next to `dapo plan`'s estimate of
+    its role, `dapo_core.compute.peak_memory`) and print one line of it. Without Ray there is nothing to
+    measure (the workers are this process) and nothing is written; a plan that cannot be made leaves the
+    plan columns empty. Never raises: the end of a run must not fail on a report."""
+    from dapo_core.compute.peak_memory import compare_to_plan
+    from dapo_core.compute.plan import make_plan
+
+    try:
+        measured = rt.cluster.memory_report()
+        if not measured:
+            return None
+        names = list(getattr(rt.rollout, "names", []))
+        for m in measured:
+            if m["role"] in names:
+                m.update(role="rollout", rank=names.index(m["role"]))
+        device = str(rt.cfg.trainer.device)
+        try:
+            plan: Any = make_plan(rt.cfg, device=device)
+        except Exception as exc:
+            print(f"memory report without the plan ({exc})")
+            plan = SimpleNamespace(roles=[])
+        report = compare_to_plan(measured, plan, device)
+        rt.store.write_json("memory.json", report)
+        parts = []
+        for role, r in report["roles"].items():
+            want = r["plan_bytes"]
+            tail = f" (plan {want / 2**30:.2f} GiB, {r['measured_over_plan']:.2f}x)" if want else ""
+            parts.append(f"{role} {r['peak_rss_bytes'] / 2**30:.2f} GiB{tail}")
+        print("peak resident memory per process: " + " · ".join(parts))
+        return report
+    except Exception as exc:
+        print(f"could not write the memory report: {exc!r}")
+        return None

@@ -156,6 +156,12 @@ class _RayHost:
     def ping(self) -> str:
         return "ok"
 
+    def memory(self) -> dict[str, int]:
+        """This worker process's resident memory: peak (`peak_rss_bytes`, VmHWM) and now (`rss_bytes`)."""
+        from dapo_core.compute.peak_memory import process_memory
+
+        return process_memory()
+
     def where(self) -> dict[str, Any]:
         """The Ray node this worker runs on (its node id and address) and, when it holds GPUs, their ids on
         that node (`gpus`, as CUDA_VISIBLE_DEVICES names them)."""
@@ -678,6 +684,25 @@ class Cluster:
                 f"worker '{role}' of run {run_id} is not in this process and Ray is not initialised"
             )
         return Handle(role=role, ray_actor=ray.get_actor(actor_name(run_id, role), namespace=NAMESPACE))
+
+    def memory_report(self, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+        """The resident memory of every Ray worker process this object owns: one `{"role", "rank",
+        "peak_rss_bytes", "rss_bytes"}` per process (a group's ranks each), in creation order. Empty
+        without Ray (the workers are this process). A worker that does not answer within `timeout_s` is
+        left out with a warning."""
+        out: list[dict[str, Any]] = []
+        if not self.use_ray:
+            return out
+        for role, handle in self._owned.items():
+            actors = list(getattr(handle, "ranks", None) or ([handle.ray_actor] if handle.is_ray else []))
+            for rank, actor in enumerate(actors):
+                try:
+                    mem = _ray_get(actor.memory.remote(), timeout=timeout_s)
+                except Exception as exc:  # a dead or stuck worker must not fail the end of a run
+                    log.warning("no memory figure from %s rank %d: %s", role, rank, exc)
+                    continue
+                out.append({"role": role, "rank": rank, **mem})
+        return out
 
     def shutdown(self) -> None:
         """Kill the actors this object created; stop Ray only if this object started it."""

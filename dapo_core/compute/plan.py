@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dapo_core.compute.peak_memory import rss_bytes
 from dapo_core.compute.plan_advice import FSDP_STRATEGIES, search
 
 __all__ = [
@@ -1244,14 +1245,6 @@ def run_plan(
     return 2
 
 
-def _rss_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
 def measure_actor_update(
     cfg: Any, model_path: str, *, device: str = "cpu", seed: int = 0, steps: int = 1
 ) -> dict[str, int]:
@@ -1307,12 +1300,12 @@ def measure_actor_update(
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated() - base
     else:
-        base = _rss_bytes("VmRSS")
+        base = rss_bytes("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         for step in range(steps):
             worker.update_actor(table, step)
-        measured = _rss_bytes("VmHWM") - base
+        measured = rss_bytes("VmHWM") - base
     plan = make_plan(cfg, device=device)
     actor = next(r for r in plan.roles if r.role == "actor")
     weights = sum(r.bytes for r in actor.rows if r.name == "weights")
@@ -1357,11 +1350,11 @@ def measure_rollout(cfg: Any, model_path: str, *, device: str = "cpu", seed: int
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated() - base
     else:
-        base = _rss_bytes("VmRSS")
+        base = rss_bytes("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         engine.generate(batch, params, list(range(rows)))
-        measured = _rss_bytes("VmHWM") - base
+        measured = rss_bytes("VmHWM") - base
     rollout = next(r for r in make_plan(cfg, device=device).roles if r.role == "rollout")
     skip = ("weights", "process", "weight sync")
     estimated = _peak([r for r in rollout.rows if r.name not in skip])

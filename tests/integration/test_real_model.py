@@ -45,7 +45,7 @@ def test_two_dapo_steps_on_the_real_model_move_its_weights(smollm2, tmp_path, pr
             f"trainer.runs_dir={tmp_path / 'runs'}",
             f"trainer.models_dir={tmp_path / 'models'}",
             "trainer.logger=[jsonl]",
-            "trainer.use_ray=false",
+            "trainer.use_ray=true",  # the real path: the workers are Ray actors
             "trainer.total_training_steps=2",
             "trainer.save_freq=2",
             "data.max_response_length=12",
@@ -73,6 +73,15 @@ def test_two_dapo_steps_on_the_real_model_move_its_weights(smollm2, tmp_path, pr
     assert after.keys() == before.keys()
     moved = [k for k in before if not (after[k] == before[k]).all()]
     assert len(moved) > len(before) // 2, "two updates with lr 1e-5 move most tensors"
+    # every worker process reported its peak resident memory, next to the plan of its role
+    memory = json.loads((run / "memory.json").read_text())
+    roles = memory["roles"]
+    weights = sum(t.numel() * t.element_size() for t in before.values())
+    for role in ("actor", "rollout"):
+        assert roles[role]["peak_rss_bytes"] > weights, role  # each holds a float32 copy of the weights
+        assert roles[role]["plan_bytes"] > weights and roles[role]["measured_over_plan"] > 0, role
+    assert roles["actor"]["peak_rss_bytes"] > 2 * weights  # + gradients and AdamW state
+    assert {p["role"] for p in memory["processes"]} >= {"actor", "rollout", "reward"}
 
 
 def test_hf_engine_generates_from_the_imported_folder_and_stops_at_eos(smollm2):
