@@ -184,6 +184,9 @@ class RunArtifacts:
         self._pending = False  # rows not handed to the publisher yet
         self._last_publish = -math.inf  # time.monotonic() of the last table update handed over
         self._read_history(self.run_dir / "metrics.jsonl", done_steps)
+        # the earlier attempt may have died before publishing its last steps: the first update (or the
+        # close, when no step is left to train) publishes the history
+        self._pending = bool(self.rows)
         if not self.enabled:
             return
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dapo-artifacts")

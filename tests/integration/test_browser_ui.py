@@ -256,6 +256,42 @@ def _table(browser) -> tuple[list[str], list[list[str]]]:
     return (got[0], got[1]) if got else ([], [])
 
 
+def _rows_shown(n: int):
+    """A wait condition: the artifact page's table has `n` rows or more. The page shows the artifact as it
+    was when loaded, so a shorter table is reloaded (every 10 s) before it is looked at again."""
+    last = [time.monotonic()]
+
+    def cond(browser) -> bool:
+        if len(_table(browser)[1]) >= n:
+            return True
+        if time.monotonic() - last[0] > 10:
+            browser.refresh()
+            last[0] = time.monotonic()
+        return False
+
+    return cond
+
+
+def _steps_published(client, flow_run_id) -> list[dict]:
+    """The rows of the flow run's steps-table artifact, through the API (one artifact per key and run)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    found = client.read_artifacts(
+        artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["dapo-browser-steps"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+        )
+    )
+    assert len(found) == 1, f"{len(found)} steps-table artifacts in the flow run: {found}"
+    data = found[0].data
+    return json.loads(data) if isinstance(data, str) else list(data)
+
+
+def _warnings(log: Path) -> list[str]:
+    """The `dapo deploy` output's lines about artifacts that could not be published."""
+    return [line for line in log.read_text(errors="replace").splitlines() if "could not publish" in line]
+
+
 def _quiet(log: Path) -> str:
     """The `dapo deploy` shell's output; asserts it is quiet (none of Prefect's per-task-run lines, at most
     one line per train step and attempt) and not silent (the flow run's info lines reach it)."""
@@ -343,12 +379,16 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
             finally:
                 _shot(browser, shots, "6_summary")
 
+            published = _steps_published(client, fr.id)  # what the flow run published, before the page
+            assert [r["step"] for r in published] == list(range(STEPS, 0, -1)), (published, _warnings(log))
             _open_flow_run(browser, base, fr.id, budget, shots, "7_completed_again")  # the steps table
             _artifact_cards(browser, budget, shots, "7_artifacts_again", want)
             _open_card(browser, "dapo-browser-steps")
             try:
-                rows = lambda b: len(_table(b)[1]) >= STEPS  # noqa: E731
-                _wait(browser, rows, budget.left(60), f"the steps table's {STEPS} rows")
+                _wait(browser, _rows_shown(STEPS), budget.left(90), f"the steps table's {STEPS} rows")
+            except Exception as exc:
+                shown = _table(browser)
+                raise AssertionError(f"{exc}; the page shows {shown}; published: {published}") from exc
             finally:
                 _shot(browser, shots, "8_steps_table")
             header, cells = _table(browser)

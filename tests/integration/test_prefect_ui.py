@@ -72,9 +72,21 @@ def test_one_card_per_artifact_updated_in_place_also_across_attempts(prefect_hom
         for step in (6, 7, 8):  # step 6 was logged but not checkpointed: redone
             again.step(step, {"critic/score/mean": 10.0 * step})
         again.summary(8, final=True)
-        return [*updates, again.table_updates]
+        late = tmp_path / "late"  # killed after its last checkpoint, before the table showed it
+        late.mkdir()
+        first = RunArtifacts("late", late, total_steps=3, done_steps=0, min_interval_s=3600.0)
+        first.step(1, {"critic/score/mean": 1.0})
+        first.close()
+        with (late / "metrics.jsonl").open("w") as f:
+            for step in range(1, 4):
+                f.write(json.dumps({"step": step, "critic/score/mean": float(step)}) + "\n")
+        done = RunArtifacts("late", late, total_steps=3, done_steps=3, min_interval_s=3600.0)
+        done.summary(3, final=True)  # nothing left to train: the retry publishes the history it read
+        return [*updates, again.table_updates, done.table_updates]
 
-    assert publish() == [3, 2]  # [1], [2, 3, 4] (validated), [5, 6] (close); then [1..6], [1..8] (close)
+    assert publish() == [3, 2, 1]  # [1], [2, 3, 4] (validated), [5, 6] (close); [1..6], [1..8]; [1..3]
+    late = _artifacts("dapo-late-steps")
+    assert len(late) == 1 and [r["step"] for r in json.loads(late[0].data)] == [3, 2, 1]
     steps = _artifacts("dapo-coalesce-steps")
     assert len(steps) == 1
     rows = json.loads(steps[0].data)
