@@ -751,15 +751,29 @@ def _pass_rows(
     )
 
 
-def _sync_host(role: RolePlan, s: ModelShape, lay: Layout, nbytes: int) -> None:
+def _received_weights(cfg: Any, s: ModelShape) -> Row:
+    """The weights a CPU rollout process receives. Under Ray they arrive through the object store and stay
+    resident (the store's shared pages remain mapped into the process between pushes); without Ray they
+    are a copy that lives only until it is copied in."""
+    if bool(cfg.trainer.use_ray):
+        return Row("weight sync", s.num_params * 4, "P·4 B: received weights, mapped from Ray's object store")
+    return Row("weight sync", s.num_params * 4, "P·4 B: received weights before the copy in", "sync")
+
+
+def _sync_host(role: RolePlan, s: ModelShape, lay: Layout, nbytes: int, use_ray: bool) -> None:
     """The full CPU copy of the weights `ActorWorker.weights` makes for the rollout (under FSDP2 on rank 0
-    only, gathered one tensor at a time)."""
+    only, gathered one tensor at a time); on CPU under Ray also the copy in the object store, whose shared
+    pages stay mapped into the process."""
     row = Row("weight sync", s.num_params * nbytes, f"P·{nbytes} B: a CPU copy of every weight", "sync")
     if lay.strategy in FSDP_STRATEGIES:
         row.formula += " (rank 0 gathers them; the other ranks hold none)"
         if lay.device == "cuda":
             return  # counted once per cluster, on node 0 (`_host_plans`)
     (role.rows if lay.device == "cpu" else role.host_rows).append(row)
+    if lay.device == "cpu" and use_ray:
+        role.rows.append(
+            Row("object store", s.num_params * nbytes, f"P·{nbytes} B: the copy put into Ray's object store")
+        )
 
 
 def _actor_plan(
@@ -810,7 +824,7 @@ def _actor_plan(
                     phase,
                 )
             )
-    _sync_host(a, s, lay, st.compute_bytes if lay.strategy != "torch" else 4)
+    _sync_host(a, s, lay, st.compute_bytes if lay.strategy != "torch" else 4, bool(cfg.trainer.use_ray))
     return a
 
 
@@ -989,12 +1003,15 @@ def _rollout_plan(
         )
     )
     scores = s.num_attention_heads * prompts * Pl * Pl if lay.device == "cpu" else 0
+    # On CPU the allocator keeps the prefill's blocks through the decode steps (glibc returns little of
+    # them), so the two add up: one pass. On GPU the prefill's tensors are free before the decode's.
+    cpu = lay.device == "cpu"
     r.rows.append(
         Row(
             "logits + one layer",
             prompts * Pl * (V + 4 * s.hidden_size + 2 * s.intermediate_size) * db + scores * db,
             "prompts·P·(V + 4h + 2i)·b (+ CPU scores heads·prompts·P²·b): full-length logits and one layer",
-            "prefill",
+            "generate" if cpu else "prefill",
         )
     )
     block = max(1, min(R, (1 << 20) // V))
@@ -1004,14 +1021,12 @@ def _rollout_plan(
             rows * V * 4 * (6 + block),
             f"rows·V·4·(6 + block) = {rows}·{V}·4·(6 + {block}) (logits, scaled, log-softmax, filtered, "
             f"softmax, ratio; exponential variates for {block} steps)",
-            "decode",
+            "generate" if cpu else "decode",
         )
     )
-    if lay.device == "cpu":
+    if cpu:
         r.rows.insert(0, Row("process", PROCESS_BYTES["cpu"], "Python, torch, transformers (measured)"))
-        r.rows.append(
-            Row("weight sync", s.num_params * 4, "P·4 B: received weights before the copy in", "sync")
-        )
+        r.rows.append(_received_weights(cfg, s))
     else:
         r.host_rows = [
             Row("process", PROCESS_BYTES["cuda"], "Python, torch, CUDA context (assumed)"),
@@ -1310,7 +1325,9 @@ def measure_actor_update(
     actor = next(r for r in plan.roles if r.role == "actor")
     weights = sum(r.bytes for r in actor.rows if r.name == "weights")
     estimated = sum(
-        r.bytes for r in actor.rows if r.phase in ("", "update") and r.name not in ("weights", "process")
+        r.bytes
+        for r in actor.rows
+        if r.phase in ("", "update") and r.name not in ("weights", "process", "object store")
     )
     return {"measured": int(measured), "estimated": int(estimated), "weights": int(weights)}
 

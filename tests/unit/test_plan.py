@@ -413,11 +413,11 @@ def test_host_ram_problem_refuses_a_cpu_run_that_cannot_fit_and_its_change_fits(
     ]
     cfg = typed(load_config(CONFIGS / "tiny_cpu.yaml", big))
     assert host_ram_problem(cfg, parse_bytes("64GiB")) is None
-    msg = host_ram_problem(cfg, parse_bytes("6GiB"))
+    msg = host_ram_problem(cfg, parse_bytes("7GiB"))
     assert msg is not None and "is available" in msg and "Change: " in msg
     for change in msg.split("Change: ", 1)[1].split(" (`dapo plan")[0].split("; or "):
         fixed = typed(load_config(CONFIGS / "tiny_cpu.yaml", big + change.split()))
-        assert host_ram_problem(fixed, parse_bytes("6GiB")) is None, change
+        assert host_ram_problem(fixed, parse_bytes("7GiB")) is None, change
     assert host_ram_problem(typed(load_config(CONFIGS / BIG_32B[0], DS)), 1) is None  # a GPU run
 
 
