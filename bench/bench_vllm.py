@@ -53,6 +53,25 @@ def make_prompts(rows: int, prompt_len: int) -> list[list[int]]:
     return [[1] + [4 + (r * 7 + i * 13) % 96 for i in range(prompt_len - 1)] for r in range(rows)]
 
 
+def word_prompts(model: Path, rows: int, n: int) -> list[list[int]]:
+    """The real task's rows: `rows / n` word problems in the training chat template (the mix of
+    configs/smollm2_cpu.yaml), each repeated `n` times as a GRPO group is."""
+    from dapo_core.compute.models import load_tokenizer
+    from dapo_core.data.datasets import tokenize_prompt
+    from dapo_core.data.word_problems import make_word_problems
+
+    tok = load_tokenizer(model)
+    problems = make_word_problems(-(-rows // n), min_value=1, max_value=9, max_ops=3, ops=("+", "-"), seed=5)
+    return [tokenize_prompt(tok, problems[r // n]["prompt"]) for r in range(rows)]
+
+
+def bench_prompts(model: Path, args: argparse.Namespace) -> list[list[int]]:
+    """The rows every side generates from (`--word-prompts`: the real task's; else synthetic ids)."""
+    if args.word_prompts:
+        return word_prompts(model, args.rows, args.n)
+    return make_prompts(args.rows, args.prompt_len)
+
+
 def median_rate(run, repeats: int) -> tuple[float, int, list[float]]:
     """Warm up once, then time `run()` (which returns a token count) `repeats` times.
 
@@ -69,7 +88,7 @@ def median_rate(run, repeats: int) -> tuple[float, int, list[float]]:
 
 def bench_engine(name: str, model: Path, args: argparse.Namespace) -> dict:
     """tokens/s of our rollout engine `name` ("hf" or "vllm") on `model`."""
-    prompts = make_prompts(args.rows, args.prompt_len)
+    prompts = bench_prompts(model, args)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
     seeds = list(range(args.rows))
     t0 = time.perf_counter()
@@ -95,16 +114,19 @@ def bench_model_generate(model_path: Path, args: argparse.Namespace) -> dict:
     from dapo_core.compute.models import load_model
 
     model = load_model(model_path)
-    prompts = make_prompts(args.rows, args.prompt_len)
-    ids = torch.tensor(prompts)  # equal lengths: no padding needed
+    prompts = bench_prompts(model_path, args)
+    width = max(len(p) for p in prompts)
     eos = int(model.config.eos_token_id)
+    # left-padded (the word prompts differ in length); the mask hides the padding
+    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
 
     def run() -> int:
         torch.manual_seed(0)
         with torch.no_grad():
             out = model.generate(
                 ids,
-                attention_mask=torch.ones_like(ids),
+                attention_mask=mask,
                 do_sample=True,
                 temperature=1.0,
                 top_p=1.0,
@@ -143,6 +165,12 @@ def main() -> None:
         help="interpreter of the main env, for the HFRolloutEngine run ('' to skip)",
     )
     ap.add_argument("--model", default=None, help="use this HF folder instead of building the tiny model")
+    ap.add_argument(
+        "--word-prompts",
+        action="store_true",
+        help="the real task's chat prompts (word problems) instead of synthetic ids; needs --model",
+    )
+    ap.add_argument("--n", type=int, default=1, help="with --word-prompts: rows per problem (a GRPO group)")
     ap.add_argument("--only", choices=["vllm", "hf", "hf_model"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -182,6 +210,9 @@ def main() -> None:
                 str(args.repeats),
                 "--threads",
                 str(args.threads),
+                "--n",
+                str(args.n),
+                *(["--word-prompts"] if args.word_prompts else []),
             ]
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)

@@ -18,6 +18,7 @@ import torch
 
 from dapo_core.compute.engines.rollout import SamplingParams
 from dapo_core.compute.models import load_model, load_tokenizer
+from tests.vllm_cpu.reference import max_logprob_gap, reference_greedy, teacher_forced
 
 pytest.importorskip(
     "vllm",
@@ -36,40 +37,6 @@ PROMPTS = [
     [1, 45],
     [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
 ]
-
-
-def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new: int, eos: int) -> list[int]:
-    """Greedy decoding with a full forward pass per step (no KV cache): the ground truth."""
-    seq = list(prompt)
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(max_new):
-            tok = int(model(torch.tensor([seq])).logits[0, -1].argmax())
-            out.append(tok)
-            seq.append(tok)
-            if tok == eos:
-                break
-    return out
-
-
-def teacher_forced(
-    model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float
-) -> list[float]:
-    """log_softmax(logits / T)[token] for each response token, from one forward over prompt + response."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(response)]
-
-
-def max_logprob_gap(model: torch.nn.Module, prompts, completions, temperature: float) -> float:
-    """Largest |engine log-prob - teacher-forced log-prob| over all rows and tokens."""
-    gap = 0.0
-    for p, c in zip(prompts, completions, strict=True):
-        ref = teacher_forced(model, p, c.token_ids, temperature)
-        assert len(c.log_probs) == len(c.token_ids) == len(ref)
-        gap = max(gap, max(abs(a - b) for a, b in zip(c.log_probs, ref, strict=True)))
-    return gap
 
 
 @pytest.fixture(scope="module")
