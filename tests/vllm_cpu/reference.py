@@ -41,3 +41,12 @@ def max_logprob_gap(model: torch.nn.Module, prompts, completions, temperature: f
         assert len(c.log_probs) == len(c.token_ids) == len(ref)
         gap = max(gap, max(abs(a - b) for a, b in zip(c.log_probs, ref, strict=True)))
     return gap
+
+
+def assert_greedy_is_hf(model: torch.nn.Module, prompts, completions, max_new: int, eos: int, tol: float):
+    """Each greedy completion equals `reference_greedy` on `model`, and its log-probs the teacher-forced
+    recompute within `tol`."""
+    for p, c in zip(prompts, completions, strict=True):
+        assert c.token_ids == reference_greedy(model, p, max_new, eos)
+    gap = max_logprob_gap(model, prompts, completions, 1.0)
+    assert gap < tol, f"max |vLLM - teacher-forced| = {gap:.2e}"

@@ -20,7 +20,7 @@ from dapo_core.compute.engines.rollout import SamplingParams
 from dapo_core.compute.models import load_model, load_tokenizer
 from dapo_core.data.datasets import tokenize_prompt
 from dapo_core.data.word_problems import make_word_problems
-from tests.vllm_cpu.reference import max_logprob_gap, reference_greedy
+from tests.vllm_cpu.reference import assert_greedy_is_hf
 
 pytest.importorskip(
     "vllm",
@@ -84,11 +84,8 @@ def engine(real_model_path: Path):
 
 def test_greedy_and_logprobs_equal_hf_on_the_real_model(engine, hf_model, prompts, eos):
     out = engine.generate(prompts, GREEDY, seeds=[0, 1, 2, 3])
-    for p, c in zip(prompts, out, strict=True):
-        assert c.token_ids == reference_greedy(hf_model, p, GREEDY.max_new_tokens, eos)
     assert len({tuple(c.token_ids) for c in out}) > 1, "every problem got the same answer"
-    gap = max_logprob_gap(hf_model, prompts, out, 1.0)
-    assert gap < LOGPROB_TOL, f"max |vLLM - teacher-forced| = {gap:.2e}"
+    assert_greedy_is_hf(hf_model, prompts, out, GREEDY.max_new_tokens, eos, LOGPROB_TOL)
 
 
 def test_weight_sync_after_an_update_matches_hf(engine, hf_model, prompts, eos, real_model_path):
@@ -103,7 +100,5 @@ def test_weight_sync_after_an_update_matches_hf(engine, hf_model, prompts, eos, 
     engine.sync_weights((k, v.detach()) for k, v in updated.named_parameters())
     assert engine.weight_version == version + 1
     after = engine.generate(prompts, GREEDY, seeds=[0, 1, 2, 3])
-    for p, c in zip(prompts, after, strict=True):
-        assert c.token_ids == reference_greedy(updated, p, GREEDY.max_new_tokens, eos)
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
-    assert max_logprob_gap(updated, prompts, after, 1.0) < LOGPROB_TOL
+    assert_greedy_is_hf(updated, prompts, after, GREEDY.max_new_tokens, eos, LOGPROB_TOL)
