@@ -92,7 +92,8 @@ def bench_engine(name: str, model: Path, args: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
     seeds = list(range(args.rows))
     t0 = time.perf_counter()
-    engine = make_rollout_engine(name, model, device="cpu", seed=0)
+    opts = {"max_model_len": args.max_model_len} if name == "vllm" else {"max_batch_size": args.rows}
+    engine = make_rollout_engine(name, model, device="cpu", seed=0, **opts)
     build_s = time.perf_counter() - t0
     try:
         rate, tokens, times = median_rate(
@@ -171,6 +172,9 @@ def main() -> None:
         help="the real task's chat prompts (word problems) instead of synthetic ids; needs --model",
     )
     ap.add_argument("--n", type=int, default=1, help="with --word-prompts: rows per problem (a GRPO group)")
+    ap.add_argument(
+        "--max-model-len", type=int, default=1024, help="vLLM's max_model_len (its KV cache is sized for it)"
+    )
     ap.add_argument("--only", choices=["vllm", "hf", "hf_model"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -212,6 +216,8 @@ def main() -> None:
                 str(args.threads),
                 "--n",
                 str(args.n),
+                "--max-model-len",
+                str(args.max_model_len),
                 *(["--word-prompts"] if args.word_prompts else []),
             ]
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
