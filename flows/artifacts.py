@@ -181,11 +181,10 @@ class RunArtifacts:
         self._publisher: ThreadPoolExecutor | None = None
         self.min_interval_s = float(min_interval_s)
         self.rows: dict[int, dict] = {}  # step -> table row, published and queued
-        self._pending = False  # rows not handed to the publisher yet
         self._last_publish = -math.inf  # time.monotonic() of the last table update handed over
         self._read_history(self.run_dir / "metrics.jsonl", done_steps)
-        # the earlier attempt may have died before publishing its last steps: the first update (or the
-        # close, when no step is left to train) publishes the history
+        # rows not handed to the publisher yet: the history read back counts (the earlier attempt may have
+        # died before publishing its last steps; the close publishes it when no step is left to train)
         self._pending = bool(self.rows)
         if not self.enabled:
             return

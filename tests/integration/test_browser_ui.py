@@ -256,22 +256,6 @@ def _table(browser) -> tuple[list[str], list[list[str]]]:
     return (got[0], got[1]) if got else ([], [])
 
 
-def _rows_shown(n: int):
-    """A wait condition: the artifact page's table has `n` rows or more. The page shows the artifact as it
-    was when loaded, so a shorter table is reloaded (every 10 s) before it is looked at again."""
-    last = [time.monotonic()]
-
-    def cond(browser) -> bool:
-        if len(_table(browser)[1]) >= n:
-            return True
-        if time.monotonic() - last[0] > 10:
-            browser.refresh()
-            last[0] = time.monotonic()
-        return False
-
-    return cond
-
-
 def _steps_published(client, flow_run_id) -> list[dict]:
     """The rows of the flow run's steps-table artifact, through the API (one artifact per key and run)."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
@@ -385,7 +369,8 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
             _artifact_cards(browser, budget, shots, "7_artifacts_again", want)
             _open_card(browser, "dapo-browser-steps")
             try:
-                _wait(browser, _rows_shown(STEPS), budget.left(90), f"the steps table's {STEPS} rows")
+                rows = lambda b: len(_table(b)[1]) >= STEPS  # noqa: E731
+                _wait(browser, rows, budget.left(60), f"the steps table's {STEPS} rows")
             except Exception as exc:
                 shown = _table(browser)
                 raise AssertionError(f"{exc}; the page shows {shown}; published: {published}") from exc
