@@ -156,8 +156,9 @@ class _RayHost:
     def ping(self) -> str:
         return "ok"
 
-    def memory(self) -> dict[str, int]:
-        """This worker process's resident memory: peak (`peak_rss_bytes`, VmHWM) and now (`rss_bytes`)."""
+    def memory(self) -> dict[str, Any]:
+        """This worker process's resident memory, peak (`peak_rss_bytes`, VmHWM) and now (`rss_bytes`), and
+        its CPU seconds so far (`cpu_s`)."""
         from dapo_core.compute.peak_memory import process_memory
 
         return process_memory()
@@ -687,7 +688,7 @@ class Cluster:
 
     def memory_report(self, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """The resident memory of every Ray worker process this object owns: one `{"role", "rank",
-        "peak_rss_bytes", "rss_bytes"}` per process (a group's ranks each), in creation order. Empty
+        "peak_rss_bytes", "rss_bytes", "cpu_s"}` per process (a group's ranks each), in creation order. Empty
         without Ray (the workers are this process). A worker that does not answer within `timeout_s` is
         left out with a warning."""
         out: list[dict[str, Any]] = []

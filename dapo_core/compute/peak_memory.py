@@ -1,15 +1,16 @@
 """Peak resident memory of the worker processes, next to `dapo plan`'s estimate of the same processes.
 
 Every Ray worker answers `memory()` with its resident high-water mark (`VmHWM` in /proc/self/status: the
-largest resident set the process ever had) and its resident size now (`VmRSS`). At the end of a run the
-driver collects them (`Cluster.memory_report`) and `compare_to_plan` lines each process up with its role's
-plan: on CPU the role's total (its rows are the process's resident memory), on GPU the role's host rows.
-The result is written to `runs/<id>/memory.json` and printed as one line per role, so every run checks the
-plan against what it actually used.
+largest resident set the process ever had), its resident size now (`VmRSS`) and the CPU seconds it used. At
+the end of a run the driver collects them (`Cluster.memory_report`) and `compare_to_plan` lines each process
+up with its role's plan: on CPU the role's total (its rows are the process's resident memory), on GPU the
+role's host rows. The result is written to `runs/<id>/memory.json` and printed as one line per role, so every
+run checks the plan against what it actually used.
 """
 
 from __future__ import annotations
 
+import resource
 from typing import Any
 
 __all__ = ["compare_to_plan", "process_memory", "rss_bytes"]
@@ -24,9 +25,16 @@ def rss_bytes(key: str = "VmRSS") -> int:
     raise RuntimeError(f"/proc/self/status has no {key}")
 
 
-def process_memory() -> dict[str, int]:
-    """This process's resident memory: `peak_rss_bytes` (VmHWM) and `rss_bytes` (VmRSS)."""
-    return {"peak_rss_bytes": rss_bytes("VmHWM"), "rss_bytes": rss_bytes("VmRSS")}
+def process_memory() -> dict[str, Any]:
+    """This process's resident memory, `peak_rss_bytes` (VmHWM) and `rss_bytes` (VmRSS), and the CPU time
+    its threads used so far, `cpu_s` (user + system; over a wall span it is the cores the process kept
+    busy)."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "peak_rss_bytes": rss_bytes("VmHWM"),
+        "rss_bytes": rss_bytes("VmRSS"),
+        "cpu_s": round(use.ru_utime + use.ru_stime, 3),
+    }
 
 
 def compare_to_plan(measured: list[dict[str, Any]], plan: Any, device: str) -> dict[str, Any]:

@@ -734,8 +734,25 @@ def _pass_rows(
     scores: bool,
     ckpt: bool | None,
     entropy: bool,
+    shared: tuple[int, int] | None = None,
 ) -> None:
-    """Activation, mask and logits rows of one pass; `ckpt` None = a forward without gradients."""
+    """Activation, mask and logits rows of one pass; `ckpt` None = a forward without gradients. `shared`
+    (n, max prompt length): the forwards run each prompt of a micro-batch once (`use_shared_prompt`)."""
+    if shared is not None and shared[0] > 1 and micro_rows > 1 and not dynamic and not ckpt:
+        # the engine shares prompts only without gradient checkpointing (HF drops the cache under it)
+        _shared_pass_rows(
+            role,
+            s,
+            cb,
+            phase=phase,
+            micro_rows=micro_rows,
+            width=width,
+            shared=shared,
+            scores=scores,
+            grad=ckpt is not None,
+            entropy=entropy,
+        )
+        return
     n, sq, how = _micro_tokens(
         dynamic=dynamic, budget=budget, micro_rows=micro_rows, width=width, packed=packed
     )
@@ -749,6 +766,50 @@ def _pass_rows(
     role.rows.append(
         _logits_row(s, n, cb, entropy=entropy, packed=packed, phase=phase, grad=ckpt is not None)
     )
+
+
+def _shared_shape(cfg: Any) -> tuple[int, int] | None:
+    """(n, max prompt length) when the actor and reference forwards share prompts, else None."""
+    arr = cfg.actor_rollout_ref
+    if not bool(arr.model.use_shared_prompt):
+        return None
+    return int(arr.rollout.n), int(cfg.data.max_prompt_length)
+
+
+def _shared_pass_rows(
+    role: RolePlan,
+    s: ModelShape,
+    cb: int,
+    *,
+    phase: str,
+    micro_rows: int,
+    width: int,
+    shared: tuple[int, int],
+    scores: bool,
+    grad: bool,
+    entropy: bool,
+) -> None:
+    """Rows of a shared-prompt pass (`TrainEngine.log_probs` with `share_prompt`): a micro-batch of `rows`
+    holds whole groups of `n` (`microbatch.grouped_order`), so it runs G = ⌈rows / n⌉ prompts of up to P
+    tokens once and every response's R tokens, G·P + rows·R positions, with the LM head on the response
+    positions and each prompt's last (rows·R + G). Attention (one row per group, its responses back to back,
+    the grouped layout) scores G·(P + ⌈rows / G⌉·R)² pairs per head."""
+    n, P = shared
+    R = width - P
+    G = -(-micro_rows // n)
+    tokens = G * P + micro_rows * R
+    per_group = -(-micro_rows // G)
+    sq = G * (P + per_group * R) ** 2
+    how = f"{G} prompt(s) × P {P} + {micro_rows} responses × R {R} (shared prompt)"
+    if grad:
+        act, f = activation_bytes(s, tokens, cb, False, sq if scores else 0)
+        role.rows.append(Row("activations", act, f"{f}; N: {how}", phase))
+    else:
+        role.rows.append(_no_grad_row(s, tokens, cb, sq if scores else 0, how, phase))
+    logit_tokens = micro_rows * R + G
+    row = _logits_row(s, logit_tokens, cb, entropy=entropy, packed=False, phase=phase, grad=grad)
+    row.formula += f"; N = rows·R + G = {logit_tokens} (response positions and each prompt's last)"
+    role.rows.append(row)
 
 
 def _received_weights(cfg: Any, s: ModelShape) -> Row:
@@ -788,7 +849,7 @@ def _actor_plan(
     scores = lay.device == "cpu"
     mini_rows = int(actor.ppo_mini_batch_size) * n
     data_dp = lay.dp if lay.colocated else 1
-    common = {"width": width, "packed": packed, "scores": scores}
+    common = {"width": width, "packed": packed, "scores": scores, "shared": _shared_shape(cfg)}
     _pass_rows(
         a,
         s,
@@ -856,6 +917,7 @@ def _ref_plan(
         scores=lay.device == "cpu",
         ckpt=None,
         entropy=False,
+        shared=_shared_shape(cfg),
     )
     if st.gathered:
         r.rows.append(
@@ -1009,8 +1071,9 @@ def _rollout_plan(
     r.rows.append(
         Row(
             "logits + one layer",
-            prompts * Pl * (V + 4 * s.hidden_size + 2 * s.intermediate_size) * db + scores * db,
-            "prompts·P·(V + 4h + 2i)·b (+ CPU scores heads·prompts·P²·b): full-length logits and one layer",
+            prompts * (V + Pl * (4 * s.hidden_size + 2 * s.intermediate_size)) * db + scores * db,
+            "prompts·(V + P·(4h + 2i))·b (+ CPU scores heads·prompts·P²·b): the last position's logits and "
+            "one layer",
             "generate" if cpu else "prefill",
         )
     )
@@ -1266,7 +1329,8 @@ def measure_actor_update(
     """Measure the peak memory of actor updates above the loaded weights, next to the plan's estimate.
 
     Builds the `ActorWorker` as flows/roles.py does and runs `update_actor` `steps` times on one
-    mini-batch of rows at full width (max_prompt_length + max_response_length, the plan's worst case).
+    mini-batch of rows at full width (max_prompt_length + max_response_length, the plan's worst case); with
+    `use_shared_prompt` the n rows of each group share their prompt, as generated rows do.
     On CPU the peak is the process's resident high-water mark (VmHWM, reset through
     /proc/self/clear_refs after the weights are loaded) minus the resident size then; on CUDA it is
     `torch.cuda.max_memory_allocated` minus the allocation after loading. Returns `measured` and
@@ -1295,9 +1359,13 @@ def measure_actor_update(
         seed=seed,
         gradient_checkpointing=bool(arr.model.enable_gradient_checkpointing),
         use_remove_padding=bool(arr.model.use_remove_padding),
+        use_shared_prompt=bool(arr.model.use_shared_prompt),
     )
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 99, (rows, P + R), generator=g)
+    if arr.model.use_shared_prompt:  # as generated: the n rows of a group share their prompt
+        n = int(arr.rollout.n)
+        ids[:, :P] = ids[::n, :P].repeat_interleave(n, dim=0)[:rows]
     table = pa.table(
         {
             "prompt_ids": pa.array(ids[:, :P].tolist(), type=pa.list_(pa.int32())),

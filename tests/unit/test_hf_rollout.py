@@ -94,6 +94,21 @@ def test_group_rows_share_the_prefill_but_not_their_samples(engine, prompts):
     assert len({tuple(c.token_ids) for c in together[:6]}) > 1
 
 
+def test_the_lm_head_sees_one_position_per_row_in_the_prefill(tiny_dir, prompts):
+    # Only the last prompt position's logits are sampled from, so the prefill runs the LM head on it alone
+    # (at a 49 k vocabulary the full-length logits are a fifth of the prefill's FLOPs and its largest tensor).
+    eng = make_rollout_engine("hf", tiny_dir, max_batch_size=16, progress=False)
+    widths: list[int] = []
+    hook = eng.model.get_output_embeddings().register_forward_hook(
+        lambda _m, args, _out: widths.append(int(args[0].shape[1]))
+    )
+    try:
+        eng.generate(prompts, SamplingParams(max_new_tokens=3, temperature=1.0), list(range(len(prompts))))
+    finally:
+        hook.remove()
+    assert widths == [1, 1, 1]  # the prefill and two decode steps
+
+
 def test_a_rows_stream_does_not_depend_on_max_new_tokens(tiny_dir, prompts):
     # Variates are drawn in blocks of steps; the block size follows max_new_tokens, the stream must not.
     engine = HFRolloutEngine(tiny_dir, max_batch_size=16, progress=False, eos_token_id=-1)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from dapo_core.compute.peak_memory import compare_to_plan, process_memory
 
@@ -23,6 +28,7 @@ def test_process_memory_reads_this_process():
     after = process_memory()
     assert after["peak_rss_bytes"] >= after["rss_bytes"] > 0
     assert after["peak_rss_bytes"] >= before["rss_bytes"] + 60 * 2**20
+    assert after["cpu_s"] > before["cpu_s"]  # touching 16 k pages costs CPU time
     del block
 
 
@@ -50,3 +56,39 @@ def test_compare_lines_up_processes_with_their_role_and_takes_the_largest_rank()
     gpu = compare_to_plan(measured, _plan(actor=(4 * GIB, 10 * GIB), rollout=(2 * GIB, 4 * GIB)), "cuda")
     assert gpu["roles"]["actor"]["plan_bytes"] == 10 * GIB
     assert gpu["roles"]["rollout"]["measured_over_plan"] == 0.25
+
+
+_TRIM_PROBE = """
+import ctypes
+from dapo_core.compute.heap import trim_heap
+from dapo_core.compute.peak_memory import rss_bytes
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+blocks = [libc.malloc(64 << 10) for _ in range(4096)]  # 256 MiB of heap blocks, below the mmap threshold
+for b in blocks:
+    libc.memset(b, 1, 64 << 10)
+keep = libc.malloc(64 << 10)  # above them all: free() alone cannot shrink the heap's top
+for b in blocks:
+    libc.free(b)
+before = rss_bytes()
+released = trim_heap()
+print(int(released), (before - rss_bytes()) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's (Linux)")
+def test_trim_heap_hands_freed_heap_blocks_back_to_the_os():
+    # In a fresh process, so nothing else of the test session's heap is in the figure.
+    out = subprocess.run(
+        [sys.executable, "-c", _TRIM_PROBE],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout.split()
+    released, freed_mib = int(out[0]), int(out[1])
+    assert released == 1
+    assert freed_mib >= 200  # of the 256 MiB freed but still resident

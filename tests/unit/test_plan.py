@@ -71,6 +71,7 @@ SHAPE = [
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
 ]
+SHARED = "actor_rollout_ref.model.use_shared_prompt"  # the rows of a group share their prompt (tiny default)
 MEMORY_ON = [
     "actor_rollout_ref.model.enable_gradient_checkpointing=true",
     "actor_rollout_ref.model.use_remove_padding=true",
@@ -94,7 +95,11 @@ def _measure(overrides: list[str], what: str = "measure_actor_update") -> dict[s
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("features", [[], MEMORY_ON], ids=["padded", "ckpt+packed+budget"])
+@pytest.mark.parametrize(
+    "features",
+    [[f"{SHARED}=false"], MEMORY_ON, [f"{SHARED}=true"]],
+    ids=["padded", "ckpt+packed+budget", "shared prompt"],
+)
 def test_estimate_is_within_tolerance_of_the_measured_cpu_peak(features):
     r = _measure(SHAPE + features)
     ratio = r["measured"] / r["estimated"]

@@ -7,11 +7,12 @@ recomputes teacher-forced; top-k / top-p only restrict which token is *drawn*.
 
 Sampling takes `argmax(p / E)` with one exponential variate `E = -log U` per vocabulary entry, row and step
 (the exponential-race form of Gumbel-max), so a row's random stream is fixed by its seed alone. Prompts are
-left-padded (`position_ids = cumsum(mask) - 1`); each distinct prompt is prefilled once, and with decode
-attention (the default) its KV cache is kept once for all its rows (`decode_attention.SharedPrefixCache`),
-else copied to every row. Finished rows leave the KV cache together once they are `compact_fraction` of the
-batch (until then they stay in the forward, outputs ignored); long request lists are split into micro-batches
-of `max_batch_size` rows. docs/INTERNALS.md (hf_rollout) gives the reasons.
+left-padded (`position_ids = cumsum(mask) - 1`); each distinct prompt is prefilled once (the LM head on its
+last position only), and with decode attention (the default) its KV cache is kept once for all its rows
+(`decode_attention.SharedPrefixCache`), else copied to every row. Finished rows leave the KV cache together
+once they are `compact_fraction` of the batch (until then they stay in the forward, outputs ignored); long
+request lists are split into micro-batches of `max_batch_size` rows. docs/INTERNALS.md (hf_rollout) gives the
+reasons.
 """
 
 from __future__ import annotations
@@ -140,9 +141,10 @@ class HFRolloutEngine(RolloutEngine):
             dtype = getattr(torch, dtype)
         assert isinstance(dtype, torch.dtype)
         self.model = load_model(self.model_path, dtype=dtype, device=self.device)
-        self._cache_kwarg = (
-            "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        )
+        forward_params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        # The prefill needs the last position's logits only; the LM head skips the others where it can.
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
         self.model.requires_grad_(False)
         if decode_attention and self.model.config._attn_implementation == "sdpa":
             self.model.set_attn_implementation(DECODE_ATTENTION)
@@ -242,6 +244,7 @@ class HFRolloutEngine(RolloutEngine):
                 position_ids=position_ids,
                 use_cache=True,
                 **{self._cache_kwarg: cache},
+                **self._last_logits,
             )
             .logits[:, -1, :]
             .float()
@@ -259,6 +262,7 @@ class HFRolloutEngine(RolloutEngine):
         vocab = logits.shape[-1]
         block = max(1, min(params.max_new_tokens, (1 << 20) // vocab))
         race_block = logits.new_empty((0, 0, vocab))
+        race_rows: torch.Tensor | None = None  # the rows of `race_block` still in the cache (None: all)
         next_pos = mask.sum(-1)  # position of the first generated token, per row
         chosen = next_pos  # the tokens fed back at step t > 0 (set at the end of each step)
         for t in range(params.max_new_tokens):
@@ -283,14 +287,20 @@ class HFRolloutEngine(RolloutEngine):
             else:
                 if t % block == 0:
                     size = min(block, params.max_new_tokens - t)
-                    uniform = torch.stack(
-                        [torch.rand(size, vocab, device=dev, generator=gens[r]) for r in active_rows]
-                    )
+                    # One (rows, block, V) buffer at a time: the last block is dropped first and each row's
+                    # draw is written in place (at a 49 k vocabulary a block is ~0.2 GiB at 48 rows).
+                    # Rows that leave the cache before the block ends are skipped through `race_rows`.
+                    del race_block  # freed before the next one is allocated
+                    race_block = torch.empty((len(active_rows), size, vocab), device=dev)
+                    race_rows = None
+                    for i, r in enumerate(active_rows):
+                        torch.rand(size, vocab, device=dev, generator=gens[r], out=race_block[i])
                     # Exp(1) as -log U, U uniform on [0, 1): E > 0 always (U = 0 gives E = inf, so p / E = 0),
                     # hence no 0 / 0 for a token that top-k / top-p removed.
-                    race_block = uniform.log_().neg_()
+                    race_block.log_().neg_()
                 probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
-                chosen = torch.argmax(probs / race_block[:, t % block], dim=-1)
+                race = race_block[:, t % block] if race_rows is None else race_block[race_rows, t % block]
+                chosen = torch.argmax(probs / race, dim=-1)
             chosen_logp = logp_all.gather(-1, chosen[:, None]).squeeze(-1)
             is_eos = torch.isin(chosen, eos)
             for r, tok, lp, done, alive in zip(
@@ -322,7 +332,7 @@ class HFRolloutEngine(RolloutEngine):
                     live = live[sel]
                     active_rows, live_rows = active.tolist(), [True] * n_live
                     if gens is not None:
-                        race_block = race_block[sel]
+                        race_rows = sel if race_rows is None else race_rows[sel]
             if shared is None:
                 mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
         return [Completion(tokens[i], logps[i], reasons[i]) for i in range(b)]

@@ -8,6 +8,8 @@ is). `generate_stage` reads its prompts from the run store and commits its outpu
 only the distinct prompts are ever written by the driver). With several rollout replicas
 (`dapo_core.compute.replicas`) each replica gets the same job with `rows`, the positions of its share of the
 (repeated) rows, commits that share, and refuses to generate unless its weights are `expect_version`.
+On CPU each generation ends by handing the heap's free pages back to the OS (`dapo_core.compute.heap`), so
+the process's peak stays one pass's.
 On a colocated GPU pool `release_memory` frees the engine's GPU memory for the training ranks (vLLM's sleep
 mode; the HF engine returns its cached blocks) and the next generation or weight load takes it back.
 """
@@ -22,6 +24,7 @@ import pyarrow as pa
 import torch
 
 from dapo_core.compute.engines.rollout import SamplingParams, make_rollout_engine
+from dapo_core.compute.heap import trim_heap
 from dapo_core.data import batch as B
 from dapo_core.errors import DapoUserError
 from dapo_core.seeding import request_seed, uid_factory
@@ -85,6 +88,8 @@ class RolloutWorker:
         seed = self.seed + (1_000_003 if validate else 0)
         seeds = [request_seed(seed, gen_step, u, s) for u, s in zip(uids, sample_idx, strict=True)]
         outs = self.engine.generate(prompts, params, seeds)
+        if self.device == "cpu":  # the pass's freed buffers back to the OS, not kept per call thread
+            trim_heap()
         n = table.num_rows
         cols = {
             "response_ids": pa.array([list(o.token_ids) for o in outs], type=pa.list_(pa.int32())),
