@@ -1,13 +1,14 @@
 """`HostWeights`: HF-named CPU tensors that cross Ray's object store as numpy buffers (weight sync).
 
-Ray hands numpy arrays to a reader on the same node as read-only views of the object store's shared memory,
-without a copy; a pickled torch tensor is rebuilt from bytes instead (a full copy of the weights, and more
-while it is assembled). So the actor's weights are pickled as one numpy array per distinct tensor: a rollout
-replica maps them and copies each straight into its own parameters, and its memory grows by nothing but the
-mapped pages. Names that share a tensor (tied embeddings) share one array; dtypes numpy lacks (bfloat16)
-travel as integers of the same width and are viewed back. In one process (no Ray) it is a plain mapping of
-the tensors. Receivers read the tensors and never write them (the mapped pages are read-only).
-"""
+Ray hands numpy arrays to a reader on the same node as views of the object store's shared memory, without a
+copy; a pickled torch tensor is rebuilt from bytes instead (a full copy of the weights, and more while it is
+assembled). So the actor's weights are pickled as one numpy array per distinct tensor: the HF engine maps
+them and copies each straight into its own parameters, so its memory grows by nothing but the mapped pages
+(the vLLM engine passes them on to its engine process, which receives a copy). Names that share a tensor
+(tied embeddings) share one array; dtypes numpy lacks (bfloat16) travel as integers of the same width and
+are viewed back. In one process (no Ray) it is a plain mapping of the tensors. Receivers only read the
+tensors: the store's pages are shared by every replica on the node, and torch does not enforce numpy's
+read-only flag, so a write would reach the other replicas."""
 
 from __future__ import annotations
 

@@ -734,11 +734,13 @@ def _pass_rows(
     scores: bool,
     ckpt: bool | None,
     entropy: bool,
-    shared: tuple[int, int] | None = None,
+    shared: tuple[int, int, bool] | None = None,
 ) -> None:
     """Activation, mask and logits rows of one pass; `ckpt` None = a forward without gradients. `shared`
-    (n, max prompt length): the forwards run each prompt of a micro-batch once (`use_shared_prompt`)."""
-    if shared is not None and shared[0] > 1 and micro_rows > 1 and not dynamic and not ckpt:
+    (`_shared_shape`): the forwards run each prompt of a micro-batch once (`use_shared_prompt`); under a
+    token budget the micro-batches' rows are not known here, so the pass is planned without sharing (an
+    upper bound)."""
+    if shared is not None and micro_rows > 1 and not dynamic and not ckpt:
         # the engine shares prompts only without gradient checkpointing (HF drops the cache under it)
         _shared_pass_rows(
             role,
@@ -768,12 +770,27 @@ def _pass_rows(
     )
 
 
-def _shared_shape(cfg: Any) -> tuple[int, int] | None:
-    """(n, max prompt length) when the actor and reference forwards share prompts, else None."""
+def _shared_shape(cfg: Any, lay: Layout, role: str) -> tuple[int, int, bool] | None:
+    """(n, max prompt length, shuffled mini-batches) when `role`'s forwards share prompts
+    (`use_shared_prompt`), else None: the fsdp2 actor never shares, a sharded reference neither."""
     arr = cfg.actor_rollout_ref
-    if not bool(arr.model.use_shared_prompt):
+    if not bool(arr.model.use_shared_prompt) or int(arr.rollout.n) < 2:
         return None
-    return int(arr.rollout.n), int(cfg.data.max_prompt_length)
+    if lay.strategy in FSDP_STRATEGIES and (role == "actor" or lay.dp > 1):
+        return None
+    actor = arr.actor
+    several_minis = int(actor.ppo_mini_batch_size) < int(cfg.data.train_batch_size)
+    shuffled = role == "actor" and bool(actor.shuffle) and several_minis
+    return int(arr.rollout.n), int(cfg.data.max_prompt_length), shuffled
+
+
+def _prompts_per_micro(micro_rows: int, n: int, shuffled: bool) -> int:
+    """The most distinct prompts a micro-batch of `micro_rows` can hold: the rows of a (mini-)batch come
+    grouped by prompt (`grouped_order`), so ⌈(rows − 1) / n⌉ + 1 (⌈rows / n⌉ when n divides rows); shuffled
+    mini-batches split groups, so up to one prompt per row."""
+    if shuffled:
+        return micro_rows
+    return micro_rows // n if micro_rows % n == 0 else -(-(micro_rows - 1) // n) + 1
 
 
 def _shared_pass_rows(
@@ -784,28 +801,38 @@ def _shared_pass_rows(
     phase: str,
     micro_rows: int,
     width: int,
-    shared: tuple[int, int],
+    shared: tuple[int, int, bool],
     scores: bool,
     grad: bool,
     entropy: bool,
 ) -> None:
-    """Rows of a shared-prompt pass (`TrainEngine.log_probs` with `share_prompt`): a micro-batch of `rows`
-    holds whole groups of `n` (`microbatch.grouped_order`), so it runs G = ⌈rows / n⌉ prompts of up to P
-    tokens once and every response's R tokens, G·P + rows·R positions, with the LM head on the response
-    positions and each prompt's last (rows·R + G). Attention (one row per group, its responses back to back,
-    the grouped layout) scores G·(P + ⌈rows / G⌉·R)² pairs per head."""
-    n, P = shared
+    """Rows of a shared-prompt pass (`TrainEngine.log_probs` with `share_prompt`) at the plan's width, where
+    every response is R long: there the grouped layout saves nothing (`microbatch.group_rows` declines), so
+    the engine runs the G distinct prompts once with a KV cache (G·P positions), copies the cache to each of
+    the rows, and runs the rows' responses on it (rows·R positions; scores rows·R·(P + R) per head). The
+    copied cache (rows·(P + R) keys and values per layer) is held through the pass, and kept for the backward
+    when there is one; the LM head runs on rows·R + G positions."""
+    n, P, shuffled = shared
     R = width - P
-    G = -(-micro_rows // n)
+    G = _prompts_per_micro(micro_rows, n, shuffled)
     tokens = G * P + micro_rows * R
-    per_group = -(-micro_rows // G)
-    sq = G * (P + per_group * R) ** 2
-    how = f"{G} prompt(s) × P {P} + {micro_rows} responses × R {R} (shared prompt)"
+    sq = G * P * P + micro_rows * R * width
+    how = f"{G} prompt(s) × P {P} + {micro_rows} responses × R {R} (shared prompt, KV cache)"
     if grad:
         act, f = activation_bytes(s, tokens, cb, False, sq if scores else 0)
         role.rows.append(Row("activations", act, f"{f}; N: {how}", phase))
     else:
         role.rows.append(_no_grad_row(s, tokens, cb, sq if scores else 0, how, phase))
+    kv = micro_rows * width * s.num_hidden_layers * 2 * s.num_key_value_heads * s.head_dim * cb
+    role.rows.append(
+        Row(
+            "shared-prompt kv cache",
+            kv,
+            f"rows·T·layers·2·kv·head_dim·b = {micro_rows}·{width}·{s.num_hidden_layers}·2·"
+            f"{s.num_key_value_heads}·{s.head_dim}·{cb} (the prompts' cache copied to every row)",
+            phase,
+        )
+    )
     logit_tokens = micro_rows * R + G
     row = _logits_row(s, logit_tokens, cb, entropy=entropy, packed=False, phase=phase, grad=grad)
     row.formula += f"; N = rows·R + G = {logit_tokens} (response positions and each prompt's last)"
@@ -849,7 +876,7 @@ def _actor_plan(
     scores = lay.device == "cpu"
     mini_rows = int(actor.ppo_mini_batch_size) * n
     data_dp = lay.dp if lay.colocated else 1
-    common = {"width": width, "packed": packed, "scores": scores, "shared": _shared_shape(cfg)}
+    common = {"width": width, "packed": packed, "scores": scores, "shared": _shared_shape(cfg, lay, "actor")}
     _pass_rows(
         a,
         s,
@@ -917,7 +944,7 @@ def _ref_plan(
         scores=lay.device == "cpu",
         ckpt=None,
         entropy=False,
-        shared=_shared_shape(cfg),
+        shared=_shared_shape(cfg, lay, "ref"),
     )
     if st.gathered:
         r.rows.append(
