@@ -132,8 +132,10 @@ def compute_advantage_table(
     if use_kl_in_reward:
         from dapo_core.algo.kl import apply_kl_in_reward
 
+        # bypass mode runs no old_log_prob stage: π_old is the rollout's policy
+        old = t["old_log_probs"] if "old_log_probs" in t else t["rollout_log_probs"]
         rewards, kl_metrics = apply_kl_in_reward(
-            scores, t["old_log_probs"], t["ref_log_probs"], mask, kl_ctrl, kl_penalty_kind
+            scores, old, t["ref_log_probs"], mask, kl_ctrl, kl_penalty_kind
         )
         metrics.update(kl_metrics)
     weights = None

@@ -12,6 +12,10 @@ one mini-batch, nothing else reading π_old) the old_log_prob forward is skipped
 its own log-probs, detached, so the ratio is exactly 1, as it is (to float precision) after a separate forward
 with the same weights; the step logs `timing_s/old_log_prob = 0` and `actor/old_log_prob_skipped = 1`.
 `actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false` always runs the stage.
+
+Bypass mode (`algorithm.rollout_correction.bypass_mode`): π_old is the rollout's own log-probs, already in the
+batch, so the stage is skipped whatever the epochs and mini-batches; the update takes `rollout_log_probs` as
+π_old and computes the IS / RS correction against π_θ per micro-batch (one forward per sample in all).
 """
 
 from __future__ import annotations
@@ -46,12 +50,15 @@ def old_log_prob_needed(cfg: DapoConfig, parts: int = 1, model_path: str | None 
     on-policy means: one PPO epoch over one mini-batch (`ppo_mini_batch_size · parts ≥ train_batch_size`), so
     the weights that would compute π_old are the ones the update starts from; no dropout in the model (a
     train-mode forward would differ from the eval-mode π_old forward); and nothing else reads π_old: no
-    rollout correction (IS / RS / bypass mode), no KL in the reward, no `bypass_mode` policy loss.
+    rollout correction (IS / RS / bypass mode), no KL in the reward, no `bypass_mode` policy loss. In bypass
+    mode π_old is the rollout's log-probs, so no forward is needed either (None).
     """
     actor = cfg.actor_rollout_ref.actor
     rc = cfg.algorithm.rollout_correction
     if not actor.skip_old_log_prob_when_on_policy:
         return "actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false"
+    if rc.bypass_mode:
+        return None
     if actor.ppo_epochs != 1:
         return f"actor_rollout_ref.actor.ppo_epochs={actor.ppo_epochs} (more than one pass)"
     if actor.ppo_mini_batch_size * parts < cfg.data.train_batch_size:
@@ -61,8 +68,8 @@ def old_log_prob_needed(cfg: DapoConfig, parts: int = 1, model_path: str | None 
             + (f" / parameter_sync_step={parts}" if parts > 1 else "")
             + " (more than one optimizer step per batch)"
         )
-    if rc.bypass_mode or rc.rollout_is is not None or rc.rollout_rs is not None:
-        return "algorithm.rollout_correction (IS/RS weights or bypass mode read π_old)"
+    if rc.rollout_is is not None or rc.rollout_rs is not None:
+        return "algorithm.rollout_correction (IS/RS weights read π_old)"
     if cfg.algorithm.use_kl_in_reward:
         return "algorithm.use_kl_in_reward=true (the KL penalty reads π_old)"
     if (actor.policy_loss.loss_mode or "vanilla") == "bypass_mode":
@@ -101,12 +108,15 @@ def learn(
     reason = old_log_prob_needed(rt.cfg, parts)
     if rt.run_id not in _ANNOUNCED:
         _ANNOUNCED.add(rt.run_id)
-        print(
-            f"old_log_prob: separate forward ({reason})"
-            if reason
-            else "old_log_prob: skipped, the update is exactly on-policy (one epoch, one mini-batch): "
-            "π_old = the current policy, ratio 1"
-        )
+        if reason:
+            print(f"old_log_prob: separate forward ({reason})")
+        elif rt.cfg.algorithm.rollout_correction.bypass_mode:
+            print("old_log_prob: skipped, bypass mode: π_old = the rollout's log-probs")
+        else:
+            print(
+                "old_log_prob: skipped, the update is exactly on-policy (one epoch, one mini-batch): "
+                "π_old = the current policy, ratio 1"
+            )
     if reason is None and step > rt.cfg.trainer.critic_warmup:
         uri = batch_uri
         metrics.append({"timing_s/old_log_prob": 0.0, "actor/old_log_prob_skipped": 1.0})

@@ -25,18 +25,14 @@ _KL_COEF = "_kl_coef_after"
 
 @task(name="old_log_prob", task_run_name=run_name("old_log_prob"), **_OPTS)
 def old_log_prob(run_id: str, step: int, batch_uri: str, part: int | None = None) -> StageResult:
-    """π_old log-probs recomputed by the actor (decoupled mode), or the rollout's own (bypass mode)."""
+    """π_old log-probs (and entropy) recomputed by the actor with its current weights."""
     rt = runtime.get(run_id)
     cfg = rt.cfg
     return worker_stage(
         rt,
         step,
         stage_name("old_log_prob", part),
-        lambda job: rt.actor.log_prob_stage(
-            job,
-            bypass=cfg.algorithm.rollout_correction.bypass_mode,
-            entropy_agg_mode=cfg.actor_rollout_ref.actor.loss_agg_mode,
-        ),
+        lambda job: rt.actor.log_prob_stage(job, entropy_agg_mode=cfg.actor_rollout_ref.actor.loss_agg_mode),
         input_uri=batch_uri,
         schema="old_log_prob",
         n=rt.n,

@@ -115,6 +115,39 @@ def test_an_update_without_old_log_probs_refuses_more_than_one_mini_batch(model_
             actor.update_actor(batch, global_steps=1)
 
 
+def test_bypass_mode_takes_the_rollout_log_probs_as_pi_old_without_the_stage(model_dir):
+    """Bypass mode over three mini-batches: the update of a batch without `old_log_probs` (the flow skips the
+    stage) equals the update given `old_log_probs = rollout_log_probs`, and is not on-policy (the ratio
+    against π_rollout is not 1)."""
+    bypass = {
+        **ACTOR,
+        "ppo_mini_batch_size": 1,  # three optimizer steps
+        "ppo_micro_batch_size_per_gpu": 2,
+        "policy_loss": {"loss_mode": "bypass_mode"},
+    }
+    rc = {"rollout_is": "token", "rollout_is_threshold": 2.0, "bypass_mode": True}
+    kw = {"pad_token_id": 0, "temperature": 1.0, "rollout_n": N, "total_steps": 2, "rollout_correction": rc}
+    batch = _batch(model_dir, gen_step=1)
+    # a behaviour policy other than the trained one: the stale samples of the async order
+    stale = pa.array(
+        [
+            [lp - 0.05 * (i % 3) for i, lp in enumerate(r)]
+            for r in batch.column("rollout_log_probs").to_pylist()
+        ],
+        batch.schema.field("rollout_log_probs").type,
+    )
+    batch = batch.set_column(batch.schema.get_field_index("rollout_log_probs"), "rollout_log_probs", stale)
+    adv, _ = compute_advantage_table(batch, pad_token_id=0, adv_estimator="grpo")
+    given = adv.append_column("old_log_probs", adv.column("rollout_log_probs"))
+    a, b = ActorWorker(model_dir, bypass, **kw), ActorWorker(model_dir, bypass, **kw)
+    m_skip, m_given = a.update_actor(adv, global_steps=1), b.update_actor(given, global_steps=1)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
+        assert m_skip[key] == m_given[key], key
+    assert m_skip["actor/ppo_kl"] != 0.0
+    w_a, w_b = a.weights(), b.weights()
+    assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+
+
 def _cfg(*overrides: str):
     return typed(load_config("configs/tiny_cpu.yaml", list(overrides)))
 
@@ -132,9 +165,16 @@ def test_the_flow_skips_only_exactly_on_policy_updates(tmp_path):
         "ppo_epochs=2": "actor_rollout_ref.actor.ppo_epochs=2",
         "use_kl_in_reward": "algorithm.use_kl_in_reward=true",
         "rollout_correction": "algorithm.rollout_correction.rollout_is=token",
-        "bypass": "algorithm.rollout_correction.bypass_mode=true",
     }
     for why, override in refused.items():
         assert why in old_log_prob_needed(_cfg(on, override), model_path=no_model), override
+    # bypass mode: π_old is the rollout's log-probs, so no forward even with several mini-batches
+    bypass = [
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.rollout_is=token",
+    ]
+    assert old_log_prob_needed(_cfg(*bypass), model_path=no_model) is None
+    always = "actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false"
+    assert old_log_prob_needed(_cfg(*bypass, always), model_path=no_model) == always
     (tmp_path / "config.json").write_text('{"attention_dropout": 0.1, "hidden_size": 8}')
     assert "dropout 0.1" in old_log_prob_needed(_cfg(on), model_path=str(tmp_path))

@@ -212,6 +212,7 @@ class ActorWorker:
                 **({"rollout_correction": dataclasses.asdict(rc)} if rc is not None else {}),
             }
         )
+        self.bypass = loss_mode == "bypass_mode"
         self.loss = ActorLoss(
             loss_mode=loss_mode,
             params=params,
@@ -248,22 +249,17 @@ class ActorWorker:
         return table
 
     def log_prob_stage(
-        self, job: StageJob, *, bypass: bool = False, entropy_agg_mode: str = "token-mean"
+        self, job: StageJob, *, entropy_agg_mode: str = "token-mean"
     ) -> tuple[str, dict[str, float]]:
         """The old_log_prob stage on the batch at `job.input_uri`, committed by this worker: the current
-        weights' log-probs and `actor/entropy` (aggregated with `entropy_agg_mode`), or the rollout's own
-        log-probs in bypass mode. With data-parallel ranks, rank 0 commits the stage and returns its URI; the
-        other ranks return ("", {})."""
+        weights' log-probs and `actor/entropy` (aggregated with `entropy_agg_mode`). With data-parallel ranks,
+        rank 0 commits the stage and returns its URI; the other ranks return ("", {})."""
         rank = self.dp.rank if self.dp is not None else 0
-        if bypass and rank != 0:
-            return "", {}
-        if not bypass and rank != 0:
+        if rank != 0:
             self.compute_log_prob(job.read(), True)
             return "", {}
 
         def compute(table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
-            if bypass:
-                return table.append_column("old_log_probs", table.column("rollout_log_probs")), {}
             out = self.compute_log_prob(table, True)
             t = B.to_padded(out, self.pad_token_id, columns=["entropy"])
             ent = agg_loss(t["entropy"], t["response_mask"].float(), entropy_agg_mode)
@@ -278,9 +274,12 @@ class ActorWorker:
     # -- update ----------------------------------------------------------------------------------------------
     def update_actor(self, table: pa.Table, global_steps: int) -> dict[str, float]:
         """One PPO update over the batch (mini-batches of `ppo_mini_batch_size·n` trajectories); steps the
-        lr. Without an `old_log_probs` column (the flow skipped the old_log_prob stage: the update is exactly
-        on-policy) π_old is this forward's own log-probs, detached, and `actor/entropy` comes from this
-        forward; that is exact only for one epoch over one mini-batch, so anything else is refused."""
+        lr. Without an `old_log_probs` column the flow skipped the old_log_prob stage: in bypass mode π_old is
+        the rollout's `rollout_log_probs`; otherwise the update is exactly on-policy and π_old is this
+        forward's own log-probs, detached, which is exact only for one epoch over one mini-batch, so anything
+        else is refused. `actor/entropy` comes from this forward."""
+        if self.bypass and "old_log_probs" not in table.column_names:
+            table = table.append_column("old_log_probs", table.column("rollout_log_probs"))
         on_policy = "old_log_probs" not in table.column_names
         cols = ["advantages"] if on_policy else ["old_log_probs", "advantages"]
         for c in ("rollout_is_weights", "ref_log_probs", "rollout_log_probs"):
