@@ -1,16 +1,19 @@
 """Generation/update overlap: the share of wall time in which the rollout worker and the actor worker both run
 a call, in the orders that generate ahead (async, replay-buffer: generation for step k+1 launched before step
-k's update) and the sync order.
+k's update) and the sync order, and the cores each worker kept busy.
 
 Starts a local Ray itself (the flow's `local_ray_options`: loopback, workers at normal priority), so Ray's
 task timeline (`ray.timeline()`: start and end of every worker call, per worker process) outlives the flow's
-workers; then trains the CPU default (`configs/tiny_cpu.yaml`, from the project's `data/` and
-`models/tiny_base`) for `--steps` steps per order, and measures from the timeline between the first and the
+workers; then trains `--config` (default the CPU default `configs/tiny_cpu.yaml`; paths in it are read from
+the project root) for `--steps` steps per order, and measures from the timeline between the first and the
 last call of the run: each worker's busy share and the share in which both are busy. Workers are told apart
 by the order of their first call: a step begins with generation (rollout worker), then its scoring (reward
-worker), and only then the actor's first stage; each order runs on a Ray of its own.
+worker), and only then the actor's first stage; each order runs on a Ray of its own. The cores a worker kept
+busy are its process's CPU seconds (the run's `memory.json`, start-up included) over that span.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_overlap.py --steps 8
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_overlap.py --config configs/smollm2_cpu.yaml \
+        --steps 6 --orders async,sync --order-override async:trainer.num_threads=0
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -64,9 +68,27 @@ def calls_by_worker(events: list[dict], since_us: float) -> dict[str, list[tuple
     return out
 
 
-def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None) -> dict:
-    """Train `steps` steps in `order` on the already started Ray; overlap figures from its timeline. `extra`:
-    more overrides (the async order gets token-level rollout IS, which it requires)."""
+ALIASES = {"timing_s/gen", "timing_s/adv"}  # the reference's names for timing_s/generate and /advantage
+
+
+def anatomy(rows: list[dict]) -> dict[str, float]:
+    """Median seconds per step (the first step, a warm-up, left out when there are more) of each stage timer
+    in `metrics.jsonl` rows, and `other` = step − Σ stages (prompt sampling, filtering, weight sync, Prefect
+    tasks, the store and the driver; meaningful in the sync order only, where the stages do not overlap)."""
+    steps = [r for r in rows if "timing_s/step" in r]
+    steps = steps[1:] if len(steps) > 1 else steps
+    keys = sorted(
+        {k for r in steps for k in r if k.startswith("timing_s/") and k != "timing_s/step"} - ALIASES
+    )
+    out = {k.removeprefix("timing_s/"): statistics.median(r.get(k, 0.0) for r in steps) for k in keys}
+    out["other"] = statistics.median(r["timing_s/step"] - sum(r.get(k, 0.0) for k in keys) for r in steps)
+    out["step"] = statistics.median(r["timing_s/step"] for r in steps)
+    return out
+
+
+def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None, config: str = "") -> dict:
+    """Train `steps` steps of `config` in `order` on the already started Ray; overlap figures from its
+    timeline. `extra`: more overrides (the async order gets token-level rollout IS, which it requires)."""
     import ray
 
     from dapo_core.config import load_config, to_yaml
@@ -74,11 +96,8 @@ def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None)
 
     run_id = f"overlap-{order}"
     cfg = load_config(
-        ROOT / "configs" / "tiny_cpu.yaml",
+        config or ROOT / "configs" / "tiny_cpu.yaml",
         [
-            f"data.train_files=[{ROOT / 'data' / 'train.parquet'}]",
-            f"data.val_files=[{ROOT / 'data' / 'val.parquet'}]",
-            f"trainer.models_dir={ROOT / 'models'}",
             f"trainer.runs_dir={tmp / 'runs'}",
             "trainer.use_ray=true",
             "trainer.val_before_train=false",
@@ -93,9 +112,9 @@ def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None)
         ],
     )
     since = 0.0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     dapo_train(to_yaml(cfg), run_id)
-    wall = time.perf_counter() - t0
+    wall, driver_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     time.sleep(2)  # task events reach the GCS in batches
     busy = {k: merge(v) for k, v in calls_by_worker(ray.timeline(), since).items()}
     rows = [json.loads(x) for x in (tmp / "runs" / run_id / "metrics.jsonl").read_text().splitlines()]
@@ -112,7 +131,15 @@ def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None)
     end = max(b for k in top for _, b in busy[k])
     span = end - start
     both = overlap(busy[top[0]], busy[top[1]]) / span
+    mem_file = tmp / "runs" / run_id / "memory.json"
+    procs = json.loads(mem_file.read_text())["processes"] if mem_file.exists() else []
+    cpu = {p["role"]: p.get("cpu_s") for p in procs if p.get("rank", 0) == 0}
+    used = sum(c for c in cpu.values() if c is not None) + driver_cpu
     return {
+        "cores": [None if cpu.get(r) is None else cpu[r] / span for r in ("rollout", "actor")],
+        "cores_all": used / span,  # the workers' and the driver's CPU seconds over the span
+        "driver_cpu_per_step": driver_cpu / max(1, len(rows)),
+        "anatomy": anatomy(rows),
         "busy_intervals": {k: busy[k] for k in ranked},
         "flow_wall_s": wall,
         "span_s": span,
@@ -130,8 +157,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--orders", default="async,replay_buffer,sync")
     ap.add_argument("--json", default="")
+    ap.add_argument("--config", default="", help="training config (default configs/tiny_cpu.yaml)")
+    ap.add_argument(
+        "--order-override",
+        action="append",
+        default=[],
+        metavar="ORDER:KEY=VALUE",
+        help="an override for one order only, e.g. async:trainer.num_threads=0 (repeatable)",
+    )
     ap.add_argument("overrides", nargs="*", help="config overrides for every order (key=value)")
     args = ap.parse_args(argv)
+    os.chdir(ROOT)  # the configs' relative paths (data, models) are the project's
+    per_order: dict[str, list[str]] = {}
+    for item in args.order_override:
+        order, sep, kv = item.partition(":")
+        if not sep or "=" not in kv:
+            raise SystemExit(f"--order-override {item!r}: write ORDER:KEY=VALUE")
+        per_order.setdefault(order, []).append(kv)
     tmp = Path(tempfile.mkdtemp(prefix="dapo-overlap-"))
     os.environ.setdefault("PREFECT_HOME", str(tmp / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -151,18 +193,37 @@ def main(argv: list[str] | None = None) -> None:
             configure_logging=False,
             **local_ray_options(),
         )
-        res[order] = run_order(order, args.steps, tmp, args.overrides)
+        extra = [*args.overrides, *per_order.get(order, [])]
+        res[order] = run_order(order, args.steps, tmp, extra, args.config)
         ray.shutdown()
     print(f"{args.steps} steps per order; shares of the span from the first to the last rollout/actor call")
-    print("| order | step s (median) | rollout busy | actor busy | both busy |")
-    print("|---|---|---|---|---|")
+    print("| order | step s (median) | rollout busy | actor busy | both busy | rollout cores | actor cores |")
+    print("|---|---|---|---|---|---|---|")
     for order, r in res.items():
         steps = sorted(r["step_s"])
         med = steps[len(steps) // 2]
         b = r["busy_share"]
+        cores = " | ".join("—" if c is None else f"{c:.2f}" for c in r["cores"])
         print(
             f"| {order} | {med:.2f} | {100 * b[0]:.0f} % | {100 * b[1]:.0f} % | "
-            f"{100 * r['both_busy_share']:.1f} % |"
+            f"{100 * r['both_busy_share']:.1f} % | {cores} |"
+        )
+    print()
+    print(
+        "seconds per step, median (step 1 left out; in the orders that generate ahead the stages overlap, so "
+        "no `other`); driver CPU: the flow's own CPU seconds per step; cores: the workers' and driver's CPU "
+        "over the span"
+    )
+    keys = sorted({k for r in res.values() for k in r["anatomy"] if k not in ("step", "other")})
+    print("| order | step | " + " | ".join(keys) + " | other | driver CPU | cores busy |")
+    print("|---|---|" + "---|" * len(keys) + "---|---|---|")
+    for order, r in res.items():
+        a = r["anatomy"]
+        cells = " | ".join(f"{a.get(k, 0.0):.2f}" for k in keys)
+        other = f"{a['other']:.2f}" if order == "sync" else "—"
+        print(
+            f"| {order} | {a['step']:.2f} | {cells} | {other} | {r['driver_cpu_per_step']:.2f} | "
+            f"{r['cores_all']:.2f} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -105,3 +105,30 @@ def test_async_order_with_no_staleness_generates_nothing_ahead(tiny_assets):
         for k in (1, 2, 3):
             assert metrics[k]["training/off_policy/weight_version_lag_max"] == 0
             assert not any(s.endswith("_ga") for s in store.committed_stages(k))
+
+
+@pytest.mark.timeout(600)
+def test_async_order_in_bypass_mode_trains_stale_samples_without_an_old_log_prob_forward(tiny_assets):
+    # Bypass mode: π_old is the rollout's log-probs, so no stage recomputes them; the update corrects the
+    # stale samples against π_θ per micro-batch (its `rollout_corr/*` metrics).
+    from dapo_core.config import load_config, to_yaml
+    from flows.dapo_train import dapo_train
+
+    over = {
+        **SHORT_RUN,
+        **ASYNC,
+        "algorithm.rollout_correction.bypass_mode": "true",
+        "trainer.use_ray": "false",
+    }
+    out = dapo_train(to_yaml(load_config(CONFIG, tiny_overrides(tiny_assets, **over))), "async_bypass")
+    run = Path(out["run_dir"])
+    metrics = _metrics(run)
+    with RunStore(run) as store:
+        for k in (1, 2, 3):
+            m = metrics[k]
+            stages = set(store.committed_stages(k))
+            assert m["training/off_policy/weight_version_lag_max"] == (0 if k == 1 else 1)
+            assert not any(s.startswith("old_log_prob") for s in stages), sorted(stages)
+            assert m["timing_s/old_log_prob"] == 0.0
+            assert "actor/rollout_corr/rollout_is_mean" in m, sorted(m)  # from the loss
+        assert metrics[2]["actor/ppo_kl"] != 0.0  # the ratio is against the policy that sampled them
