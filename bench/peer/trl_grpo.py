@@ -138,6 +138,7 @@ def main() -> None:
         report_to=[],
         bf16=False,
         fp16=False,
+        gradient_checkpointing=False,  # TRL's default is on; our side does not recompute activations either
         dataloader_num_workers=0,
     )
     marks = WallClockMarks(out, [float(m) for m in args.marks.split(",")])

@@ -132,8 +132,8 @@ def _async_problems(c: dict) -> list[str]:
             "algorithm.rollout_correction.rollout_is: step_order=async trains on samples up to "
             f"trainer.max_staleness={tr['max_staleness']} weight versions old, which need a correction "
             "against the policy that sampled them — set rollout_is=token (truncated importance sampling, "
-            "rollout_is_threshold 2.0; with the recomputed old log-probs this is the decoupled objective), "
-            "or trainer.max_staleness=0."
+            "rollout_is_threshold 2.0; with the recomputed old log-probs this is the decoupled objective; "
+            "add bypass_mode=true to skip that forward), or trainer.max_staleness=0."
         )
     return errs
 
