@@ -110,7 +110,7 @@ _NEW: dict[str, list[str]] = {
 _CONDITIONAL = {
     "ref_log_probs": "ref",
     "values": "values",
-    "old_log_probs": "old_log_prob",  # absent later when the flow skips an on-policy old_log_prob forward
+    "old_log_probs": "old_log_prob",  # absent later when the flow skips the stage (on-policy or bypass mode)
     "entropy": "old_log_prob",
 }
 

@@ -117,8 +117,9 @@ def test_an_update_without_old_log_probs_refuses_more_than_one_mini_batch(model_
 
 def test_bypass_mode_takes_the_rollout_log_probs_as_pi_old_without_the_stage(model_dir):
     """Bypass mode over three mini-batches: the update of a batch without `old_log_probs` (the flow skips the
-    stage) equals the update given `old_log_probs = rollout_log_probs`, and is not on-policy (the ratio
-    against π_rollout is not 1)."""
+    stage) equals the update given `old_log_probs = rollout_log_probs` (what the stage commits in bypass
+    mode), is not on-policy (the ratio against π_rollout is not 1), and reports the entropy the skipped
+    stage would have."""
     bypass = {
         **ACTOR,
         "ppo_mini_batch_size": 1,  # three optimizer steps
@@ -141,9 +142,11 @@ def test_bypass_mode_takes_the_rollout_log_probs_as_pi_old_without_the_stage(mod
     given = adv.append_column("old_log_probs", adv.column("rollout_log_probs"))
     a, b = ActorWorker(model_dir, bypass, **kw), ActorWorker(model_dir, bypass, **kw)
     m_skip, m_given = a.update_actor(adv, global_steps=1), b.update_actor(given, global_steps=1)
-    for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/rollout_corr/rollout_is_mean"):
         assert m_skip[key] == m_given[key], key
     assert m_skip["actor/ppo_kl"] != 0.0
+    assert m_skip["actor/entropy"] == m_skip["actor/entropy_loss"] > 0  # from the update's forward
+    assert "actor/entropy" not in m_given  # there the stage reported it
     w_a, w_b = a.weights(), b.weights()
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
 

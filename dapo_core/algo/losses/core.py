@@ -425,10 +425,10 @@ class ActorLoss:
     """The actor's loss of one micro-batch under fixed settings: `actor_objective` applied to a micro-batch's
     tensors, in the form the PPO loop calls (`loss(log_probs, entropy, micro_batch, global_batch_info)`).
 
-    π_old is the micro-batch's `old_log_probs`, or, when the batch has none (the old_log_prob stage was
-    skipped because the update is exactly on-policy), this forward's own log-probs detached (ratio 1; the
-    entropy metric then comes from this forward). The KL loss needs `ref_log_probs` in the micro-batch;
-    `bypass_mode` reads `rollout_log_probs`."""
+    π_old is the micro-batch's `old_log_probs`. When the batch has none (the flow skipped the old_log_prob
+    stage) it is `rollout_log_probs` under `bypass_mode`, else this forward's own log-probs detached (the
+    update is exactly on-policy: ratio 1); either way the entropy metric then comes from this forward. The KL
+    loss needs `ref_log_probs` in the micro-batch; `bypass_mode` reads `rollout_log_probs`."""
 
     loss_mode: str
     """Registered policy loss (`actor.policy_loss.loss_mode`)."""
@@ -461,9 +461,15 @@ class ActorLoss:
         if self.loss_scale_factor is not None:
             info["loss_scale_factor"] = self.loss_scale_factor
         use_kl = self.use_kl_loss and "ref_log_probs" in mb
-        on_policy = "old_log_probs" not in mb
+        skipped = "old_log_probs" not in mb
+        if not skipped:
+            old = mb["old_log_probs"]
+        elif self.loss_mode == "bypass_mode":
+            old = mb["rollout_log_probs"]
+        else:
+            old = log_probs.detach()
         loss, metrics = actor_objective(
-            log_probs.detach() if on_policy else mb["old_log_probs"],
+            old,
             log_probs,
             mb["advantages"],
             mb["response_mask"],
@@ -478,6 +484,6 @@ class ActorLoss:
             rollout_is_weights=mb.get("rollout_is_weights"),
             global_batch_info=info,
         )
-        if on_policy and entropy is not None:  # the old_log_prob stage's metric; summed over micro-batches
+        if skipped and entropy is not None:  # the old_log_prob stage's metric; summed over micro-batches
             metrics["actor/entropy"] = metrics["actor/entropy_loss"]
         return loss, metrics

@@ -252,8 +252,10 @@ class ActorWorker:
         self, job: StageJob, *, entropy_agg_mode: str = "token-mean"
     ) -> tuple[str, dict[str, float]]:
         """The old_log_prob stage on the batch at `job.input_uri`, committed by this worker: the current
-        weights' log-probs and `actor/entropy` (aggregated with `entropy_agg_mode`). With data-parallel ranks,
-        rank 0 commits the stage and returns its URI; the other ranks return ("", {})."""
+        weights' log-probs and `actor/entropy` (aggregated with `entropy_agg_mode`); in bypass mode (where the
+        flow runs the stage only when told to, or before the actor trains) π_old stays the rollout's
+        log-probs and the forward gives the entropy. With data-parallel ranks, rank 0 commits the stage and
+        returns its URI; the other ranks return ("", {})."""
         rank = self.dp.rank if self.dp is not None else 0
         if rank != 0:
             self.compute_log_prob(job.read(), True)
@@ -261,6 +263,8 @@ class ActorWorker:
 
         def compute(table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
             out = self.compute_log_prob(table, True)
+            if self.bypass:
+                out = B.set_column(out, "old_log_probs", out.column("rollout_log_probs"))
             t = B.to_padded(out, self.pad_token_id, columns=["entropy"])
             ent = agg_loss(t["entropy"], t["response_mask"].float(), entropy_agg_mode)
             return out, {"actor/entropy": float(ent)}
@@ -274,15 +278,14 @@ class ActorWorker:
     # -- update ----------------------------------------------------------------------------------------------
     def update_actor(self, table: pa.Table, global_steps: int) -> dict[str, float]:
         """One PPO update over the batch (mini-batches of `ppo_mini_batch_size·n` trajectories); steps the
-        lr. Without an `old_log_probs` column the flow skipped the old_log_prob stage: in bypass mode π_old is
-        the rollout's `rollout_log_probs`; otherwise the update is exactly on-policy and π_old is this
-        forward's own log-probs, detached, which is exact only for one epoch over one mini-batch, so anything
-        else is refused. `actor/entropy` comes from this forward."""
-        if self.bypass and "old_log_probs" not in table.column_names:
-            table = table.append_column("old_log_probs", table.column("rollout_log_probs"))
-        on_policy = "old_log_probs" not in table.column_names
-        cols = ["advantages"] if on_policy else ["old_log_probs", "advantages"]
-        for c in ("rollout_is_weights", "ref_log_probs", "rollout_log_probs"):
+        lr. Without an `old_log_probs` column the flow skipped the old_log_prob stage and `actor/entropy`
+        comes from this forward: in bypass mode π_old is the batch's `rollout_log_probs`; otherwise the update
+        is exactly on-policy and π_old is this forward's own log-probs, detached, which is exact only for one
+        epoch over one mini-batch, so anything else is refused."""
+        skipped = "old_log_probs" not in table.column_names
+        on_policy = skipped and not self.bypass
+        cols = ["advantages"]
+        for c in ("old_log_probs", "rollout_is_weights", "ref_log_probs", "rollout_log_probs"):
             if c in table.column_names:
                 cols.append(c)
         t = B.to_padded(table, self.pad_token_id, columns=cols)
