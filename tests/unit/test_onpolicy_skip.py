@@ -141,11 +141,15 @@ def test_bypass_mode_takes_the_rollout_log_probs_as_pi_old_without_the_stage(mod
     adv, _ = compute_advantage_table(batch, pad_token_id=0, adv_estimator="grpo")
     given = adv.append_column("old_log_probs", adv.column("rollout_log_probs"))
     a, b = ActorWorker(model_dir, bypass, **kw), ActorWorker(model_dir, bypass, **kw)
+    with_entropy = a.compute_log_prob(adv)  # what the skipped stage would log, from the same weights
+    t = B.to_padded(with_entropy, 0, columns=["entropy"])
+    stage_entropy = float(agg_loss(t["entropy"], t["response_mask"].float(), "token-mean"))
     m_skip, m_given = a.update_actor(adv, global_steps=1), b.update_actor(given, global_steps=1)
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/rollout_corr/rollout_is_mean"):
         assert m_skip[key] == m_given[key], key
     assert m_skip["actor/ppo_kl"] != 0.0
-    assert m_skip["actor/entropy"] == m_skip["actor/entropy_loss"] > 0  # from the update's forward
+    # from the update's forward: the mean over mini-batches of each one's token-mean entropy
+    assert m_skip["actor/entropy"] == pytest.approx(stage_entropy, rel=0.1)
     assert "actor/entropy" not in m_given  # there the stage reported it
     w_a, w_b = a.weights(), b.weights()
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
