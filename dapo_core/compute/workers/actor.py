@@ -327,10 +327,10 @@ class ActorWorker:
         for the rollout engine; under Ray they reach the rollout through the object store without a copy on
         its side (`HostWeights`). With data-parallel ranks every rank takes part in the gather and rank 0
         returns them (empty elsewhere)."""
-        copies: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        copies: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for k, v in self.engine.state_dict_for_sync().items():
-            key = (v.data_ptr(), tuple(v.shape), v.dtype)
+            key = (v.data_ptr(), tuple(v.shape), v.stride(), v.dtype)
             if key not in copies:
                 copies[key] = v.detach().to("cpu").clone()
             out[k] = copies[key]
