@@ -6,8 +6,8 @@ per optimizer step, one optimizer step per batch), the same learning rate (const
 1 and the same response length. Ours runs `dapo train` with the CPU default's DAPO settings (dynamic sampling,
 overlong shaping, clip-higher, token-mean); TRL runs `bench/peer/trl_grpo.py` in `.venv-trl` (DAPO loss, clip
 0.2/0.28, no KL). Each side saves its policy at training-clock marks (`--marks` seconds from its first step;
-ours checkpoints every `--save-every` steps and takes the last checkpoint at or before each mark, by
-metrics.jsonl's step timings);
+ours checkpoints every `--save-every` steps and takes the last checkpoint at or before each mark, by the wall
+time from its first step's start, saves included);
 afterwards every saved policy is scored by the same evaluator (our `evaluate_model`): held-out mean@4 at
 temperature 1 and greedy accuracy on `data/val.parquet`.
 
@@ -99,6 +99,8 @@ def run_ours(args: argparse.Namespace, seed: int, core: str | None, threads: int
         # ~/.prefect that earlier benchmarks had left, one pair of pinned probes measured 0.27 against 0.22 s
         # of temporary-server CPU a step.
         env["PREFECT_HOME"] = str(Path(args.work).resolve() / f"prefect_home_seed{seed}")
+    if args.real:
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `make train-real` runs the real config
     return subprocess.Popen(
         [*_pin(core), *ours_cmd(args, seed, run_id)],
         cwd=ROOT,
@@ -109,32 +111,49 @@ def run_ours(args: argparse.Namespace, seed: int, core: str | None, threads: int
     )
 
 
-def ours_clock(run_dir: Path) -> list[dict]:
-    """Per step: training-clock seconds (sum of step times) from metrics.jsonl."""
+def ours_steps(run_dir: Path) -> list[dict]:
+    """Per logged step: its number and its step time (`timing_s/step`) from metrics.jsonl."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    steps, clock = [], 0.0
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if "timing_s/step" not in row:
-            continue
-        clock += float(row["timing_s/step"])
-        steps.append({"step": int(row["step"]), "clock_s": clock})
-    return steps
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [
+        {"step": int(r["step"]), "step_s": float(r["timing_s/step"])} for r in rows if "timing_s/step" in r
+    ]
+
+
+def ours_clock(steps: list[dict], seen: dict[int, float]) -> list[dict]:
+    """Per step: training-clock seconds, the wall time from the first step's start to the moment the step's
+    row was seen (`seen`, perf_counter). The checkpoints between steps count: in the orders that generate
+    ahead generation goes on during a save, so leaving them out would flatter those orders; in the sync
+    order it is conservative. The sum of the step times is kept as `step_clock_s`."""
+    if not steps or steps[0]["step"] not in seen:
+        return []
+    t0 = seen[steps[0]["step"]] - steps[0]["step_s"]
+    out, total = [], 0.0
+    for s in steps:
+        total += s["step_s"]
+        if s["step"] in seen:
+            out.append({"step": s["step"], "clock_s": seen[s["step"]] - t0, "step_clock_s": total})
+    return out
 
 
 def watch_ours(args: argparse.Namespace, seed: int, proc: subprocess.Popen) -> list[dict]:
     """Wait until our training clock passes the last mark, stop the run, return the marks' checkpoints."""
     run_dir = Path(args.work) / "ours_runs" / f"bench-seed{seed}"
     last = max(args.marks)
+    seen: dict[int, float] = {}  # step -> when its metrics row was first seen (polled every 0.5 s)
     while proc.poll() is None:
-        steps = ours_clock(run_dir)
-        if steps and steps[-1]["clock_s"] >= last:
+        now = time.perf_counter()
+        steps = ours_steps(run_dir)
+        for s in steps:
+            seen.setdefault(s["step"], now)
+        clock = ours_clock(steps, seen)
+        if clock and clock[-1]["clock_s"] >= last:
             break
-        time.sleep(2)
+        time.sleep(0.5)
     _stop(proc)
-    steps = ours_clock(run_dir)
+    steps = ours_clock(ours_steps(run_dir), seen)
     marks = []
     saved = {int(p.name.removeprefix("step_")) for p in (run_dir / "ckpt").glob("step_*")}
     for mark in args.marks:
