@@ -9,7 +9,9 @@ the project root) for `--steps` steps per order, and measures from the timeline 
 last call of the run: each worker's busy share and the share in which both are busy. Workers are told apart
 by the order of their first call: a step begins with generation (rollout worker), then its scoring (reward
 worker), and only then the actor's first stage; each order runs on a Ray of its own. The cores a worker kept
-busy are its process's CPU seconds (the run's `memory.json`, start-up included) over that span.
+busy are its process's CPU seconds (the run's `memory.json`, start-up included) over that span. Over the
+same span: the share in which no worker runs a call (the driver, Prefect, the store and the transfers
+between calls: orchestration on the critical path) and each core's idle share (/proc/stat, every 0.25 s).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_overlap.py --steps 8
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_overlap.py --config configs/smollm2_cpu.yaml \
@@ -25,6 +27,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +69,53 @@ def calls_by_worker(events: list[dict], since_us: float) -> dict[str, list[tuple
         key = f"{e.get('pid')}/{e.get('tid')}"
         out.setdefault(key, []).append((float(e["ts"]) / 1e6, (float(e["ts"]) + float(e["dur"])) / 1e6))
     return out
+
+
+class CoreSampler:
+    """Per-core CPU counters from /proc/stat, sampled every `period` seconds in a thread, so that each core's
+    idle share over any window of the run (epoch seconds, as Ray's timeline) can be read afterwards."""
+
+    def __init__(self, period: float = 0.25) -> None:
+        self.period = period
+        self.samples: list[tuple[float, list[tuple[int, int]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def read() -> list[tuple[int, int]]:
+        """(idle + iowait, total) jiffies of each core."""
+        out = []
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *vals = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                v = [int(x) for x in vals]
+                out.append((v[3] + v[4], sum(v[:8])))  # user nice system idle iowait irq softirq steal
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self.read()))
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> CoreSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def idle(self, start: float, end: float) -> list[float]:
+        """Each core's idle share between the samples nearest to `start` and `end`."""
+        a = min(self.samples, key=lambda x: abs(x[0] - start))[1]
+        b = min(self.samples, key=lambda x: abs(x[0] - end))[1]
+        return [(bi - ai) / max(1, bt - at) for (ai, at), (bi, bt) in zip(a, b, strict=True)]
+
+
+def uncovered(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of [start, end) covered by none of `intervals`."""
+    covered = sum(max(0.0, min(b, end) - max(a, start)) for a, b in merge(intervals))
+    return (end - start) - covered
 
 
 ALIASES = {"timing_s/gen", "timing_s/adv"}  # the reference's names for timing_s/generate and /advantage
@@ -113,7 +163,8 @@ def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None,
     )
     since = 0.0
     t0, cpu0 = time.perf_counter(), time.process_time()
-    dapo_train(to_yaml(cfg), run_id)
+    with CoreSampler() as cores:
+        dapo_train(to_yaml(cfg), run_id)
     wall, driver_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     time.sleep(2)  # task events reach the GCS in batches
     busy = {k: merge(v) for k, v in calls_by_worker(ray.timeline(), since).items()}
@@ -131,6 +182,8 @@ def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None,
     end = max(b for k in top for _, b in busy[k])
     span = end - start
     both = overlap(busy[top[0]], busy[top[1]]) / span
+    # no worker runs a call: the driver, Prefect, the store and the transfers between calls hold the step
+    idle_workers = uncovered([iv for k in ranked for iv in busy[k]], start, end)
     mem_file = tmp / "runs" / run_id / "memory.json"
     procs = json.loads(mem_file.read_text())["processes"] if mem_file.exists() else []
     cpu = {p["role"]: p.get("cpu_s") for p in procs if p.get("rank", 0) == 0}
@@ -139,6 +192,8 @@ def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None,
         "cores": [None if cpu.get(r) is None else cpu[r] / span for r in ("rollout", "actor")],
         "cores_all": used / span,  # the workers' and the driver's CPU seconds over the span
         "driver_cpu_per_step": driver_cpu / max(1, len(rows)),
+        "no_call_share": idle_workers / span,
+        "core_idle": cores.idle(start, end),
         "anatomy": anatomy(rows),
         "busy_intervals": {k: busy[k] for k in ranked},
         "flow_wall_s": wall,
@@ -211,19 +266,25 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(
         "seconds per step, median (step 1 left out; in the orders that generate ahead the stages overlap, so "
-        "no `other`); driver CPU: the flow's own CPU seconds per step; cores: the workers' and driver's CPU "
-        "over the span"
+        "no `other`); no call: share of the span in which no worker runs a call (orchestration on the "
+        "critical path); driver CPU: the flow's own CPU seconds per step; cores: the workers' and driver's "
+        "CPU over the span; idle per core: /proc/stat over the span"
     )
     keys = sorted({k for r in res.values() for k in r["anatomy"] if k not in ("step", "other")})
-    print("| order | step | " + " | ".join(keys) + " | other | driver CPU | cores busy |")
-    print("|---|---|" + "---|" * len(keys) + "---|---|---|")
+    print(
+        "| order | step | "
+        + " | ".join(keys)
+        + " | other | no call | driver CPU | cores busy | idle per core |"
+    )
+    print("|---|---|" + "---|" * len(keys) + "---|---|---|---|---|")
     for order, r in res.items():
         a = r["anatomy"]
         cells = " | ".join(f"{a.get(k, 0.0):.2f}" for k in keys)
         other = f"{a['other']:.2f}" if order == "sync" else "—"
+        idle = " / ".join(f"{100 * x:.0f} %" for x in r["core_idle"])
         print(
-            f"| {order} | {a['step']:.2f} | {cells} | {other} | {r['driver_cpu_per_step']:.2f} | "
-            f"{r['cores_all']:.2f} |"
+            f"| {order} | {a['step']:.2f} | {cells} | {other} | {100 * r['no_call_share']:.1f} % | "
+            f"{r['driver_cpu_per_step']:.2f} | {r['cores_all']:.2f} | {idle} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -124,9 +124,8 @@ def ours_steps(run_dir: Path) -> list[dict]:
 
 def ours_clock(steps: list[dict], seen: dict[int, float]) -> list[dict]:
     """Per step: training-clock seconds, the wall time from the first step's start to the moment the step's
-    row was seen (`seen`, perf_counter). The checkpoints between steps count: in the orders that generate
-    ahead generation goes on during a save, so leaving them out would flatter those orders; in the sync
-    order it is conservative. The sum of the step times is kept as `step_clock_s`."""
+    row was seen (`seen`, perf_counter). Our checkpoints between steps count, TRL's saves do not, so the
+    clock is conservative for our side; the sum of the step times is kept as `step_clock_s`."""
     if not steps or steps[0]["step"] not in seen:
         return []
     t0 = seen[steps[0]["step"]] - steps[0]["step_s"]

@@ -55,8 +55,9 @@ def update_actor(
     since a half-applied update cannot be undone — the flow resumes from the last checkpoint instead.
 
     With `sync_version` (the synchronous order), the new weights are then pushed to the rollout worker and
-    stamped with that version inside this task (no task of its own: plumbing). The push alone is retried,
-    as the `sync_weights` task is; a replayed (committed) update pushes too."""
+    stamped with that version inside this task (no task of its own: plumbing), timed as
+    `timing_s/sync_weights`. The push alone is retried, as the `sync_weights` task is; a replayed (committed)
+    update pushes too."""
     rt = runtime.get(run_id)
     out = run_stage(
         rt,
@@ -68,7 +69,9 @@ def update_actor(
         ),
     )
     if sync_version is not None:
+        t0 = time.perf_counter()
         _retried(lambda: push_weights(rt, sync_version), SYNC_RETRIES, SYNC_RETRY_DELAY_S)
+        out = (out[0], {**out[1], "timing_s/sync_weights": time.perf_counter() - t0})
     return out
 
 
@@ -97,12 +100,14 @@ def _retried(fn: Callable[[], None], retries: int, delay_s: float) -> None:
     retries=2,
     retry_condition_fn=retry_unless_user_error,
 )
-def sync_weights(run_id: str, step: int, weight_version: int) -> int:
-    """Push the actor's weights to the rollout worker; returns the new weight version (the replay-buffer
-    order, once per step after its local updates; the synchronous order pushes inside `update_actor`)."""
+def sync_weights(run_id: str, step: int, weight_version: int) -> float:
+    """Push the actor's weights to the rollout worker as `weight_version`; returns the push's seconds
+    (`timing_s/sync_weights`). The orders that generate ahead call it once per step after their local
+    updates; the synchronous order pushes inside `update_actor`."""
     rt = runtime.get(run_id)
+    t0 = time.perf_counter()
     push_weights(rt, weight_version)
-    return weight_version
+    return time.perf_counter() - t0
 
 
 def push_weights(rt: runtime.Runtime, weight_version: int) -> None:

@@ -132,4 +132,5 @@ def test_async_order_in_bypass_mode_trains_stale_samples_without_an_old_log_prob
             assert m["timing_s/old_log_prob"] == 0.0
             assert "actor/rollout_corr/rollout_is_mean" in m, sorted(m)  # from the loss
             assert m["actor/entropy"] > 0  # from the update's forward, as the skipped stage would log it
+            assert m["timing_s/sync_weights"] > 0  # one push a step, after the update
         assert metrics[2]["actor/ppo_kl"] != 0.0  # the ratio is against the policy that sampled them

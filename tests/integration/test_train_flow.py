@@ -54,6 +54,7 @@ def test_flow_runs_steps_on_ray_and_commits_every_stage(tiny_assets):
     assert [r["step"] for r in rows] == [0, 1, 2]  # validation before training, then two steps
     assert "actor/pg_loss" in rows[1] and "critic/score/mean" in rows[1] and "actor/grad_norm" in rows[2]
     assert "timing_s/adv" in rows[1] and "timing_per_token_ms/adv" in rows[1]  # docs/REFERENCE.md §7.2
+    assert rows[1]["timing_s/sync_weights"] > 0 and rows[2]["timing_s/sync_weights"] > 0  # the push
     assert any(k.startswith("val-core/synthetic_arith/acc/mean@") for k in rows[2])
     assert (run / "ckpt" / "latest").read_text().strip() == "2"
     assert (run / "curves.png").stat().st_size > 1000
