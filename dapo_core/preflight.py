@@ -436,6 +436,27 @@ def check_free_disk(folder: str | Path, *, need: int = MIN_FREE_BYTES, key: str 
 
 
 # ------------------------------------------------------------------------------------------------- all
+def bf16_rollout_on_plain_cpu(cfg: DapoConfig, cpuinfo: str | None = None) -> str | None:
+    """A note when the rollout generates in bfloat16 on a CPU without bf16 instructions, where it is slower
+    than float32 (a setting that runs, so not an error); None otherwise."""
+    from dapo_core.compute.numerics import cpu_has_bf16
+
+    if cfg.actor_rollout_ref.rollout.dtype != "bfloat16" or str(cfg.trainer.device) == "cuda":
+        return None
+    if str(cfg.trainer.device) == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    if cpu_has_bf16(cpuinfo) is not False:
+        return None
+    return (
+        "actor_rollout_ref.rollout.dtype=bfloat16 on a CPU without bfloat16 instructions (no avx512_bf16, "
+        "amx_bf16 or bf16 among /proc/cpuinfo's flags): generation emulates bf16 and may run slower than in "
+        "float32; set actor_rollout_ref.rollout.dtype=float32 for speed on this machine"
+    )
+
+
 def check_run_settings(cfg: DapoConfig) -> None:
     """Run settings that would otherwise fail once the workers start: threads, the lease timeout, and a run
     id that names one folder of `trainer.runs_dir`."""
@@ -608,6 +629,9 @@ def preflight(
     elif phase == "pipeline":  # the tiny base model the pipeline builds
         check_tiny_positions(cfg)
     if phase != "eval":
+        slow = bf16_rollout_on_plain_cpu(cfg)
+        if slow:
+            note(slow)
         config_json = (
             str(Path(model) / "config.json") if model and Path(model, "config.json").is_file() else None
         )

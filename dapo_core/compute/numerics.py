@@ -15,15 +15,33 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from dapo_core.errors import DapoUserError
 
-__all__ = ["available_cores", "resolve_threads", "torch_numerics"]
+__all__ = ["available_cores", "cpu_has_bf16", "resolve_threads", "torch_numerics"]
 
 
 def available_cores() -> int:
     """The cores this process may run on (its affinity mask)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+"""/proc/cpuinfo flags of native bfloat16 arithmetic (x86 AVX-512 BF16 and AMX; `bf16` on Arm)."""
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether the CPU has native bfloat16 instructions (`BF16_CPU_FLAGS` among /proc/cpuinfo's flags, or
+    `cpuinfo`'s text); None where it cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags = {w for line in cpuinfo.splitlines() if line.split(":")[0].strip() in ("flags", "Features")
+             for w in line.split(":", 1)[1].split()}  # fmt: skip
+    return bool(flags & set(BF16_CPU_FLAGS)) if flags else None
 
 
 def resolve_threads(num_threads: int, share: int = 1, cores: int | None = None) -> int:
