@@ -118,6 +118,17 @@ def uncovered(intervals: list[tuple[float, float]], start: float, end: float) ->
     return (end - start) - covered
 
 
+def steady_gaps(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(seconds with no call, span) between the end of the first and the start of the last of the merged
+    `intervals`: the run's start-up gap (first store commits and Prefect task runs) and its shutdown gap
+    left out, every gap between steps kept."""
+    m = merge(intervals)
+    if len(m) < 3:
+        return 0.0, 0.0
+    gaps = sum(m[i + 1][0] - m[i][1] for i in range(1, len(m) - 2))
+    return gaps, m[-1][0] - m[1][0]
+
+
 ALIASES = {"timing_s/gen", "timing_s/adv"}  # the reference's names for timing_s/generate and /advantage
 
 
@@ -184,6 +195,7 @@ def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None,
     both = overlap(busy[top[0]], busy[top[1]]) / span
     # no worker runs a call: the driver, Prefect, the store and the transfers between calls hold the step
     idle_workers = uncovered([iv for k in ranked for iv in busy[k]], start, end)
+    steady_idle, steady_span = steady_gaps([iv for k in ranked for iv in busy[k]])
     mem_file = tmp / "runs" / run_id / "memory.json"
     procs = json.loads(mem_file.read_text())["processes"] if mem_file.exists() else []
     cpu = {p["role"]: p.get("cpu_s") for p in procs if p.get("rank", 0) == 0}
@@ -193,6 +205,7 @@ def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None,
         "cores_all": used / span,  # the workers' and the driver's CPU seconds over the span
         "driver_cpu_per_step": driver_cpu / max(1, len(rows)),
         "no_call_share": idle_workers / span,
+        "no_call_steady_share": steady_idle / steady_span if steady_span else 0.0,
         "core_idle": cores.idle(start, end),
         "anatomy": anatomy(rows),
         "busy_intervals": {k: busy[k] for k in ranked},
@@ -267,8 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "seconds per step, median (step 1 left out; in the orders that generate ahead the stages overlap, so "
         "no `other`); no call: share of the span in which no worker runs a call (orchestration on the "
-        "critical path); driver CPU: the flow's own CPU seconds per step; cores: the workers' and driver's "
-        "CPU over the span; idle per core: /proc/stat over the span"
+        "critical path; in brackets without the start-up and shutdown gaps); driver CPU: the flow's own CPU "
+        "seconds per step, start-up included; cores: the workers' and driver's CPU over the span; idle per "
+        "core: /proc/stat over the span"
     )
     keys = sorted({k for r in res.values() for k in r["anatomy"] if k not in ("step", "other")})
     print(
@@ -283,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         other = f"{a['other']:.2f}" if order == "sync" else "—"
         idle = " / ".join(f"{100 * x:.0f} %" for x in r["core_idle"])
         print(
-            f"| {order} | {a['step']:.2f} | {cells} | {other} | {100 * r['no_call_share']:.1f} % | "
+            f"| {order} | {a['step']:.2f} | {cells} | {other} | {100 * r['no_call_share']:.1f} % "
+            f"({100 * r['no_call_steady_share']:.2f} %) | "
             f"{r['driver_cpu_per_step']:.2f} | {r['cores_all']:.2f} | {idle} |"
         )
     if args.json:
