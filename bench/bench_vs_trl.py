@@ -160,6 +160,10 @@ def watch_ours(args: argparse.Namespace, seed: int, proc: subprocess.Popen) -> l
         if done:
             s = done[-1]
             marks.append({**s, "mark_s": mark, "path": str(run_dir / "ckpt" / f"step_{s['step']}" / "actor")})
+    if len(marks) == len(args.marks):  # every mark has its checkpoint: the others go (about 1.6 GB each at
+        # the real shape; the runs of a session add up to tens of GB). Otherwise all stay, to look into.
+        for step in saved - {m["step"] for m in marks}:
+            shutil.rmtree(run_dir / "ckpt" / f"step_{step}", ignore_errors=True)
     return marks
 
 
