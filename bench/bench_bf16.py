@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -78,7 +79,7 @@ def difference(rollout: list[list[float]], forward: list[torch.Tensor]) -> dict[
         "mean_abs": float(d.abs().mean()),
         "p99_abs": float(d.abs().quantile(0.99)),
         "max_abs": float(d.abs().max()),
-        "token_ratio_outside_0.5_2": float((d.abs() > 0.6931).float().mean()),
+        "token_ratio_outside_0.5_2": float((d.abs() > math.log(2)).float().mean()),
         "seq_ratio_min": float(seq.exp().min()),
         "seq_ratio_max": float(seq.exp().max()),
     }

@@ -194,8 +194,9 @@ def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None,
     span = end - start
     both = overlap(busy[top[0]], busy[top[1]]) / span
     # no worker runs a call: the driver, Prefect, the store and the transfers between calls hold the step
-    idle_workers = uncovered([iv for k in ranked for iv in busy[k]], start, end)
-    steady_idle, steady_span = steady_gaps([iv for k in ranked for iv in busy[k]])
+    calls = [iv for k in ranked for iv in busy[k]]
+    idle_workers = uncovered(calls, start, end)
+    steady_idle, steady_span = steady_gaps(calls)
     mem_file = tmp / "runs" / run_id / "memory.json"
     procs = json.loads(mem_file.read_text())["processes"] if mem_file.exists() else []
     cpu = {p["role"]: p.get("cpu_s") for p in procs if p.get("rank", 0) == 0}

@@ -440,15 +440,11 @@ def bf16_rollout_on_plain_cpu(cfg: DapoConfig, cpuinfo: str | None = None) -> st
     """A note when the rollout generates in bfloat16 on a CPU without bf16 instructions, where it is slower
     than float32 (a setting that runs, so not an error); None otherwise."""
     from dapo_core.compute.numerics import cpu_has_bf16
+    from dapo_core.config import resolve_device
 
-    if cfg.actor_rollout_ref.rollout.dtype != "bfloat16" or str(cfg.trainer.device) == "cuda":
+    if cfg.actor_rollout_ref.rollout.dtype != "bfloat16" or cfg.trainer.device == "cuda":
         return None
-    if str(cfg.trainer.device) == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            return None
-    if cpu_has_bf16(cpuinfo) is not False:
+    if resolve_device(cfg) == "cuda" or cpu_has_bf16(cpuinfo) is not False:
         return None
     return (
         "actor_rollout_ref.rollout.dtype=bfloat16 on a CPU without bfloat16 instructions (no avx512_bf16, "

@@ -39,8 +39,11 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return None
-    flags = {w for line in cpuinfo.splitlines() if line.split(":")[0].strip() in ("flags", "Features")
-             for w in line.split(":", 1)[1].split()}  # fmt: skip
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):  # x86, Arm
+            flags.update(value.split())
     return bool(flags & set(BF16_CPU_FLAGS)) if flags else None
 
 
