@@ -34,6 +34,15 @@ GROUP_ESTIMATORS = (
 )  # fmt: skip
 """Estimators whose baseline comes from the other samples of a group (need rollout.n >= 2)."""
 
+TRAIN_DTYPES = ("float32", "bfloat16", "fp32", "bf16")
+"""Values of the actor's `fsdp_config.mixed_precision` dtypes (ours and verl's spelling)."""
+
+
+def train_dtype(name: str) -> str:
+    """The torch name of a `TRAIN_DTYPES` value: fp32 -> float32, bf16 -> bfloat16."""
+    return {"fp32": "float32", "bf16": "bfloat16"}.get(name, name)
+
+
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 """Dynamic-sampling metrics that always exist (others must be reward extra-info names)."""
 
@@ -48,6 +57,8 @@ _ENUMS: dict[str, tuple[tuple[str, ...], str]] = {
     "trainer.step_order": (("sync", "async", "replay_buffer"), ""),
     "actor_rollout_ref.rollout.dtype": (("auto", "float32", "bfloat16"), "auto: the engine's default"),
     "actor_rollout_ref.ref.dtype": (("float32", "bfloat16"), ""),
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": (TRAIN_DTYPES, ""),
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype": (TRAIN_DTYPES, ""),
     "trainer.max_off_policy_strategy": (("drop", "wait"), ""),
     "trainer.device": (("cpu", "cuda", "auto"), ""),
 }
@@ -175,6 +186,18 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
             f"trainer.nnodes: {tr['nnodes']} nodes, but actor_rollout_ref.actor.strategy={strategy!r} trains "
             "in one process on one node — set actor_rollout_ref.actor.strategy=fsdp2 (data-parallel ranks "
             "over trainer.nnodes × trainer.n_gpus_per_node), or trainer.nnodes=1."
+        )
+    mp = actor["fsdp_config"]["mixed_precision"]
+    if (
+        strategy == "deepspeed"
+        and not actor["deepspeed"]["bf16"]
+        and mp["param_dtype"] in TRAIN_DTYPES
+        and train_dtype(mp["param_dtype"]) != "float32"
+    ):
+        warns.append(
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype: bf16, but the deepspeed engine "
+            "reads its precision from its own config and trains in float32 — set "
+            "actor_rollout_ref.actor.deepspeed.bf16=true for bf16."
         )
     if actor["deepspeed"]["zero_stage"] not in (0, 1, 2, 3):
         errs.append("actor_rollout_ref.actor.deepspeed.zero_stage: must be 0, 1, 2 or 3.")

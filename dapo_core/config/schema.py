@@ -32,8 +32,10 @@ __all__ = [
     "DataConfig",
     "DeepSpeedConfig",
     "EvalConfig",
+    "FSDPConfig",
     "FilterGroupsConfig",
     "KLCtrlConfig",
+    "MixedPrecisionConfig",
     "ModelConfig",
     "OptimConfig",
     "OverlongBufferConfig",
@@ -268,6 +270,29 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class MixedPrecisionConfig:
+    """Compute precision of the actor's training engine (verl's `fsdp_config.mixed_precision`).
+
+    With `param_dtype: bfloat16` the torch engine runs the model under `torch.autocast` and fsdp2 gathers
+    bfloat16 copies of its float32 shards (`MixedPrecisionPolicy`); the weights, gradients and AdamW state
+    stay float32 either way. verl's default is bf16; ours is float32, so that CPU runs and tests compare
+    exactly with the reference."""
+
+    param_dtype: str = "float32"
+    """Forward/backward precision, float32 | bfloat16 (or fp32 | bf16); weights, grads, AdamW stay float32."""
+    reduce_dtype: str = "float32"
+    """fsdp2: precision of the gradient reduce-scatter over the ranks: float32 | bfloat16."""
+
+
+@dataclass
+class FSDPConfig:
+    """verl's `actor.fsdp_config`: the precision of the torch and fsdp2 training engines."""
+
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """Compute and gradient-reduce precision."""
+
+
+@dataclass
 class CheckpointConfig:
     """What an actor checkpoint holds."""
 
@@ -325,6 +350,8 @@ class ActorConfig:
     """Policy-loss selection and parameters."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     """DeepSpeed engine settings."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """Mixed precision of the torch and fsdp2 engines (deepspeed: `deepspeed.bf16`)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint contents."""
 

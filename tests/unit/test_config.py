@@ -637,3 +637,14 @@ def test_to_safe_yaml_writes_secret_env_values_back_as_references(monkeypatch):
         "not-a-secret-name",
     )
     assert to_safe_yaml(load_config(TINY)) == to_yaml(load_config(TINY))  # no secret: the same text
+
+
+def test_actor_mixed_precision_keys():
+    mp = "actor_rollout_ref.actor.fsdp_config.mixed_precision."
+    assert (
+        typed(_load(mp + "param_dtype=bf16")).actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype
+        == "bf16"
+    )
+    assert "param_dtype: 'float16' is not one of" in _error(mp + "param_dtype=float16")
+    with pytest.warns(ConfigWarning, match=r"deepspeed\.bf16=true"):
+        load_config(TINY, ["actor_rollout_ref.actor.strategy=deepspeed", mp + "param_dtype=bfloat16"])

@@ -57,10 +57,18 @@ def _rank(rank: int, port: int, model: str, out: str, queue) -> None:
         eng.save(out)
         eng.load(out)
         again = eng.state_dict_for_sync()
+        bf16 = torch.bfloat16
+        mixed = make_train_engine(
+            "fsdp2", model, OPTIM, total_steps=5, grad_clip=1.0, compute_dtype=bf16, reduce_dtype=bf16
+        )
+        mixed.lr_step()
+        mixed_metrics = _update(mixed, make_batch(), dp)
+        mixed_weights = mixed.state_dict_for_sync()
         if rank == 0:
             assert gathered is not None
-            arrays = [{k: v.numpy() for k, v in w.items()} for w in (weights, again)]  # not shared memory
-            queue.put(("ok", metrics, arrays[0], gathered.column("row").to_pylist(), arrays[1]))
+            arrays = [{k: v.numpy() for k, v in w.items()} for w in (weights, again, mixed_weights)]
+            rows = gathered.column("row").to_pylist()
+            queue.put(("ok", metrics, arrays[0], rows, arrays[1], mixed_metrics, arrays[2]))
         else:
             assert gathered is None and weights == {}
     except BaseException:
@@ -99,8 +107,8 @@ def test_fsdp2_dp2_update_equals_one_process_and_checkpoints_by_shard(tmp_path):
     for p in procs:
         p.join(timeout=60)
     assert result[0] == "ok", result[1]
-    _, metrics, weights, rows, again = result
-    weights, again = ({k: torch.from_numpy(v) for k, v in w.items()} for w in (weights, again))
+    _, metrics, weights, rows, again, mixed_metrics, mixed = result
+    weights, again, mixed = ({k: torch.from_numpy(v) for k, v in w.items()} for w in (weights, again, mixed))
 
     ref = make_train_engine("torch", model, OPTIM, total_steps=5, grad_clip=1.0)
     ref.lr_step()
@@ -114,6 +122,13 @@ def test_fsdp2_dp2_update_equals_one_process_and_checkpoints_by_shard(tmp_path):
         assert metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
     assert rows == [0, 1, 2, 3, 4]  # the gather puts every rank's rows back in input order
     assert all(torch.equal(again[k], weights[k]) for k in weights)  # save + load restores the shards
+    # bf16 mixed precision (bf16 gathers and reduce-scatter): float32 shards, an update close to float32's
+    assert all(v.dtype == torch.float32 for v in mixed.values())
+    assert mixed_metrics["actor/grad_norm"] != metrics["actor/grad_norm"]
+    assert mixed_metrics["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=0.05)
+    base = _base(model)
+    step = [torch.cat([(w[k] - base[k]).flatten() for k in base]) for w in (weights, mixed)]
+    assert float(torch.nn.functional.cosine_similarity(*step, dim=0)) > 0.9
     names = sorted(p.name for p in ckpt.glob("model.rank*.safetensors"))
     assert names == ["model.rank0.safetensors", "model.rank1.safetensors"]
 

@@ -134,6 +134,46 @@ def test_forward_grad_modes_and_float64(tiny_dir):
     assert torch.equal(lp, lp2.detach())
 
 
+def test_autocast_bf16_forward_within_tolerance_keeps_float32_state(tiny_dir):
+    """`compute_dtype=bfloat16`: bf16 matmuls under autocast, float32 log-probs, weights, gradients and AdamW
+    state; log-probs within bf16's error of float32's, and an update close to float32's."""
+    batch = make_batch()
+    args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"], 6)
+    fp32 = make_train_engine("torch", tiny_dir, OPTIM, total_steps=5, grad_clip=1.0)
+    bf16 = make_train_engine(
+        "torch", tiny_dir, OPTIM, total_steps=5, grad_clip=1.0, compute_dtype=torch.bfloat16
+    )
+    same = make_train_engine(
+        "torch", tiny_dir, OPTIM, total_steps=5, grad_clip=1.0, compute_dtype=torch.float32
+    )
+    assert (fp32.autocast_dtype, bf16.autocast_dtype, same.autocast_dtype) == (None, torch.bfloat16, None)
+    for eng in (fp32, bf16):
+        eng.eval()
+    want, got = fp32.forward(*args)[0], bf16.forward(*args)[0]
+    valid = batch["response_mask"].bool()
+    diff = (got - want).abs()[valid]
+    assert got.dtype == torch.float32
+    assert 0 < float(diff.max()) < 0.05, float(diff.max())  # bf16 rounding, nothing worse
+    metrics = {}
+    for name, eng in (("fp32", fp32), ("bf16", bf16)):
+        eng.train()
+        eng.lr_step()
+        metrics[name] = ppo_update(
+            eng, batch, loss_fn=token_mean_pg_loss, mini_batch_size=8, micro_batch_size=4
+        )
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert all(t.dtype == torch.float32 for s in bf16.optimizer.state.values() for t in s.values() if t.dim())
+    assert metrics["bf16"]["actor/grad_norm"] != metrics["fp32"]["actor/grad_norm"]
+    assert metrics["bf16"]["actor/grad_norm"] == pytest.approx(metrics["fp32"]["actor/grad_norm"], rel=0.05)
+    base = {k: v.float() for k, v in load_model(tiny_dir).state_dict().items()}
+    step = {
+        n: torch.cat([(p[k] - base[k]).flatten() for k in base])
+        for n, p in (("fp32", params_of(fp32)), ("bf16", params_of(bf16)))
+    }
+    cosine = float(torch.nn.functional.cosine_similarity(step["fp32"], step["bf16"], dim=0))
+    assert cosine > 0.9, cosine  # AdamW's first step is about lr·sign(grad): tiny gradients may flip sign
+
+
 @pytest.mark.parametrize(
     ("dtype", "lr", "epochs", "tol"), [(torch.float64, 1e-2, 2, 1e-10), (torch.float32, 1e-3, 1, 1e-6)]
 )

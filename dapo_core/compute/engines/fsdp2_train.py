@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dapo_core.compute import dist as dpd
@@ -151,7 +151,12 @@ class FSDP2TrainEngine(TrainEngine):
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         gradient_checkpointing: bool = False,
+        compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
+        """Shards in `dtype`; with `compute_dtype` / `reduce_dtype` set, FSDP2 gathers the shards in
+        `compute_dtype` for forward and backward and reduce-scatters the gradients in `reduce_dtype`
+        (`MixedPrecisionPolicy`; the optimizer steps the `dtype` shards)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.dp = dpd.current() or _single_process_group(device)
@@ -169,9 +174,13 @@ class FSDP2TrainEngine(TrainEngine):
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         mesh = init_device_mesh(self.device.type, (self.dp.size,))
+        policy = MixedPrecisionPolicy(  # the default policy (no casts) where a dtype equals the shards'
+            param_dtype=None if compute_dtype == dtype else compute_dtype,
+            reduce_dtype=None if reduce_dtype == dtype else reduce_dtype,
+        )
         for layer in _decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         materialize(model, self.device)
         self.model = model
         load_hf_shards(model, self.model_path, self.dp.rank, self.dp.size)

@@ -360,7 +360,7 @@ class HFRolloutEngine(RolloutEngine):
                     f"{tuple(dst.shape)}; the trainer and rollout models differ (check "
                     "actor_rollout_ref.model.path)."
                 )
-            dst.copy_(tensor.detach().to(device=dst.device, dtype=dst.dtype))
+            dst.copy_(tensor.detach())  # casts and moves in place: no temporary per tensor
         if unknown:
             raise KeyError(
                 f"sync_weights: parameter names not in the rollout model: {unknown[:5]}"

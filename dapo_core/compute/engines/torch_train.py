@@ -56,7 +56,7 @@ def load_hf_weights_into(model: torch.nn.Module, folder: str | Path) -> None:
 
 
 class TorchTrainEngine(TrainEngine):
-    """Plain PyTorch engine (one process, CPU or one GPU)."""
+    """Plain PyTorch engine (one process, CPU or one GPU), optionally in autocast mixed precision."""
 
     def __init__(
         self,
@@ -69,7 +69,11 @@ class TorchTrainEngine(TrainEngine):
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         gradient_checkpointing: bool = False,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
+        """Weights, gradients and optimizer state in `dtype`; forward and backward under `torch.autocast`
+        to `compute_dtype` when it differs (bf16 matmuls, float32 master weights)."""
+        self.autocast_dtype = None if compute_dtype in (None, dtype) else compute_dtype
         self.model_path = Path(model_path)
         self.device = torch.device(device)
         self.seed = int(seed)

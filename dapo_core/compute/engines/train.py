@@ -15,6 +15,7 @@ forwards (`forward(remove_padding=True)`; `dapo_core.compute.microbatch`). More 
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 import inspect
 import math
@@ -282,6 +283,9 @@ class TrainEngine(abc.ABC):
     device: torch.device
     skipped_steps: int = 0
     """Optimizer steps skipped because the gradient norm was not finite."""
+    autocast_dtype: torch.dtype | None = None
+    """Dtype `forward` computes in under `torch.autocast` (weights and gradients keep theirs); None: the
+    weights' own."""
 
     def forward(
         self,
@@ -308,7 +312,7 @@ class TrainEngine(abc.ABC):
         Outputs are 0 at padded response positions too.
         """
         dev = self.device
-        with torch.set_grad_enabled(self.model.training):
+        with torch.set_grad_enabled(self.model.training), self._autocast():
             groups = None
             # The grouping is index bookkeeping: done on the host, whatever device the batch came on.
             ids_h, mask_h = input_ids.cpu(), attention_mask.cpu()
@@ -443,6 +447,12 @@ class TrainEngine(abc.ABC):
             calculate_entropy,
         )
 
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """`torch.autocast` to `autocast_dtype` on the engine's device, or nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
     def _takes_4d_masks(self) -> bool:
         """Whether the model's attention reads a boolean (B, 1, T, T) mask as given (SDPA does; eager adds
         the mask as floats and flash-attention takes none)."""
@@ -562,10 +572,15 @@ def make_train_engine(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     gradient_checkpointing: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> TrainEngine:
-    """Build the training engine for `strategy` ("torch" or "deepspeed") on the HF folder `model_path`.
+    """Build the training engine for `strategy` on the HF folder `model_path`, its weights in `dtype`.
 
-    `gradient_checkpointing` recomputes activations in backward (`enable_gradient_checkpointing`)."""
+    `gradient_checkpointing` recomputes activations in backward (`enable_gradient_checkpointing`).
+    `compute_dtype` (torch, fsdp2) is the precision of forward and backward when it differs from `dtype`
+    (`actor.fsdp_config.mixed_precision.param_dtype`); `reduce_dtype` (fsdp2) that of the gradient
+    reduce-scatter. The deepspeed engine takes its precision from its own config."""
     if strategy not in TRAIN_ENGINES:
         raise ValueError(
             f"actor_rollout_ref.actor.strategy={strategy!r} is unknown; choose one of "
@@ -585,6 +600,10 @@ def make_train_engine(
     }
     if strategy == "deepspeed":
         kwargs["deepspeed_cfg"] = deepspeed_cfg
+    elif compute_dtype is not None or reduce_dtype is not None:
+        kwargs["compute_dtype"] = compute_dtype
+        if strategy == "fsdp2":
+            kwargs["reduce_dtype"] = reduce_dtype
     return cls(model_path, optim_cfg, **kwargs)
 
 

@@ -23,6 +23,7 @@ from dapo_core.compute.engines.train import TrainEngine, make_train_engine, ppo_
 from dapo_core.compute.host_weights import HostWeights
 from dapo_core.compute.microbatch import grouped_order, token_budget_split
 from dapo_core.config import ActorConfig, RolloutCorrectionConfig, section
+from dapo_core.config.checks import train_dtype
 from dapo_core.data import batch as B
 from dapo_core.store.jobs import StageJob, run_job, stage_files
 
@@ -150,6 +151,15 @@ def _sharded_log_prob_table(
     return lp_all, (full.column("ent").combine_chunks() if "ent" in full.column_names else None)
 
 
+def mixed_precision(cfg: ActorConfig) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """`make_train_engine`'s (`compute_dtype`, `reduce_dtype`) from `actor.fsdp_config.mixed_precision`
+    (None, None for the deepspeed engine, which reads its own `deepspeed.bf16`)."""
+    if cfg.strategy == "deepspeed":
+        return None, None
+    mp = cfg.fsdp_config.mixed_precision
+    return getattr(torch, train_dtype(mp.param_dtype)), getattr(torch, train_dtype(mp.reduce_dtype))
+
+
 class ActorWorker:
     """The trained policy. `actor_cfg` is the `actor_rollout_ref.actor` section (`ActorConfig`; a mapping is
     read as one, with the schema's defaults for what it leaves out)."""
@@ -187,6 +197,7 @@ class ActorWorker:
         self.n = int(rollout_n)
         self.seed = int(seed)
         self.log_prob_mbs = log_prob_micro_batch_size
+        compute_dtype, reduce_dtype = mixed_precision(self.cfg)
         self.engine = make_train_engine(
             self.cfg.strategy,
             model_path,
@@ -197,6 +208,8 @@ class ActorWorker:
             deepspeed_cfg=dataclasses.asdict(self.cfg.deepspeed),
             seed=seed,
             gradient_checkpointing=gradient_checkpointing,
+            compute_dtype=compute_dtype,
+            reduce_dtype=reduce_dtype,
         )
         pl = dataclasses.asdict(self.cfg.policy_loss)
         loss_mode = pl.pop("loss_mode")
