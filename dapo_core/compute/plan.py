@@ -553,8 +553,23 @@ class _States:
     dev: list[Row] = field(default_factory=list)
     host: list[Row] = field(default_factory=list)
     compute_bytes: int = 4
+    """Bytes per element of the passes' activations and logits (2 under bf16 mixed precision)."""
+    weight_bytes: int = 4
+    """Bytes per element of the weights as stored (what a weight sync copies)."""
     gathered: int = 0
     """Bytes of the full layers FSDP gathers around the running one (added to every pass)."""
+    autocast: int = 0
+    """Bytes of the bf16 weight copies autocast keeps through a pass (torch engine, mixed precision)."""
+
+
+def _mixed_bf16(section: Any) -> bool:
+    """Whether an actor section trains in bf16 mixed precision (`fsdp_config.mixed_precision.param_dtype`)."""
+    from dapo_core.config.checks import train_dtype
+
+    fsdp_config = getattr(section, "fsdp_config", None)
+    if fsdp_config is None:
+        return False
+    return train_dtype(str(fsdp_config.mixed_precision.param_dtype)) == "bfloat16"
 
 
 def _train_states(
@@ -565,15 +580,21 @@ def _train_states(
     torch: everything float32 on the device (`dtype_bytes` for a frozen model). DeepSpeed: ZeRO stage s
     shards optimizer (s ≥ 1), gradients (s ≥ 2) and weights (s = 3) over `lay.dp`; `offload_*` move them to
     the host. FSDP2: float32 shards of weights, gradients and AdamW m, v over dp, each decoder layer gathered
-    in full while it runs (with the next one prefetched), float32 compute.
+    in full while it runs (with the next one prefetched), float32 compute. Under bf16 mixed precision
+    (`fsdp_config.mixed_precision.param_dtype`) the passes compute in 2 bytes: FSDP2 gathers bf16 layers,
+    the torch engine's autocast holds a bf16 copy of every weight through a pass.
     """
     P, big, st = params, s.embedding_params, _States()
     ds = section is not None and lay.strategy == "deepspeed" and hasattr(section, "deepspeed")
     fsdp = lay.strategy in FSDP_STRATEGIES and section is not None
+    mixed = trained and _mixed_bf16(section) and not ds
     if fsdp:
         dp = lay.dp
         wb = FSDP_BYTES if trained else dtype_bytes
-        st.compute_bytes = wb
+        st.compute_bytes = st.weight_bytes = wb
+        gb = 2 if mixed else wb  # MixedPrecisionPolicy gathers bf16 copies of the shards
+        if mixed:
+            st.compute_bytes = 2
         st.dev.append(
             Row("load", big * wb // dp, f"meta device, then its rows of one tensor: V·h·{wb} B / dp", "load")
         )
@@ -583,13 +604,13 @@ def _train_states(
             st.dev.append(Row("optimizer", P * 8 // dp, f"P·8 B (AdamW m + v) / dp {dp}"))
             st.dev.append(Row("weight sync", big * wb, f"one full tensor at a time: V·h·{wb} B", "sync"))
         head = 0 if s.tie_word_embeddings else big
-        st.gathered = (2 * s.layer_params + big + head) * wb + (s.layer_params * 4 if trained else 0)
+        st.gathered = (2 * s.layer_params + big + head) * gb + (s.layer_params * 4 if trained else 0)
         return st
     if ds and trained:
         d = section.deepspeed
         stage, dp = int(d.zero_stage), lay.dp
         wb, opt_b = (2, 12) if d.bf16 else (4, 8)
-        st.compute_bytes = wb
+        st.compute_bytes = st.weight_bytes = wb
         st.host.append(Row("load", P * 4, "P·4 B: the float32 model is read into host RAM", "load"))
         st.dev.append(
             Row(
@@ -634,7 +655,9 @@ def _train_states(
             )
         return st
     wb = 4 if trained else dtype_bytes
-    st.compute_bytes = wb
+    st.compute_bytes = st.weight_bytes = wb
+    if mixed:
+        st.compute_bytes, st.autocast = 2, P * 2
     if lay.device == "cuda":
         st.host.append(Row("load", P * wb, f"P·{wb} B: read into host RAM, then moved", "load"))
     st.dev.append(Row("weights", P * wb, f"P·{wb} B" + ("" if trained else " (forward only)")))
@@ -902,17 +925,14 @@ def _actor_plan(
         entropy=True,
         **common,  # type: ignore[arg-type]
     )
-    if st.gathered:
-        for phase in ("update", "log-prob"):
-            a.rows.append(
-                Row(
-                    "gathered layers",
-                    st.gathered,
-                    "FSDP: (2 layers + embedding + head)·b + 1 layer's grads",
-                    phase,
-                )
-            )
-    _sync_host(a, s, lay, st.compute_bytes if lay.strategy != "torch" else 4, bool(cfg.trainer.use_ray))
+    per_pass = [
+        ("gathered layers", st.gathered, "FSDP: (2 layers + embedding + head)·b + 1 layer's grads"),
+        ("autocast copies", st.autocast, "P·2 B: autocast's bf16 casts of the weights, per pass"),
+    ]
+    for name, nbytes, formula in per_pass:
+        if nbytes:
+            a.rows.extend(Row(name, nbytes, formula, phase) for phase in ("update", "log-prob"))
+    _sync_host(a, s, lay, st.weight_bytes if lay.strategy != "torch" else 4, bool(cfg.trainer.use_ray))
     return a
 
 

@@ -198,7 +198,8 @@ def search(cfg: Any, check: str, plan_of: Callable[[Any], Any]) -> list[str]:
                 break
         else:
             total = judge(options[-1])[1]
-            if total is not None and total <= current:
+            switch = any(o.startswith(f"{A}actor.strategy=") for o in options[-1])
+            if total is not None and total <= current and not switch:  # another engine: not combinable
                 helping.append(options)
     if fixes or not helping:
         return fixes

@@ -71,6 +71,7 @@ SHAPE = [
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
 ]
+MIXED = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"
 SHARED = "actor_rollout_ref.model.use_shared_prompt"  # the rows of a group share their prompt (tiny default)
 MEMORY_ON = [
     "actor_rollout_ref.model.enable_gradient_checkpointing=true",
@@ -97,8 +98,8 @@ def _measure(overrides: list[str], what: str = "measure_actor_update") -> dict[s
 
 @pytest.mark.parametrize(
     "features",
-    [[f"{SHARED}=false"], MEMORY_ON, [f"{SHARED}=true"]],
-    ids=["padded", "ckpt+packed+budget", "shared prompt"],
+    [[f"{SHARED}=false"], MEMORY_ON, [f"{SHARED}=true"], [f"{SHARED}=true", f"{MIXED}=bf16"]],
+    ids=["padded", "ckpt+packed+budget", "shared prompt", "shared prompt, bf16 autocast"],
 )
 def test_estimate_is_within_tolerance_of_the_measured_cpu_peak(features):
     r = _measure(SHAPE + features)
@@ -161,7 +162,8 @@ def _fsdp2(cfg, nnodes=16):
 def test_recipe_layout_shards_over_128_gpus_and_says_what_does_not_fit(capsys):
     from dapo_core.compute.plan import run_plan
 
-    cfg = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", DS)))
+    fp32 = f"{MIXED}=fp32"
+    cfg = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", [*DS, fp32])))
     plan = make_plan(cfg, gpu_mem=parse_bytes("80GiB"), host_mem=parse_bytes("1800GiB"))
     lay, P, V_h = plan.layout, plan.shape.num_params, plan.shape.embedding_params
     assert (lay.world, lay.dp, lay.tp, lay.replicas, lay.colocated) == (128, 128, 4, 32, True)
@@ -184,6 +186,13 @@ def test_recipe_layout_shards_over_128_gpus_and_says_what_does_not_fit(capsys):
     assert "no setting of the memory keys fits (largest: actor update: activations (ckpt)" in err
     # On 141 GiB GPUs (H200) the same layout fits.
     assert not make_plan(cfg, gpu_mem=parse_bytes("141GiB"), host_mem=parse_bytes("1800GiB")).failures()
+    # bf16 mixed precision (the config's, verl's default) halves the passes: 80 GiB GPUs fit.
+    bf16 = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", DS)))
+    mixed = make_plan(bf16, gpu_mem=parse_bytes("80GiB"), host_mem=parse_bytes("1800GiB"))
+    half = {(r.phase, r.name): r.bytes for r in mixed.roles[0].rows}
+    assert half[("update", "activations (ckpt)")] * 2 == rows[("update", "activations (ckpt)")]
+    assert half[("", "weights")] == rows[("", "weights")]  # the shards stay float32
+    assert not mixed.failures()
 
 
 @pytest.mark.parametrize("name", BIG_32B)
@@ -198,16 +207,19 @@ def test_32b_configs_state_the_recipe_layout(name, capsys):
         32,
         True,
     )
-    assert (
-        main(["plan", "--config", str(CONFIGS / name), "--gpu-mem", "141GiB", "--host-mem", "1800GiB"]) == 0
-    )
-    assert main(["plan", "--config", str(CONFIGS / name), "--gpu-mem", "80GiB", "--host-mem", "1800GiB"]) == 2
+    flags = ["--host-mem", "1800GiB"]
+    assert main(["plan", "--config", str(CONFIGS / name), "--gpu-mem", "80GiB", *flags]) == 0  # bf16
+    assert main(["plan", "--config", str(CONFIGS / name), "--gpu-mem", "80GiB", *flags, f"{MIXED}=fp32"]) == 2
     assert "GPU shared by all roles needs" in capsys.readouterr().err
+    assert (
+        main(["plan", "--config", str(CONFIGS / name), "--gpu-mem", "141GiB", *flags, f"{MIXED}=fp32"]) == 0
+    )
 
 
 def test_fsdp2_advice_adds_nodes_and_lowers_a_budget_above_the_width():
     short = ["data.max_response_length=4096", "reward_model.overlong_buffer.len=1024"]
-    base = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", DS + short)), nnodes=1)
+    fp32 = [f"{MIXED}=fp32"]
+    base = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", DS + short + fp32)), nnodes=1)
     gpu = parse_bytes("80GiB")
     plan = make_plan(base, gpu_mem=gpu)
     assert plan.gpu is not None and [r.role for r in plan.failures()] == [plan.gpu.role]
