@@ -436,20 +436,28 @@ def check_free_disk(folder: str | Path, *, need: int = MIN_FREE_BYTES, key: str 
 
 
 # ------------------------------------------------------------------------------------------------- all
-def bf16_rollout_on_plain_cpu(cfg: DapoConfig, cpuinfo: str | None = None) -> str | None:
-    """A note when the rollout generates in bfloat16 on a CPU without bf16 instructions, where it is slower
-    than float32 (a setting that runs, so not an error); None otherwise."""
+def bf16_on_plain_cpu(cfg: DapoConfig, cpuinfo: str | None = None) -> str | None:
+    """A note when the rollout generates, or the actor computes, in bfloat16 on a CPU without bf16
+    instructions, where it runs slower than float32 (a setting that runs, so not an error); None otherwise."""
     from dapo_core.compute.numerics import cpu_has_bf16
     from dapo_core.config import resolve_device
+    from dapo_core.config.checks import train_dtype
 
-    if cfg.actor_rollout_ref.rollout.dtype != "bfloat16" or cfg.trainer.device == "cuda":
+    arr = cfg.actor_rollout_ref
+    actor_dtype = train_dtype(arr.actor.fsdp_config.mixed_precision.param_dtype)
+    keys = []
+    if arr.rollout.dtype == "bfloat16":
+        keys.append("actor_rollout_ref.rollout.dtype")
+    if arr.actor.strategy != "deepspeed" and actor_dtype == "bfloat16":
+        keys.append("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype")
+    if not keys or cfg.trainer.device == "cuda":
         return None
     if resolve_device(cfg) == "cuda" or cpu_has_bf16(cpuinfo) is not False:
         return None
     return (
-        "actor_rollout_ref.rollout.dtype=bfloat16 on a CPU without bfloat16 instructions (no avx512_bf16, "
-        "amx_bf16 or bf16 among /proc/cpuinfo's flags): generation emulates bf16 and may run slower than in "
-        "float32; set actor_rollout_ref.rollout.dtype=float32 for speed on this machine"
+        f"{' and '.join(k + '=bfloat16' for k in keys)} on a CPU without bfloat16 instructions (no "
+        "avx512_bf16, amx_bf16 or bf16 among /proc/cpuinfo's flags): bf16 is emulated and may run slower "
+        f"than float32; set {' and '.join(k + '=float32' for k in keys)} for speed on this machine"
     )
 
 
@@ -625,7 +633,7 @@ def preflight(
     elif phase == "pipeline":  # the tiny base model the pipeline builds
         check_tiny_positions(cfg)
     if phase != "eval":
-        slow = bf16_rollout_on_plain_cpu(cfg)
+        slow = bf16_on_plain_cpu(cfg)
         if slow:
             note(slow)
         config_json = (

@@ -1,11 +1,11 @@
-"""The bfloat16 rollout note: a bf16 rollout on a CPU without bf16 instructions gets a note before the run,
-naming the key and the fix; CPUs with them, float32 rollouts and GPUs get none."""
+"""The bfloat16 note: a bf16 rollout or bf16 actor compute on a CPU without bf16 instructions gets a note
+before the run, naming the keys and the fix; CPUs with them, float32 settings and GPUs get none."""
 
 from pathlib import Path
 
 from dapo_core.compute.numerics import cpu_has_bf16
 from dapo_core.config import load_config
-from dapo_core.preflight import bf16_rollout_on_plain_cpu
+from dapo_core.preflight import bf16_on_plain_cpu
 
 ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 SKYLAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
@@ -25,8 +25,12 @@ def _cfg(*over: str):
 
 
 def test_bf16_rollout_on_a_cpu_without_bf16_gets_a_note_naming_the_key():
-    note = bf16_rollout_on_plain_cpu(_cfg(), SKYLAKE)
+    note = bf16_on_plain_cpu(_cfg(), SKYLAKE)
     assert note is not None and "actor_rollout_ref.rollout.dtype=float32" in note
-    assert bf16_rollout_on_plain_cpu(_cfg(), ZEN4) is None
-    assert bf16_rollout_on_plain_cpu(_cfg("actor_rollout_ref.rollout.dtype=float32"), SKYLAKE) is None
-    assert bf16_rollout_on_plain_cpu(_cfg("trainer.device=cuda"), SKYLAKE) is None
+    assert bf16_on_plain_cpu(_cfg(), ZEN4) is None
+    mp = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"
+    assert f"{mp}=float32" in note  # the config's actor computes in bf16 too
+    rollout_only = bf16_on_plain_cpu(_cfg(f"{mp}=fp32"), SKYLAKE)
+    assert rollout_only is not None and mp not in rollout_only
+    assert bf16_on_plain_cpu(_cfg("actor_rollout_ref.rollout.dtype=float32", f"{mp}=fp32"), SKYLAKE) is None
+    assert bf16_on_plain_cpu(_cfg("trainer.device=cuda"), SKYLAKE) is None
