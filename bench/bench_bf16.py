@@ -6,12 +6,13 @@ temperature 1):
 
 - **generate**: our HF rollout engine in float32 and in bfloat16 weights, tokens per second (median of
   `--repeats` after a warm-up);
-- **forward + backward**: the actor's work on the sampled rows (teacher-forced forward, token log-probs, the
-  backward of their sum) in float32 and under `torch.autocast(bfloat16)` (float32 weights and gradients);
-- **log-prob difference**: each rollout's own per-token log-probs against the float32 teacher-forced forward
-  of the same tokens (what bypass mode's π_old and the rollout IS weights see): mean and largest |Δ|, the
-  share of tokens whose ratio exp(Δ) leaves [0.5, 2], and the spread of the sequence-level ratio; and the
-  autocast forward against the float32 one (what a bf16 actor would change).
+- **log-prob difference of the rollout**: each rollout's own per-token log-probs against the float32
+  teacher-forced forward of the same tokens (what bypass mode's π_old and the rollout IS weights see): mean,
+  p99 and largest |Δ|, the share of tokens whose ratio exp(Δ) leaves [0.5, 2], the sequence ratios' spread;
+- **the actor** (`--phases actor`): the torch training engine's own update work on the sampled rows
+  (shared-prompt forward, token log-probs, backward of their masked sum, one group per micro-batch) in
+  float32, under autocast bfloat16 (`compute_dtype`, `actor.fsdp_config.mixed_precision.param_dtype`), and
+  under autocast with the LM head kept in float32; and each one's eval-mode log-probs against float32's.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_bf16.py --prompts 8 --n 8 --new-tokens 48
 
@@ -21,7 +22,6 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import statistics
@@ -36,37 +36,68 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
-def teacher_forced(model, prompts: list[list[int]], responses: list[list[int]], autocast: bool) -> list:
+def teacher_forced(model, prompts: list[list[int]], responses: list[list[int]]) -> list:
     """Per-token log-probs of `responses` after `prompts`, one row at a time (no padding in the numbers)."""
     from dapo_core.compute.logits import token_log_probs
 
     out = []
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     for p, r in zip(prompts, responses, strict=True):
-        with ctx, torch.no_grad():
+        with torch.no_grad():
             logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float()
         out.append(token_log_probs(logits, torch.tensor(r))[0])
     return out
 
 
-def forward_backward_s(model, prompts: list[list[int]], responses: list[list[int]], n: int, autocast: bool):
-    """Seconds of the actor's work on the rows, a prompt's `n` rows per micro-batch (right-padded): forward,
-    token log-probs, backward of their masked sum."""
-    from dapo_core.compute.logits import token_log_probs
+def actor_batch(prompts: list[list[int]], responses: list[list[int]]) -> dict[str, torch.Tensor]:
+    """The actor's padded layout: prompts left-padded, responses right-padded (pad id 0)."""
+    P = max(len(p) for p in prompts)
+    L = max(len(r) for r in responses)
+    ids = torch.zeros((len(prompts), P + L), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        ids[i, P - len(p) : P + len(r)] = torch.tensor(p + r)
+        mask[i, P - len(p) : P + len(r)] = 1
+    pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "response_length": L}
 
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+def float32_head(model) -> None:
+    """Run the LM head outside autocast, on float32 hidden states (the logits keep full precision)."""
+    head = model.get_output_embeddings()
+    linear = head.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return linear(x.float())
+
+    head.forward = forward
+
+
+def engine_forward_backward_s(engine, batch: dict, n: int) -> float:
+    """Seconds of the actor's update work through the training engine's own path (shared-prompt forward,
+    token log-probs, backward of their masked sum), one prompt's `n` rows per micro-batch."""
+    L = batch["response_length"]
     t0 = time.perf_counter()
-    for g in range(0, len(prompts), n):
-        p, rs = prompts[g], responses[g : g + n]
-        width = max(len(r) for r in rs)
-        ids = torch.tensor([p + r + [0] * (width - len(r)) for r in rs])
-        mask = torch.tensor([[1] * (len(p) + len(r)) + [0] * (width - len(r)) for r in rs])
-        with ctx:
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, len(p) - 1 : -1].float()
-        lp, _ = token_log_probs(logits, ids[:, len(p) :])
-        (lp * mask[:, len(p) :]).sum().backward()
-    model.zero_grad(set_to_none=True)
+    for g in range(0, batch["input_ids"].shape[0], n):
+        rows = {k: batch[k][g : g + n] for k in ("input_ids", "attention_mask", "position_ids")}
+        lp, _ = engine.forward(**rows, response_length=L, share_prompt=True)
+        (lp * rows["attention_mask"][:, -L:]).sum().backward()
+    engine.model.zero_grad(set_to_none=True)
     return time.perf_counter() - t0
+
+
+def engine_log_probs(engine, batch: dict, n: int) -> list[torch.Tensor]:
+    """Per-row response log-probs (valid tokens only) of the engine's eval-mode forward."""
+    L = batch["response_length"]
+    engine.eval()
+    out = []
+    for g in range(0, batch["input_ids"].shape[0], n):
+        rows = {k: batch[k][g : g + n] for k in ("input_ids", "attention_mask", "position_ids")}
+        lp, _ = engine.forward(**rows, response_length=L, share_prompt=True)
+        for row, m in zip(lp, rows["attention_mask"][:, -L:], strict=True):
+            out.append(row[m.bool()])
+    engine.train()
+    return out
 
 
 def difference(rollout: list[list[float]], forward: list[torch.Tensor]) -> dict[str, float]:
@@ -92,11 +123,19 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--phases",
+        default="generate,actor",
+        help="generate: time both rollout dtypes and their log-prob difference; actor: the training "
+        "engine's forward + backward and log-probs per precision (without generate, on one bf16 sample)",
+    )
     args = ap.parse_args()
+    phases = set(args.phases.split(","))
     from bench_vllm import word_prompts
 
     from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
     from dapo_core.compute.engines.rollout import SamplingParams
+    from dapo_core.compute.engines.train import make_train_engine
     from dapo_core.compute.models import load_model
 
     model = ROOT / args.model
@@ -112,32 +151,49 @@ def main() -> None:
         "cpu_bf16_flags": sorted({f for f in flags if "bf16" in f}),
     }
     samples = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16") if "generate" in phases else ("bfloat16",):
         engine = HFRolloutEngine(model, dtype=dtype, max_batch_size=rows, seed=0)
-        engine.generate(prompts, params, seeds)  # warm-up
+        done = engine.generate(prompts, params, seeds)  # the warm-up, and the only run without "generate"
         times = []
-        for _ in range(args.repeats):
+        for _ in range(args.repeats if "generate" in phases else 0):
             t0 = time.perf_counter()
             done = engine.generate(prompts, params, seeds)
             times.append(time.perf_counter() - t0)
-        tokens = sum(len(c.token_ids) for c in done)
         samples[dtype] = done
-        med = statistics.median(times)
-        res[f"generate_{dtype}"] = {"tokens": tokens, "s": med, "tok_per_s": tokens / med}
+        if times:
+            tokens = sum(len(c.token_ids) for c in done)
+            med = statistics.median(times)
+            res[f"generate_{dtype}"] = {"tokens": tokens, "s": med, "tok_per_s": tokens / med}
         engine.close()
-    actor = load_model(model, dtype=torch.float32)
-    for dtype, done in samples.items():
-        fp32 = teacher_forced(actor, prompts, [c.token_ids for c in done], autocast=False)
-        res[f"rollout_{dtype}_vs_float32_forward"] = difference([c.log_probs for c in done], fp32)
-    responses = [c.token_ids for c in samples["float32"]]
-    fp32 = teacher_forced(actor, prompts, responses, autocast=False)
-    bf16 = teacher_forced(actor, prompts, responses, autocast=True)
-    res["autocast_forward_vs_float32_forward"] = difference([x.tolist() for x in fp32], bf16)
-    actor.train()
-    for name, autocast in (("float32", False), ("autocast_bfloat16", True)):
-        forward_backward_s(actor, prompts, responses, args.n, autocast)  # warm-up
-        times = [forward_backward_s(actor, prompts, responses, args.n, autocast) for _ in range(args.repeats)]
-        res[f"forward_backward_{name}_s"] = statistics.median(times)
+    if "generate" in phases:
+        actor = load_model(model, dtype=torch.float32)
+        for dtype, done in samples.items():
+            fp32 = teacher_forced(actor, prompts, [c.token_ids for c in done])
+            res[f"rollout_{dtype}_vs_float32_forward"] = difference([c.log_probs for c in done], fp32)
+        del actor
+    if "actor" not in phases:
+        print(json.dumps(res, indent=1))
+        return
+    responses = [c.token_ids for c in samples.get("float32", samples["bfloat16"])]
+    batch = actor_batch(prompts, responses)
+    engines = {
+        "float32": make_train_engine("torch", model, {"lr": 1e-6}, total_steps=1, grad_clip=1.0),
+        "autocast_bfloat16": make_train_engine(
+            "torch", model, {"lr": 1e-6}, total_steps=1, grad_clip=1.0, compute_dtype=torch.bfloat16
+        ),
+        "autocast_bfloat16_float32_head": make_train_engine(
+            "torch", model, {"lr": 1e-6}, total_steps=1, grad_clip=1.0, compute_dtype=torch.bfloat16
+        ),
+    }
+    float32_head(engines["autocast_bfloat16_float32_head"].model)
+    reference = [x.tolist() for x in engine_log_probs(engines["float32"], batch, args.n)]
+    for name, engine in engines.items():
+        if name != "float32":
+            lps = engine_log_probs(engine, batch, args.n)
+            res[f"actor_{name}_vs_float32"] = difference(reference, lps)
+        engine_forward_backward_s(engine, batch, args.n)  # warm-up
+        times = [engine_forward_backward_s(engine, batch, args.n) for _ in range(args.repeats)]
+        res[f"actor_forward_backward_{name}_s"] = statistics.median(times)
     print(json.dumps(res, indent=1))
 
 

@@ -129,6 +129,16 @@ def steady_gaps(intervals: list[tuple[float, float]]) -> tuple[float, float]:
     return gaps, m[-1][0] - m[1][0]
 
 
+def steady_busy(workers: list[list[tuple[float, float]]]) -> list[float]:
+    """Each worker's busy share from the start of the last worker's first call (the actor's: by then the
+    pipeline is full) to the end of the last call: the start-up, where the actor waits for the first batch,
+    left out."""
+    start = max(w[0][0] for w in workers)
+    end = max(w[-1][1] for w in workers)
+    span = end - start
+    return [sum(max(0.0, b - max(a, start)) for a, b in w) / span if span > 0 else 0.0 for w in workers]
+
+
 ALIASES = {"timing_s/gen", "timing_s/adv"}  # the reference's names for timing_s/generate and /advantage
 
 
@@ -193,6 +203,7 @@ def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None,
     end = max(b for k in top for _, b in busy[k])
     span = end - start
     both = overlap(busy[top[0]], busy[top[1]]) / span
+    steady = steady_busy([busy[k] for k in top])
     # no worker runs a call: the driver, Prefect, the store and the transfers between calls hold the step
     calls = [iv for k in ranked for iv in busy[k]]
     idle_workers = uncovered(calls, start, end)
@@ -214,6 +225,7 @@ def run_order(order: str, steps: int, tmp: Path, extra: list[str] | None = None,
         "span_s": span,
         "busy_share": [sum(b - a for a, b in busy[k]) / span for k in top],  # rollout, actor
         "both_busy_share": both,
+        "steady_busy_share": steady,  # rollout, actor, from the actor's first call on
         "step_s": [r["timing_s/step"] for r in rows if "timing_s/step" in r],
         "generate_s": gen,
         "learn_s": upd,
@@ -265,9 +277,15 @@ def main(argv: list[str] | None = None) -> None:
         extra = [*args.overrides, *per_order.get(order, [])]
         res[order] = run_order(order, args.steps, tmp, extra, args.config)
         ray.shutdown()
-    print(f"{args.steps} steps per order; shares of the span from the first to the last rollout/actor call")
-    print("| order | step s (median) | rollout busy | actor busy | both busy | rollout cores | actor cores |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        f"{args.steps} steps per order; shares of the span from the first to the last rollout/actor call "
+        "(steady: from the actor's first call on)"
+    )
+    print(
+        "| order | step s (median) | rollout busy | actor busy | both busy | rollout cores | actor cores "
+        "| steady: rollout / actor busy |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for order, r in res.items():
         steps = sorted(r["step_s"])
         med = steps[len(steps) // 2]
@@ -275,7 +293,9 @@ def main(argv: list[str] | None = None) -> None:
         cores = " | ".join("—" if c is None else f"{c:.2f}" for c in r["cores"])
         print(
             f"| {order} | {med:.2f} | {100 * b[0]:.0f} % | {100 * b[1]:.0f} % | "
-            f"{100 * r['both_busy_share']:.1f} % | {cores} |"
+            f"{100 * r['both_busy_share']:.1f} % | {cores} | "
+            + " / ".join(f"{100 * x:.0f} %" for x in r["steady_busy_share"])
+            + " |"
         )
     print()
     print(

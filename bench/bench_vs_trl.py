@@ -14,12 +14,12 @@ temperature 1 and greedy accuracy on `data/val.parquet`.
 Modes: `pinned` runs both at once, each pinned to one core (`taskset`); `whole` runs them one after the other,
 each with the whole machine. `--real` is the real model's shape: `configs/smollm2_cpu.yaml`'s model
 (`models/smollm2_135m`, from `dapo import-model`), data (`data/smollm2/`), prompts × samples per step,
-learning rate, response length, temperature and top-p, on both sides (TRL trains in float32; ours samples in
-the config's dtype). Run (after `dapo prepare` and `dapo base`, and `bash
-bench/peer/setup_trl_env.sh`): `.venv/bin/python bench/bench_vs_trl.py --mode pinned --seeds 0,1` (about 2 ×
-10 minutes plus evaluation). Prints a JSON line per side, seed and mark, then a summary: medians over seeds,
-and the minutes each side needs to reach the other's final accuracy. Check /proc/loadavg: the machine must be
-otherwise idle.
+learning rate, response length, temperature and top-p, on both sides (TRL trains in float32, or with
+`--trl-bf16` in its Trainer's bf16 mixed precision; ours in the config's precision). Run (after `dapo
+prepare` and `dapo base`, and `bash bench/peer/setup_trl_env.sh`): `.venv/bin/python bench/bench_vs_trl.py
+--mode pinned --seeds 0,1` (about 2 × 10 minutes plus evaluation). Prints a JSON line per side, seed and
+mark, then a summary: medians over seeds, and the minutes each side needs to reach the other's final
+accuracy. Check /proc/loadavg: the machine must be otherwise idle.
 """
 
 from __future__ import annotations
@@ -210,6 +210,7 @@ def run_trl(args: argparse.Namespace, seed: int, core: str | None, threads: int)
         str(seed),
         "--threads",
         str(threads),
+        *(["--bf16"] if args.trl_bf16 else []),
     ]
     log = open(Path(args.work) / f"trl_seed{seed}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(threads), stdout=log, stderr=subprocess.STDOUT)
@@ -329,6 +330,9 @@ def main() -> None:
         "scored up to this many steps early (never late); 1 is exact but each save costs wall time",
     )
     ap.add_argument("--sides", default="ours,trl", help="which sides to train (the other is skipped)")
+    ap.add_argument(
+        "--trl-bf16", action="store_true", help="TRL trains in its Trainer's bf16 mixed precision"
+    )
     ap.add_argument(
         "--base",
         default="",

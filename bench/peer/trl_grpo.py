@@ -101,6 +101,9 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--bf16", action="store_true", help="the Trainer's bf16 mixed precision (autocast; float32 weights)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -136,7 +139,7 @@ def main() -> None:
         save_strategy="no",
         logging_steps=10,
         report_to=[],
-        bf16=False,
+        bf16=args.bf16,
         fp16=False,
         gradient_checkpointing=False,  # TRL's default is on; our side does not recompute activations either
         dataloader_num_workers=0,
