@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,19 +49,6 @@ def teacher_forced(model, prompts: list[list[int]], responses: list[list[int]]) 
     return out
 
 
-def actor_batch(prompts: list[list[int]], responses: list[list[int]]) -> dict[str, torch.Tensor]:
-    """The actor's padded layout: prompts left-padded, responses right-padded (pad id 0)."""
-    P = max(len(p) for p in prompts)
-    L = max(len(r) for r in responses)
-    ids = torch.zeros((len(prompts), P + L), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        ids[i, P - len(p) : P + len(r)] = torch.tensor(p + r)
-        mask[i, P - len(p) : P + len(r)] = 1
-    pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "response_length": L}
-
-
 def float32_head(model) -> None:
     """Run the LM head outside autocast, on float32 hidden states (the logits keep full precision)."""
     head = model.get_output_embeddings()
@@ -76,25 +64,25 @@ def float32_head(model) -> None:
 def engine_forward_backward_s(engine, batch: dict, n: int) -> float:
     """Seconds of the actor's update work through the training engine's own path (shared-prompt forward,
     token log-probs, backward of their masked sum), one prompt's `n` rows per micro-batch."""
-    L = batch["response_length"]
+    L = batch["responses"].shape[1]
     t0 = time.perf_counter()
     for g in range(0, batch["input_ids"].shape[0], n):
         rows = {k: batch[k][g : g + n] for k in ("input_ids", "attention_mask", "position_ids")}
         lp, _ = engine.forward(**rows, response_length=L, share_prompt=True)
-        (lp * rows["attention_mask"][:, -L:]).sum().backward()
+        (lp * batch["response_mask"][g : g + n]).sum().backward()
     engine.model.zero_grad(set_to_none=True)
     return time.perf_counter() - t0
 
 
 def engine_log_probs(engine, batch: dict, n: int) -> list[torch.Tensor]:
     """Per-row response log-probs (valid tokens only) of the engine's eval-mode forward."""
-    L = batch["response_length"]
+    L = batch["responses"].shape[1]
     engine.eval()
     out = []
     for g in range(0, batch["input_ids"].shape[0], n):
         rows = {k: batch[k][g : g + n] for k in ("input_ids", "attention_mask", "position_ids")}
         lp, _ = engine.forward(**rows, response_length=L, share_prompt=True)
-        for row, m in zip(lp, rows["attention_mask"][:, -L:], strict=True):
+        for row, m in zip(lp, batch["response_mask"][g : g + n], strict=True):
             out.append(row[m.bool()])
     engine.train()
     return out
@@ -137,6 +125,7 @@ def main() -> None:
     from dapo_core.compute.engines.rollout import SamplingParams
     from dapo_core.compute.engines.train import make_train_engine
     from dapo_core.compute.models import load_model
+    from dapo_core.data.batch import to_padded
 
     model = ROOT / args.model
     rows = args.prompts * args.n
@@ -175,7 +164,8 @@ def main() -> None:
         print(json.dumps(res, indent=1))
         return
     responses = [c.token_ids for c in samples.get("float32", samples["bfloat16"])]
-    batch = actor_batch(prompts, responses)
+    # the actor's padded layout, as the flow builds it (pad id 0: padded positions are masked out)
+    batch = to_padded(pa.table({"prompt_ids": prompts, "response_ids": responses}), 0)
     engines = {
         "float32": make_train_engine("torch", model, {"lr": 1e-6}, total_steps=1, grad_clip=1.0),
         "autocast_bfloat16": make_train_engine(
