@@ -1,9 +1,46 @@
-"""Small shared test data: the tiny model shapes the tests build (fast on one CPU thread)."""
+"""Small shared test helpers: the tiny model shapes the tests build (fast on one CPU thread), their inputs,
+and `wait_for`, the one way a test waits for something to happen."""
 
 from __future__ import annotations
 
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(
+    predicate: Callable[[], T],
+    what: str,
+    timeout_s: float,
+    poll_s: float = 0.05,
+    *,
+    alive: subprocess.Popen | None = None,
+) -> T:
+    """Call `predicate` every `poll_s` seconds until it returns something truthy, and return that. Fail with
+    an AssertionError naming `what` when `timeout_s` passes first, or, with `alive`, as soon as that process
+    exits (with its exit code). The deadline is generous on purpose: a busy machine only makes it slower."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if alive is not None and alive.poll() is not None:
+            raise AssertionError(f"waiting for {what}: the process {alive.pid} exited ({alive.returncode})")
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def unchanged_for(paths: list[Path], after_s: float) -> bool:
+    """Whether every file of `paths` has been unchanged (mtime and ctime) for `after_s` seconds now: settled
+    in the sense of the run store's trust records (`dapo_core.store.trust.settled`)."""
+    now = time.time_ns()
+    return all(now - max(st.st_mtime_ns, st.st_ctime_ns) >= after_s * 1e9 for st in (p.stat() for p in paths))
+
 
 SMALL_MODEL: dict[str, Any] = {
     "hidden_size": 64,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import wait_for
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 
@@ -39,14 +40,17 @@ def kill_at(victim: subprocess.Popen, marker: Path, timeout_s: float = 600, log:
     """SIGKILL ``victim``'s whole process group (it must run with ``start_new_session=True``) as soon as
     ``marker`` exists; fail if the run ends first or the marker does not appear within ``timeout_s`` (with
     the tail of ``log``, the victim's output, in the message)."""
-    deadline = time.time() + timeout_s
-    while not marker.exists():
+
+    def reached() -> bool:
+        if marker.exists():
+            return True
         if victim.poll() is not None:
             tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else ""
             ended = f"the run ended (exit {victim.returncode}) before it could be killed"
             raise AssertionError(f"{ended}\n{tail}")
-        assert time.time() < deadline, f"{marker} did not appear within {timeout_s:.0f} s"
-        time.sleep(0.05)
+        return False
+
+    wait_for(reached, f"{marker} to appear (the moment to kill the run)", timeout_s)
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
 

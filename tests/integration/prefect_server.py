@@ -1,5 +1,5 @@
 """A real Prefect server for integration tests (`prefect server start` on a free loopback port), and the
-waiting and stopping helpers the tests around it share."""
+stopping helper the tests around it share."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+
+from tests.helpers import wait_for
 
 PREFECT = Path(sys.executable).parent / "prefect"
 
@@ -32,19 +32,6 @@ def healthy(api: str) -> bool:
             return r.status == 200
     except OSError:
         return False
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, proc: subprocess.Popen | None = None) -> Any:
-    """Poll `pred` until it returns something truthy (returned); fail when `proc` exits or time runs out."""
-    end = time.time() + timeout
-    while time.time() < end:
-        got = pred()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{what}: process exited with {proc.returncode}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
@@ -82,7 +69,7 @@ def prefect_server(home: Path, **env: str) -> Iterator[tuple[str, dict[str, str]
         start_new_session=True,
     )
     try:
-        wait_for(lambda: healthy(api), 180, "prefect server health", proc)
+        wait_for(lambda: healthy(api), f"the Prefect server at {api} to answer /health", 180, 0.5, alive=proc)
         yield api, full
     finally:
         stop(proc)

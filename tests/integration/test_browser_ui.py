@@ -32,8 +32,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_for
 from tests.integration.conftest import CONFIG, tiny_overrides
-from tests.integration.prefect_server import free_port, healthy, stop, wait_for
+from tests.integration.prefect_server import free_port, healthy, stop
 from tests.integration.test_prefect_ui import SERVED, _client, _deployment, _descendants, _task_runs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -318,7 +319,9 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
             dep = _deployment(client, "browser", serve, budget.left(180))
             fr = client.create_flow_run_from_deployment(dep.id, parameters={"run_id": "browser"})
             run = tiny_assets / "runs" / "browser"
-            wait_for((run / "ckpt" / "step_2").is_dir, budget.left(300), "the run's second checkpoint", serve)
+            wait_for(
+                (run / "ckpt" / "step_2").is_dir, "the run's second checkpoint", budget.left(300), alive=serve
+            )
             victims = _descendants(serve.pid)  # the flow-run process the runner started (and its children)
             assert victims, "the flow run should run in a child process of the runner"
             for pid in victims:
@@ -329,7 +332,7 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
                 state = client.read_flow_run(fr.id).state
                 return state if state is not None and state.is_final() else None
 
-            state = wait_for(ended, budget.left(120), "the killed run's final state", serve)
+            state = wait_for(ended, "the killed run's final state", budget.left(120), 0.5, alive=serve)
             assert state.type == StateType.CRASHED, state
 
             _from_the_address(browser, base, fr, budget, shots)
@@ -345,7 +348,7 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
                 state = client.read_flow_run(fr.id).state
                 return state is not None and state.type == StateType.COMPLETED
 
-            wait_for(completed, budget.left(300), "the retried run to complete", serve)
+            wait_for(completed, "the retried run to complete", budget.left(300), 0.5, alive=serve)
             assert client.read_flow_run(fr.id).run_count == 2
             left = _task_runs(client, fr.id)
             assert not [t.name for t in left if t.state_type == StateType.RUNNING]

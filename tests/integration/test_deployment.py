@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_for
 from tests.integration.conftest import CONFIG, tiny_overrides
-from tests.integration.prefect_server import PREFECT, prefect_server, stop, wait_for
+from tests.integration.prefect_server import PREFECT, prefect_server, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -46,7 +47,7 @@ def test_deployment_run_trains_one_step(tiny_assets, tmp_path):
                 )
                 return "dapo-train/ci" in out.stdout
 
-            wait_for(deployed, 240, "deployment dapo-train/ci", serve)
+            wait_for(deployed, "deployment dapo-train/ci", 240, 0.5, alive=serve)
             run = subprocess.run(
                 [str(PREFECT), "deployment", "run", "dapo-train/ci", "--watch", "--watch-timeout", "600"],
                 env=env,

@@ -10,12 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_for
 from tests.integration.conftest import CONFIG, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,14 +47,12 @@ def _listening(pids: list[int]) -> list[str]:
     return found
 
 
-def _wait_for(path: Path, timeout: float, proc: subprocess.Popen) -> bool:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if path.exists():
-            return True
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended early ({proc.returncode}):\n{proc.communicate()[0][-4000:]}")
-        time.sleep(0.2)
+def _exists_while_running(path: Path, proc: subprocess.Popen) -> bool:
+    """Whether `path` exists; fail with the run's output once `proc` has ended without it."""
+    if path.exists():
+        return True
+    if proc.poll() is not None:
+        raise AssertionError(f"the run ended early ({proc.returncode}):\n{proc.communicate()[0][-4000:]}")
     return False
 
 
@@ -84,7 +82,9 @@ def test_sigterm_stops_cleanly_and_resume_finishes(tiny_assets, prefect_home, tm
     try:
         # the first generation committed: Ray, its workers and the Prefect server are all up; stop mid-step
         first = tmp_path / "runs" / run / "step_000001" / "generate_g0.manifest.json"
-        assert _wait_for(first, 600, proc), "the first generation never committed"
+        wait_for(
+            lambda: _exists_while_running(first, proc), f"the first generation to commit ({first})", 600, 0.2
+        )
         ours = [p for p in _marked(marker) if p != proc.pid]
         addrs = _listening([proc.pid, *ours])
         ray_addrs = [a for a in addrs if not a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:"))]
@@ -97,10 +97,9 @@ def test_sigterm_stops_cleanly_and_resume_finishes(tiny_assets, prefect_home, tm
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "Resume with: dapo train --flow-only" in out and f"trainer.experiment_name={run}" in out, out
     assert "Traceback" not in out and "SIGABRT" not in out and "Aborted" not in out, out
-    deadline = time.time() + 30
-    while _marked(marker) and time.time() < deadline:
-        time.sleep(1)
-    assert _marked(marker) == [], "processes left behind"
+    wait_for(
+        lambda: not _marked(marker), "every process of the stopped run to exit (none left behind)", 30, 0.5
+    )
 
     # resume: the same command finishes the run from the last checkpoint
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

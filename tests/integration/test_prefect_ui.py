@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 
 from dapo_core.config import ConfigError, load_config, to_yaml
 from flows.artifacts import STEP_COLUMNS, artifact_key, step_row
+from tests.helpers import wait_for
 from tests.integration.conftest import CONFIG, tiny_overrides
-from tests.integration.prefect_server import prefect_server, stop, wait_for
+from tests.integration.prefect_server import prefect_server, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -238,7 +239,7 @@ def _deployment(client, name: str, serve: subprocess.Popen, timeout: float = 300
         except Exception:
             return None
 
-    return wait_for(found, timeout, f"deployment dapo-train/{name}", serve)
+    return wait_for(found, f"deployment dapo-train/{name}", timeout, 0.5, alive=serve)
 
 
 def _final_state(client, flow_run_id, timeout: float, proc=None):
@@ -246,7 +247,23 @@ def _final_state(client, flow_run_id, timeout: float, proc=None):
         state = client.read_flow_run(flow_run_id).state
         return state if state is not None and state.is_final() else None
 
-    return wait_for(final, timeout, f"flow run {flow_run_id} to finish", proc)
+    return wait_for(final, f"flow run {flow_run_id} to finish", timeout, 0.5, alive=proc)
+
+
+def _heartbeats(api: str, flow_run_id) -> int:
+    """How many `prefect.flow-run.heartbeat` events of `flow_run_id` the server at `api` has stored."""
+    import httpx
+
+    body = {
+        "filter": {
+            "event": {"name": ["prefect.flow-run.heartbeat"]},
+            "resource": {"id": [f"prefect.flow-run.{flow_run_id}"]},
+        },
+        "limit": 1,
+    }
+    r = httpx.post(f"{api}/events/filter", json=body, timeout=10)
+    r.raise_for_status()
+    return int(r.json()["total"])
 
 
 def _task_runs(client, flow_run_id) -> list:
@@ -357,9 +374,15 @@ def test_host_loss_marks_the_run_crashed(server, tiny_assets):
                 },
             )
             marker = tiny_assets / "runs" / "zombie" / "step_000001" / "generate_g0.manifest.json"
-            wait_for(marker.exists, 300, "the run's first generation", serve)
+            wait_for(marker.exists, "the run's first generation", 300, alive=serve)
             assert client.read_flow_run(fr.id).state.type == StateType.RUNNING
-            time.sleep(5)  # let the first heartbeat event reach the server
+            wait_for(
+                lambda: _heartbeats(server.api, fr.id),
+                f"the server to record a heartbeat event of flow run {fr.id}",
+                120,  # the first beat goes out when the flow run starts; the server stores events in batches
+                0.5,
+                alive=serve,
+            )
             victims = _descendants(serve.pid)  # the flow-run process (and anything it started)
             assert victims, "the flow run should run in a child process of the runner"
             os.killpg(serve.pid, signal.SIGKILL)  # the host is gone: runner and flow run die together

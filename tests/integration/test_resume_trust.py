@@ -19,6 +19,7 @@ from dapo_core.config import load_config, to_yaml
 from dapo_core.store import RunStore, StoreError
 from dapo_core.store.checkpoint import CheckpointError
 from dapo_core.store.fingerprints import InputsChanged
+from tests.helpers import wait_for
 from tests.integration.conftest import CONFIG, SHORT_RUN, tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -149,7 +150,6 @@ def test_killed_worker_stops_with_one_paragraph_and_the_run_resumes(tiny_assets,
     import os
     import subprocess
     import sys
-    import time
 
     import psutil
 
@@ -177,11 +177,7 @@ def test_killed_worker_stops_with_one_paragraph_and_the_run_resumes(tiny_assets,
     )
     try:
         marker = run / "step_000002" / "prompts_g0.manifest.json"
-        deadline = time.time() + 600
-        while not marker.exists():
-            assert proc.poll() is None, "the run ended before its worker could be killed"
-            assert time.time() < deadline
-            time.sleep(0.05)
+        wait_for(marker.exists, f"step 2's prompts to commit ({marker})", 600, alive=proc)
         ours = psutil.Process(proc.pid).children(recursive=True)  # only this run's Ray processes
         workers = [p for p in ours if any("_RayHost" in part for part in p.cmdline())]  # "ray::_RayHost"
         assert len(workers) >= 3, [p.cmdline()[:1] for p in ours]

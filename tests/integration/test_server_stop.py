@@ -12,10 +12,11 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,7 @@ SLOW_FLUSH = textwrap.dedent(
         async def slow(events):
             with open(os.environ["FLUSH_MARKER"], "a") as f:
                 f.write(f"flush {len(events)}\\n")
-            await asyncio.sleep(4)
+            await asyncio.sleep(4)  # the slow flush itself (a loaded machine), the behaviour under test
             return await _record(events)
 
         recorder.record_bulk_task_run_events = slow
@@ -99,10 +100,7 @@ def test_stopping_the_server_mid_flush_prints_no_traceback(tmp_path):
     found = re.search(r"server (\S+) pids (\S+)", out)
     assert found, out
     url, pids = found.group(1), [int(p) for p in found.group(2).split(",")]
-    deadline = time.monotonic() + 30
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_running(p) for p in pids), f"server processes {pids} still run"
+    wait_for(lambda: not any(_running(p) for p in pids), f"the server processes {pids} to exit", 30, 0.2)
     assert not _answers(url), f"{url} still answers"
     # An interrupted flush (a loaded machine) went to the shutdown log; a drained one left nothing to say.
     kept = "".join(p.read_text() for p in (tmp_path / "dapo-errors").glob("prefect-server-stop-*.log"))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dapo_core.store import RunStore
 from dapo_core.store.checkpoint import CheckpointDir
+from tests.helpers import wait_for
 
 N = 4
 KEEP = 2
@@ -171,12 +172,13 @@ def test_sigkill_many_times_keeps_store_consistent(tmp_path):
             readies = _reported(report)[3]
             proc = _start_child(ctx, root, report, k)
             try:
-                deadline = time.monotonic() + 60
-                while _reported(report)[3] == readies:
+
+                def ready(proc=proc, readies=readies) -> bool:
                     assert proc.is_alive(), f"child died early (exit code {proc.exitcode})"
-                    assert time.monotonic() < deadline, "child never became ready"
-                    time.sleep(0.005)
-                time.sleep(rng.uniform(0.0, 0.4))
+                    return _reported(report)[3] != readies
+
+                wait_for(ready, f"child {k} to report ready", 60, 0.005)
+                time.sleep(rng.uniform(0.0, 0.4))  # the kill lands at a random instant of the child's work
                 assert proc.is_alive(), f"child crashed on its own (exit code {proc.exitcode})"
             finally:
                 if proc.pid is not None and proc.is_alive():

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from dapo_core.compute.cluster import QUIET_WORKER_ENV
+from tests.helpers import wait_for
 from tests.integration.conftest import CONFIG, tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -99,13 +100,17 @@ class RayNode:
             )
 
     def wait_started(self, timeout_s: float = 180.0) -> None:
-        deadline = time.time() + timeout_s
-        while "Ray runtime started" not in self.log.read_text(errors="replace"):
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise AssertionError(
-                    f"ray node did not start:\n{self.log.read_text(errors='replace')[-3000:]}"
-                )
-            time.sleep(0.5)
+        def started() -> bool:
+            if "Ray runtime started" in self.log.read_text(errors="replace"):
+                return True
+            if self.proc.poll() is not None:
+                raise AssertionError(f"ray node exited:\n{self.log.read_text(errors='replace')[-3000:]}")
+            return False
+
+        try:
+            wait_for(started, f"ray node {self.log.stem} to log 'Ray runtime started'", timeout_s, 0.5)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.log.read_text(errors='replace')[-3000:]}") from None
 
     @staticmethod
     def stop_all(nodes: list[RayNode]) -> None:
@@ -197,11 +202,7 @@ def test_rollout_on_its_node_and_an_actor_group_across_both_and_the_run_resumes(
         cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     marker = run / "step_000002" / "generate_g0.manifest.json"
-    deadline = time.time() + 600
-    while not marker.exists():
-        assert victim.poll() is None, "the first attempt ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.1)
+    wait_for(marker.exists, f"the first attempt to start step 2 ({marker})", 600, 0.1, alive=victim)
     first = _placement(run)
     _kill_sessions([victim.pid], grace_s=0.0)
     victim.wait()

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 
 from dapo_core.config import load_config, typed
 from dapo_core.store import lease as L
-from tests.helpers import in_process_run_overrides
+from tests.helpers import in_process_run_overrides, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +34,7 @@ HOLDER = textwrap.dedent(
     lease = acquire(sys.argv[1], timeout_s=float(sys.argv[2]), flow_run_id="flow-run-of-the-first")
     lease.start_heartbeat()
     print("held", flush=True)
-    time.sleep(600)
+    time.sleep(600)  # a live holder: it holds (and beats) until the test kills it
     """
 )
 
@@ -139,16 +140,13 @@ def test_the_heartbeat_advances_and_a_holder_whose_lease_was_taken_stops(tmp_pat
     lease = L.acquire(run, timeout_s=1.6, on_lost=lambda: lost.append(1))  # beats every 0.2 s
     first = L.read_holder(run).heartbeat
     lease.start_heartbeat()
-    deadline = time.monotonic() + 60
-    while L.read_holder(run).heartbeat == first and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: L.read_holder(run).heartbeat != first, "the heartbeat to rewrite the lease", 60)
     assert L.read_holder(run).heartbeat > first
     # Another host took it over (this holder looked dead to it): the heartbeat thread notices and stops.
     now = time.time()
     other = L.Holder("other-host", 1, 0.0, "", "theirs", now, now)
     (run / L.LEASE_FILE).write_text(json.dumps(other.__dict__))
-    while not lost and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: lost, "the heartbeat thread to notice the takeover and call on_lost", 60)
     assert lost and lease.lost
     lease.release()
     assert L.read_holder(run).token == "theirs"  # released without removing the new holder's lease
@@ -162,7 +160,7 @@ def test_the_same_process_cannot_open_a_run_twice(tmp_path):
     L.acquire(tmp_path / "r", timeout_s=60).release()
 
 
-def test_a_retried_flow_run_while_the_holder_lives_is_refused_by_open_run(holder, tmp_path):
+def test_a_retried_flow_run_while_the_holder_lives_is_refused_by_open_run(holder, tmp_path, monkeypatch):
     """A Prefect Retry runs the training flow again with the same run id: `open_run` refuses it before it
     opens the store or starts a worker, and with `trainer.lease_wait_s` it waits for the holder."""
     from flows.run_setup import close_run, open_run
@@ -177,15 +175,34 @@ def test_a_retried_flow_run_while_the_holder_lives_is_refused_by_open_run(holder
     with pytest.raises(L.LeaseHeld, match=f"pid {p.pid}"):
         open_run(cfg, "r1")
     assert snapshot(run) == before
-    # Waiting: the holder ends while the retry waits, and the retry then opens the run.
+    # Waiting: the holder ends while the retry waits, and the retry then opens the run. The holder is killed
+    # once `acquire` has found it live and sleeps between its looks (the lease module's only `time.sleep`).
     cfg.trainer.lease_wait_s = 120
-    killer = subprocess.Popen([sys.executable, "-c", f"import os,time; time.sleep(2); os.kill({p.pid}, 9)"])
+    waiting = threading.Event()
+
+    class _SpyTime:
+        def __getattr__(self, name: str):
+            return getattr(time, name)
+
+        @staticmethod
+        def sleep(s: float) -> None:
+            waiting.set()
+            time.sleep(s)
+
+    def kill_the_holder_once_waited_for() -> None:
+        if waiting.wait(timeout=120):
+            p.kill()
+
+    monkeypatch.setattr(L, "time", _SpyTime())
+    killer = threading.Thread(target=kill_the_holder_once_waited_for, daemon=True)
+    killer.start()
     rt = open_run(cfg, "r1")
     try:
+        assert waiting.is_set(), "open_run took the lease without waiting for the live holder"
         assert L.read_holder(run).pid == os.getpid()
     finally:
         close_run(rt)
-        killer.wait(timeout=60)
+        killer.join(timeout=60)
     assert L.read_holder(run) is None  # close_run gives the lease back
 
 
@@ -322,9 +339,7 @@ def test_check_raises_lease_lost_and_the_cli_ends_with_its_paragraph(tmp_path, c
     def run_until_interrupted() -> None:
         with stop_on_signals():
             lease.start_heartbeat()
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: False, "the heartbeat to find the lease taken and interrupt this thread", 60)
 
     with pytest.raises(L.LeaseLost) as stopped:
         run_until_interrupted()

@@ -29,7 +29,7 @@ def half_score(data_source, solution_str, ground_truth, extra_info=None):
 def flaky_score(data_source, solution_str, ground_truth, extra_info=None):
     """Hangs on "HANG", raises on "BOOM", otherwise math_dapo."""
     if solution_str == "HANG":
-        time.sleep(30)
+        time.sleep(30)  # the hang itself: the pool's per-sample timeout must cut it short
     if solution_str == "BOOM":
         raise ValueError("boom")
     return default_compute_score(data_source, solution_str, ground_truth, extra_info)

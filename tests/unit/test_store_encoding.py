@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +17,7 @@ from dapo_core.store import RunStore, StoreCorruption, StoreError, stage_io, tru
 from dapo_core.store.manifests import FORMAT
 from dapo_core.store.run_ends import ENDS
 from dapo_core.store.stage_files import StageFiles, io_counters
+from tests.helpers import unchanged_for, wait_for
 
 
 @pytest.fixture
@@ -205,7 +205,7 @@ def test_a_settled_file_is_hashed_once_per_process_and_any_change_is_hashed_agai
     reader.read_stage(5, "generate_g0")
     assert io_counters()["read_bytes"] == 2 * size and io_counters()["trusted_bytes"] == 0
     monkeypatch.setattr(trust, "TRUST_AFTER_S", 0.05)
-    time.sleep(0.1)
+    wait_for(lambda: unchanged_for([path], 0.05), f"{path} to be settled (unchanged for 0.05 s)", 60)
     io_counters(reset=True)
     reader.read_stage(5, "generate_g0")  # settled: hashed once more, then trusted
     back = reader.read_stage(5, "reward_g0")  # its base generate_g0 is taken on trust

@@ -21,6 +21,7 @@ import pytest
 from dapo_core.errors import DapoUserError
 from dapo_core.store import RunStore, StoreCorruption, stage_io, trust
 from dapo_core.store.stage_files import StageFiles, io_counters
+from tests.helpers import unchanged_for, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,7 +133,7 @@ def test_on_coarse_timestamps_the_first_reader_of_a_settled_file_records_it_for_
     fresh = _read_in_process(store.root, "2:generate_g0", coarse=True, settle=60.0)
     assert fresh["io"]["files_hashed"] == 1 and fresh["io"]["trust_records_written"] == 0  # not settled
     assert trust.read_record(path)["how"] == "write"
-    time.sleep(0.3)
+    wait_for(lambda: unchanged_for([path], 0.2), f"{path} to be settled (unchanged for 0.2 s)", 60)
     first = _read_in_process(store.root, "2:generate_g0", coarse=True, settle=0.2)
     assert first["io"]["files_hashed"] == 1 and first["io"]["trust_records_written"] == 1
     assert trust.read_record(path)["how"] == "read"
@@ -150,7 +151,8 @@ def test_a_byte_flipped_after_verification_is_caught_by_another_process(store, c
     )
     path = store.step_dir(3) / "generate_g0.arrow"
     if coarse:
-        time.sleep(0.3)
+        files = sorted(store.step_dir(3).iterdir())
+        wait_for(lambda: unchanged_for(files, 0.2), "step 3's files to be settled (unchanged for 0.2 s)", 60)
     ok = _read_in_process(store.root, "3:generate_g0", coarse=coarse, settle=0.2)
     assert ok["io"]["files_hashed"] + ok["io"]["files_trusted"] == 1
     again = _read_in_process(store.root, "3:generate_g0", coarse=coarse, settle=0.2)
