@@ -117,7 +117,8 @@ class Piece:
 
 @dataclass
 class PushStats:
-    """What one end of a link moved: tensor bytes, buckets, the largest message (payload or header), seconds."""
+    """What one end of a link moved: tensor bytes, buckets, the largest message (payload or header) and
+    seconds."""
 
     bytes: int = 0
     buckets: int = 0
@@ -153,9 +154,10 @@ def bucketed(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> Iterator[tuple[list[Piece], torch.Tensor]]:
-    """Pack `named` tensors (floating-point ones cast to `dtype` when given) into buckets of at most `bucket_bytes`; yields
-    (pieces, payload), where payload is a uint8 view of the one reused buffer, valid until the next item.
-    A tensor larger than the space left is split over buckets; one that fits in a fresh bucket is not."""
+    """Pack `named` tensors (floating-point ones cast to `dtype` when given) into buckets of at most
+    `bucket_bytes`; yields (pieces, payload), where payload is a uint8 view of the one reused buffer,
+    valid until the next item. A tensor larger than the space left is split over buckets; one that fits in
+    a fresh bucket is not."""
     buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
     pieces: list[Piece] = []
     used = 0
@@ -512,25 +514,37 @@ def send_all(
 
 
 def receive_into(
-    link: Link, index: int, load: Callable[[str, torch.Tensor], None], expect: Iterable[str] | None = None
+    link: Link,
+    index: int,
+    consume: Callable[[Iterable[tuple[str, torch.Tensor]]], None],
+    expect: Iterable[str] | None = None,
 ) -> PushStats:
-    """Receive one push over `link` and `load(name, tensor)` each tensor as it completes (and each alias of
-    it); raise `TransportError` when the manifest names a tensor that did not arrive, or `expect` (the
-    receiving model's names) holds names the push did not cover."""
+    """Receive one push over `link`, handing `consume` an iterator of whole tensors as they complete (it
+    loads them; nothing here keeps them). Raise `TransportError` when the manifest names a tensor that did
+    not arrive, or `expect` (the receiving model's names) holds a name the push covered neither as a tensor
+    nor as an alias. Aliases (tied weights) are not loaded: a model tied like the actor's shares the
+    tensor."""
     t0 = time.perf_counter()
     r = open_receiver(link, index)
-    arrived: dict[str, torch.Tensor] = {}
-    for name, tensor in r:
-        load(name, tensor)
-        arrived[name] = tensor
+    arrived: set[str] = set()
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in r:
+            arrived.add(name)
+            yield name, tensor
+
+    stream = tensors()
+    try:
+        consume(stream)
+        for _ in stream:  # a consumer that stopped early: drain, so the sender is not left waiting
+            pass
+    finally:
+        r.close()
     missing = [n for n in r.names if n not in arrived]
     if missing:
         raise TransportError(f"the push announced tensors that never arrived: {missing[:5]}")
-    for alias, original in r.aliases.items():
-        load(alias, arrived[original])
     if expect is not None:
-        covered = set(r.names) | set(r.aliases)
-        absent = sorted(set(expect) - covered)
+        absent = sorted(set(expect) - set(r.names) - set(r.aliases))
         if absent:
             raise TransportError(f"the push did not cover the rollout model's tensors {absent[:5]}")
     r.stats.seconds = time.perf_counter() - t0

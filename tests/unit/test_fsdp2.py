@@ -64,11 +64,24 @@ def _rank(rank: int, port: int, model: str, out: str, queue) -> None:
         mixed.lr_step()
         mixed_metrics = _update(mixed, make_batch(), dp)
         mixed_weights = mixed.state_dict_for_sync()
+        # bf16 compute with the default reduce: gradients are averaged over the ranks in float32, so the
+        # mean of two ranks' bf16 gradients keeps bits a bf16 reduce would round away
+        default = make_train_engine("fsdp2", model, OPTIM, total_steps=5, grad_clip=1.0, compute_dtype=bf16)
+        ids = torch.arange(3 + rank, 40 + rank).reshape(1, -1) % 30
+        default.model(input_ids=ids).logits.float().pow(2).mean().backward()
+        grads = torch.cat(
+            [p.grad.to_local().flatten() for p in default.model.parameters() if p.grad is not None]
+        )
+        beyond_bf16 = int((grads != grads.to(bf16).float()).sum())
+        synced = {n: t.clone() for n, t in eng.iter_sync_tensors(bf16) if not isinstance(t, str)}
         if rank == 0:
             assert gathered is not None
+            assert all(
+                synced[k].dtype == bf16 and torch.equal(synced[k], weights[k].to(bf16)) for k in synced
+            )
             arrays = [{k: v.numpy() for k, v in w.items()} for w in (weights, again, mixed_weights)]
             rows = gathered.column("row").to_pylist()
-            queue.put(("ok", metrics, arrays[0], rows, arrays[1], mixed_metrics, arrays[2]))
+            queue.put(("ok", metrics, arrays[0], rows, arrays[1], mixed_metrics, arrays[2], beyond_bf16))
         else:
             assert gathered is None and weights == {}
     except BaseException:
@@ -107,7 +120,8 @@ def test_fsdp2_dp2_update_equals_one_process_and_checkpoints_by_shard(tmp_path):
     for p in procs:
         p.join(timeout=60)
     assert result[0] == "ok", result[1]
-    _, metrics, weights, rows, again, mixed_metrics, mixed = result
+    _, metrics, weights, rows, again, mixed_metrics, mixed, beyond_bf16 = result
+    assert beyond_bf16 > 0, "the gradients were reduced in bf16"
     weights, again, mixed = ({k: torch.from_numpy(v) for k, v in w.items()} for w in (weights, again, mixed))
 
     ref = make_train_engine("torch", model, OPTIM, total_steps=5, grad_clip=1.0)
@@ -129,6 +143,11 @@ def test_fsdp2_dp2_update_equals_one_process_and_checkpoints_by_shard(tmp_path):
     base = _base(model)
     step = [torch.cat([(w[k] - base[k]).flatten() for k in base]) for w in (weights, mixed)]
     assert float(torch.nn.functional.cosine_similarity(*step, dim=0)) > 0.9
+    from safetensors.torch import load_file
+
+    exported = load_file(str(ckpt / "model.safetensors"))  # streamed by rank 0, tensor by tensor
+    assert exported.keys() == weights.keys() - {"lm_head.weight"}
+    assert all(torch.equal(exported[k], weights[k]) for k in exported)
     names = sorted(p.name for p in ckpt.glob("model.rank*.safetensors"))
     assert names == ["model.rank0.safetensors", "model.rank1.safetensors"]
 

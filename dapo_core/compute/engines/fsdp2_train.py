@@ -40,6 +40,8 @@ from dapo_core.compute.engines.train import (
     lr_lambda_for,
     set_rng_state,
 )
+from dapo_core.compute.safetensors_stream import StreamedSafetensors
+from dapo_core.compute.weight_transport import distinct_tensors
 from dapo_core.config import OptimConfig
 from dapo_core.errors import DapoUserError
 
@@ -154,9 +156,10 @@ class FSDP2TrainEngine(TrainEngine):
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
-        """Shards in `dtype`; with `compute_dtype` / `reduce_dtype` set, FSDP2 gathers the shards in
-        `compute_dtype` for forward and backward and reduce-scatters the gradients in `reduce_dtype`
-        (`MixedPrecisionPolicy`; the optimizer steps the `dtype` shards)."""
+        """Shards in `dtype`; with `compute_dtype` set, FSDP2 gathers the shards in `compute_dtype` for
+        forward and backward and reduce-scatters the gradients in `reduce_dtype`, which defaults to `dtype`
+        (float32) whatever the compute dtype (`MixedPrecisionPolicy`; the optimizer steps the `dtype`
+        shards)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.dp = dpd.current() or _single_process_group(device)
@@ -174,9 +177,12 @@ class FSDP2TrainEngine(TrainEngine):
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         mesh = init_device_mesh(self.device.type, (self.dp.size,))
-        policy = MixedPrecisionPolicy(  # the default policy (no casts) where a dtype equals the shards'
-            param_dtype=None if compute_dtype == dtype else compute_dtype,
-            reduce_dtype=None if reduce_dtype == dtype else reduce_dtype,
+        compute = None if compute_dtype in (None, dtype) else compute_dtype
+        reduce = reduce_dtype or dtype
+        # FSDP2 reduces in the compute dtype when reduce_dtype is None: name the reduce dtype whenever the
+        # compute dtype differs from the shards'; the default policy (no casts) only when neither does.
+        policy = MixedPrecisionPolicy(
+            param_dtype=compute, reduce_dtype=None if compute is None and reduce == dtype else reduce
         )
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -228,22 +234,43 @@ class FSDP2TrainEngine(TrainEngine):
                 out[k] = full.detach().to("cpu")
         return out
 
-    def export_hf(self, out_dir: str | Path) -> Path:
-        """Rank 0 writes the full weights as an HF folder (config and tokenizer copied from the model path).
-        A collective."""
-        from safetensors.torch import save_file
+    def iter_sync_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | str]]:
+        """Each weight gathered from its shards one at a time (a collective: every rank iterates), in `dtype`
+        when given (the shards are cast before the all-gather, so it moves `dtype` bytes); tied names as
+        the earlier name."""
+        for name, v in distinct_tensors(self.model.state_dict(keep_vars=True).items()):
+            if isinstance(v, str):
+                yield name, v
+                continue
+            t = v.detach()
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            yield name, t.full_tensor() if isinstance(t, DTensor) else t
 
-        full = self.state_dict_for_sync()
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Rank 0 writes the weights as an HF folder (config and tokenizer copied from the model path),
+        streaming them into `model.safetensors` one gathered tensor at a time: no rank holds the whole model.
+        A collective."""
         out = Path(out_dir)
+        state = self.model.state_dict(keep_vars=True)
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        entries = [
+            (name, v.dtype, tuple(v.shape))
+            for name, v in distinct_tensors(state.items())
+            if not isinstance(v, str) and not (tied and name == "lm_head.weight")
+        ]
+        writer = StreamedSafetensors(out / "model.safetensors", entries) if self.dp.rank == 0 else None
+        try:
+            for name, t in self.iter_sync_tensors():
+                if writer is not None and not isinstance(t, str) and name in writer.names:
+                    writer.write(name, t)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        if writer is not None:
+            writer.close()
         if self.dp.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            if getattr(self.model.config, "tie_word_embeddings", False):
-                full.pop("lm_head.weight", None)
-            save_file(
-                {k: v.contiguous() for k, v in full.items()},
-                str(out / "model.safetensors"),
-                metadata={"format": "pt"},
-            )
             self.model.config.save_pretrained(str(out))
             for name in (
                 "tokenizer.json",

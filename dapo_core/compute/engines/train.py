@@ -21,7 +21,7 @@ import inspect
 import math
 import random
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,7 @@ from dapo_core.compute.microbatch import (
     shared_prompts,
     token_budget_split,
 )
+from dapo_core.compute.weight_transport import distinct_tensors
 from dapo_core.config import OptimConfig, section
 
 if TYPE_CHECKING:
@@ -522,7 +523,14 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """Full weights under HF names (detached, on the engine's device) for rollout weight sync."""
+        """Full weights under HF names (detached, on the engine's device)."""
+
+    def iter_sync_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | str]]:
+        """The weights under HF names one at a time, for a weight push (`weight_transport.send_all`): a
+        tensor (detached; the caller casts it), or, for a name tied to an earlier one, that earlier name.
+        `dtype` is the dtype the push sends in (engines that gather may gather in it)."""
+        for name, v in distinct_tensors(self.model.state_dict(keep_vars=True).items()):
+            yield name, v if isinstance(v, str) else v.detach()
 
     @abc.abstractmethod
     def save(self, out_dir: str | Path) -> Path:
