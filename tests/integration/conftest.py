@@ -1,17 +1,21 @@
-"""Shared fixtures for integration tests: an isolated Prefect home, small data and a tiny base model."""
+"""Shared fixtures for integration tests: an isolated Prefect home, small data and a tiny base model, and the
+crash tests' `kill_at` / `kill_and_resume`."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import wait_for
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "tiny_cpu.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -40,19 +44,97 @@ def kill_at(victim: subprocess.Popen, marker: Path, timeout_s: float = 600, log:
     """SIGKILL ``victim``'s whole process group (it must run with ``start_new_session=True``) as soon as
     ``marker`` exists; fail if the run ends first or the marker does not appear within ``timeout_s`` (with
     the tail of ``log``, the victim's output, in the message)."""
-
-    def reached() -> bool:
-        if marker.exists():
-            return True
-        if victim.poll() is not None:
-            tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else ""
-            ended = f"the run ended (exit {victim.returncode}) before it could be killed"
-            raise AssertionError(f"{ended}\n{tail}")
-        return False
-
-    wait_for(reached, f"{marker} to appear (the moment to kill the run)", timeout_s)
+    wait_for(
+        lambda: _exists_while_running(marker, victim, log),
+        f"{marker} to appear (the moment to kill the run)",
+        timeout_s,
+    )
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
+
+
+def train_cmd(overrides: list[str]) -> list[str]:
+    """`dapo train --flow-only` of the tiny config with `overrides`, as a subprocess command."""
+    return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *overrides]
+
+
+def actor_weights(run: Path, step: int) -> dict:
+    """The actor's tensors of checkpoint `step` of the run folder `run` (torch imported only here)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "ckpt" / f"step_{step}" / "actor" / "model.safetensors"))
+
+
+def assert_same_weights(a: Path, b: Path, step: int) -> None:
+    """The actor weights of checkpoint `step` of runs `a` and `b` are equal bit for bit (same names too)."""
+    import torch
+
+    wa, wb = actor_weights(a, step), actor_weights(b, step)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def kill_and_resume(
+    cmd: list[str],
+    run: Path,
+    marker: str,
+    *,
+    env: dict[str, str] | None = None,
+    after_kill: Callable[[Path], None] | None = None,
+    kill: Callable[[subprocess.Popen], None] | None = None,
+    resume_cmd: list[str] | None = None,
+    reference: Path | None = None,
+    step: int = 3,
+    log: Path | None = None,
+    timeout_s: float = 600,
+) -> subprocess.CompletedProcess:
+    """The crash test: start `cmd` (a training of the run folder `run`) in its own session, with its output in
+    `log` (discarded without one); once `run / marker` exists, SIGKILL its process group (or call `kill` on
+    it, which must leave it ended); call `after_kill(run)`, the checks of what the kill left; run `resume_cmd`
+    (default `cmd`) to the end, which must exit 0; with `reference`, assert the actor weights of checkpoint
+    `step` equal the reference run's bit for bit. Returns the finished resume (output captured as text)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if env is None else env
+    out = log.open("w") if log is not None else subprocess.DEVNULL
+    try:
+        victim = subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    finally:
+        if log is not None:
+            out.close()
+    try:
+        if kill is None:
+            kill_at(victim, run / marker, timeout_s, log)
+        else:
+            wait_for(
+                lambda: _exists_while_running(run / marker, victim, log),
+                f"{run / marker} to appear (the moment to kill the run)",
+                timeout_s,
+            )
+            kill(victim)
+            assert victim.poll() is not None, "kill() left the run running"
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+    if after_kill is not None:
+        after_kill(run)
+    done = subprocess.run(resume_cmd or cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    if reference is not None:
+        assert_same_weights(reference, run, step)
+    return done
+
+
+def _exists_while_running(path: Path, victim: subprocess.Popen, log: Path | None) -> bool:
+    """Whether `path` exists; fail (with the tail of `log`) once `victim` has ended without it."""
+    if path.exists():
+        return True
+    if victim.poll() is not None:
+        tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else ""
+        raise AssertionError(f"the run ended (exit {victim.returncode}) before it could be killed\n{tail}")
+    return False
 
 
 SHORT_RUN = {

@@ -10,15 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from dapo_core.store import RunStore
-from tests.integration.conftest import CONFIG, SHORT_RUN, kill_at, tiny_overrides
+from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cmd(assets: Path, name: str, **extra) -> list[str]:
-    over = tiny_overrides(assets, **{**SHORT_RUN, **ASYNC, **extra, "trainer.experiment_name": name})
-    return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *over]
+    return train_cmd(
+        tiny_overrides(assets, **{**SHORT_RUN, **ASYNC, **extra, "trainer.experiment_name": name})
+    )
 
 
 def _metrics(run: Path) -> dict[int, dict]:
@@ -69,26 +67,18 @@ def test_async_order_bounds_staleness_corrects_it_and_resumes_bitwise(tiny_asset
         weights = store.read_stage(2, "advantage_p0").column("rollout_is_weights").to_pylist()
         assert any(abs(w - 1.0) > 1e-6 for row in weights for w in row)  # stale samples are reweighted
 
-    log = tiny_assets / "async_resumed.log"
-    with log.open("w") as out:
-        victim = subprocess.Popen(
-            _cmd(tiny_assets, "async_resumed"),
-            env=env,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    resumed = tiny_assets / "runs" / "async_resumed"
-    kill_at(victim, resumed / "step_000002" / "prompts_ga.manifest.json", log=log)  # step 3's batch is made
-    assert (resumed / "ckpt" / "latest").read_text().strip() == "1"
-    done = subprocess.run(
-        _cmd(tiny_assets, "async_resumed"), env=env, cwd=ROOT, capture_output=True, text=True, check=False
+    def killed_after_checkpoint_1(resumed: Path) -> None:
+        assert (resumed / "ckpt" / "latest").read_text().strip() == "1"
+
+    kill_and_resume(
+        _cmd(tiny_assets, "async_resumed"),
+        tiny_assets / "runs" / "async_resumed",
+        "step_000002/prompts_ga.manifest.json",  # step 3's batch is being made
+        env=env,
+        after_kill=killed_after_checkpoint_1,
+        reference=run,
+        log=tiny_assets / "async_resumed.log",
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    a = load_file(str(run / "ckpt" / "step_3" / "actor" / "model.safetensors"))
-    b = load_file(str(resumed / "ckpt" / "step_3" / "actor" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.timeout(600)

@@ -9,14 +9,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import wait_for
-from tests.integration.conftest import CONFIG, tiny_overrides
+from tests.integration.conftest import kill_and_resume, tiny_overrides, train_cmd
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,15 +46,6 @@ def _listening(pids: list[int]) -> list[str]:
     return found
 
 
-def _exists_while_running(path: Path, proc: subprocess.Popen) -> bool:
-    """Whether `path` exists; fail with the run's output once `proc` has ended without it."""
-    if path.exists():
-        return True
-    if proc.poll() is not None:
-        raise AssertionError(f"the run ended early ({proc.returncode}):\n{proc.communicate()[0][-4000:]}")
-    return False
-
-
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_and_resume_finishes(tiny_assets, prefect_home, tmp_path):
     run = "sigterm"
@@ -75,34 +65,39 @@ def test_sigterm_stops_cleanly_and_resume_finishes(tiny_assets, prefect_home, tm
     marker = uuid.uuid4().hex
     env = {**os.environ, "DAPO_TEST_MARKER": marker, "PYTHONPATH": str(ROOT)}
     env.pop("PREFECT_API_URL", None)
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        # the first generation committed: Ray, its workers and the Prefect server are all up; stop mid-step
-        first = tmp_path / "runs" / run / "step_000001" / "generate_g0.manifest.json"
-        wait_for(
-            lambda: _exists_while_running(first, proc), f"the first generation to commit ({first})", 600, 0.2
-        )
+    log = tmp_path / "sigterm.log"
+
+    def sigterm(proc: subprocess.Popen) -> None:
+        """The first generation committed: Ray, its workers and the Prefect server are all up; stop mid-step
+        (after checking that they listen on loopback only)."""
         ours = [p for p in _marked(marker) if p != proc.pid]
         addrs = _listening([proc.pid, *ours])
         ray_addrs = [a for a in addrs if not a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:"))]
         assert addrs and ray_addrs == [], addrs
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, out
-    assert "Resume with: dapo train --flow-only" in out and f"trainer.experiment_name={run}" in out, out
-    assert "Traceback" not in out and "SIGABRT" not in out and "Aborted" not in out, out
-    wait_for(
-        lambda: not _marked(marker), "every process of the stopped run to exit (none left behind)", 30, 0.5
-    )
+        proc.wait(timeout=180)
+        assert proc.returncode == 128 + signal.SIGTERM, log.read_text()
+
+    def stopped_cleanly(_run: Path) -> None:
+        out = log.read_text()
+        assert "Resume with: dapo train --flow-only" in out and f"trainer.experiment_name={run}" in out, out
+        assert "Traceback" not in out and "SIGABRT" not in out and "Aborted" not in out, out
+        wait_for(
+            lambda: not _marked(marker),
+            "every process of the stopped run to exit (none left behind)",
+            30,
+            0.5,
+        )
 
     # resume: the same command finishes the run from the last checkpoint
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    kill_and_resume(
+        train_cmd(ov),
+        tmp_path / "runs" / run,
+        "step_000001/generate_g0.manifest.json",
+        env=env,
+        kill=sigterm,
+        after_kill=stopped_cleanly,
+        log=log,
+    )
     assert (tmp_path / "runs" / run / "ckpt" / "step_2").is_dir()
     assert _marked(marker) == []

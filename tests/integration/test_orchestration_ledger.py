@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from safetensors.torch import load_file
 
 from dapo_core.config import load_config, typed
 from dapo_core.store import RunStore
-from tests.integration.conftest import CONFIG, SHORT_RUN, kill_at, tiny_overrides
+from tests.integration.conftest import CONFIG, ROOT, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +34,11 @@ def _ledger(run: Path) -> dict[str, dict]:
 @pytest.mark.timeout(900)
 def test_ledger_after_a_kill_between_prompt_commit_and_generation_equals_the_straight_run(tiny_assets):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    root = Path(__file__).resolve().parents[2]
 
     def cmd(name: str) -> list[str]:
-        ov = tiny_overrides(tiny_assets, **COMMON, **{"trainer.experiment_name": name})
-        return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
+        return train_cmd(tiny_overrides(tiny_assets, **COMMON, **{"trainer.experiment_name": name}))
 
-    subprocess.run(cmd("ledger-straight"), check=True, env=env, cwd=root, capture_output=True)
+    subprocess.run(cmd("ledger-straight"), check=True, env=env, cwd=ROOT, capture_output=True)
     straight = tiny_assets / "runs" / "ledger-straight"
     ledger = _ledger(straight)
     prompts = {k: t for k, t in ledger.items() if t["is_prompt"]}
@@ -55,25 +51,19 @@ def test_ledger_after_a_kill_between_prompt_commit_and_generation_equals_the_str
         assert {t["global_steps"] for t in trajectories.values()} == {tags["global_steps"]}
     assert sorted({t["global_steps"] for t in prompts.values()}) == [1, 2, 3]
 
-    victim = subprocess.Popen(
-        cmd("ledger-killed"),
-        env=env,
-        cwd=root,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    def killed_after_step_2s_prompts(run: Path) -> None:
+        assert (run / "ckpt" / "latest").read_text().strip() == "1"
+
     run = tiny_assets / "runs" / "ledger-killed"
-    kill_at(victim, run / "step_000002" / "prompts_g0.manifest.json")
-    assert (run / "ckpt" / "latest").read_text().strip() == "1"
-    done = subprocess.run(cmd("ledger-killed"), env=env, cwd=root, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    kill_and_resume(
+        cmd("ledger-killed"),
+        run,
+        "step_000002/prompts_g0.manifest.json",
+        env=env,
+        after_kill=killed_after_step_2s_prompts,
+        reference=straight,
+    )
     assert _ledger(run) == ledger
-    a = load_file(str(straight / "ckpt" / "step_3" / "actor" / "model.safetensors"))
-    b = load_file(str(run / "ckpt" / "step_3" / "actor" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert (a[k] == b[k]).all(), k
 
 
 def _scored(uids: list[str], spread: list[bool], n: int, width: int) -> pa.Table:

@@ -12,18 +12,14 @@ workers):
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from safetensors.torch import load_file
 
 from dapo_core.store import RunStore
 from dapo_core.store.replay import referenced_steps
-from tests.integration.conftest import CONFIG, SHORT_RUN, kill_at, tiny_overrides
+from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -87,40 +83,25 @@ def test_no_token_column_written_twice_nor_read_in_the_driver(reference):
     assert token_reads == []
 
 
-def _weights(run: Path) -> dict:
-    return load_file(str(run / "ckpt" / f"step_{STEPS}" / "actor" / "model.safetensors"))
-
-
 @pytest.mark.timeout(900)
 def test_killed_mid_step_with_default_retention_resumes_bitwise(reference, tiny_assets):
     name = "replay-killed"
     extra = {**COMMON, "trainer.experiment_name": name, "trainer.keep_rollouts_every": 0}
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.cli",
-        "train",
-        "--flow-only",
-        "--config",
-        str(CONFIG),
-        *tiny_overrides(tiny_assets, **extra),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    victim = subprocess.Popen(
-        cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+
+    def killed_in_step_2(run: Path) -> None:
+        with RunStore(run) as store:
+            assert store.checkpoints.latest_step() == 1
+            assert store.is_committed(2, "batch")
+
     run = tiny_assets / "runs" / name
-    marker = run / "step_000002" / "update_actor_p0.manifest.json"  # between step 2's two local updates
-    kill_at(victim, marker)
-    with RunStore(run) as store:
-        assert store.checkpoints.latest_step() == 1
-        assert store.is_committed(2, "batch")
-    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    a, b = _weights(reference[0]), _weights(run)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert (a[key] == b[key]).all(), key
+    kill_and_resume(
+        train_cmd(tiny_overrides(tiny_assets, **extra)),
+        run,
+        "step_000002/update_actor_p0.manifest.json",  # between step 2's two local updates
+        after_kill=killed_in_step_2,
+        reference=reference[0],
+        step=STEPS,
+    )
     with RunStore(run) as store:
         pinned = referenced_steps(store)
         assert pinned and set(store.steps()) == pinned  # what the buffer still holds, nothing else

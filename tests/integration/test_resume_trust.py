@@ -19,8 +19,7 @@ from dapo_core.config import load_config, to_yaml
 from dapo_core.store import RunStore, StoreError
 from dapo_core.store.checkpoint import CheckpointError
 from dapo_core.store.fingerprints import InputsChanged
-from tests.helpers import wait_for
-from tests.integration.conftest import CONFIG, SHORT_RUN, tiny_overrides
+from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -143,13 +142,12 @@ def test_full_disk_during_a_commit_leaves_a_consistent_store_and_resumes(tiny_as
 
 
 @pytest.mark.timeout(900)
-def test_killed_worker_stops_with_one_paragraph_and_the_run_resumes(tiny_assets, monkeypatch):
+def test_killed_worker_stops_with_one_paragraph_and_the_run_resumes(tiny_assets):
     """SIGKILL one worker (a Ray actor process of this `dapo train` run) inside step 2: the CLI exits 2
     with one paragraph naming the run, the stage and how to resume, no traceback; the run then resumes from
     checkpoint 1 (in-process workers here, to keep the test short) and finishes."""
     import os
     import subprocess
-    import sys
 
     import psutil
 
@@ -162,34 +160,33 @@ def test_killed_worker_stops_with_one_paragraph_and_the_run_resumes(tiny_assets,
             "trainer.total_training_steps": 2,
         },
     )
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DAPO_TEST_API_KEY": SECRET}
-    root = Path(__file__).resolve().parents[2]
     run = tiny_assets / "runs" / "workerkill"
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        marker = run / "step_000002" / "prompts_g0.manifest.json"
-        wait_for(marker.exists, f"step 2's prompts to commit ({marker})", 600, alive=proc)
+    log = tiny_assets / "workerkill.log"
+
+    def kill_one_worker(proc: subprocess.Popen) -> None:
         ours = psutil.Process(proc.pid).children(recursive=True)  # only this run's Ray processes
         workers = [p for p in ours if any("_RayHost" in part for part in p.cmdline())]  # "ray::_RayHost"
         assert len(workers) >= 3, [p.cmdline()[:1] for p in ours]
         min(workers, key=lambda p: p.pid).kill()  # one worker: the first started (the rollout worker)
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 2, err[-3000:]
-    assert "worker process of run workerkill died" in err and "step 2" in err and "Fix:" in err, err[-3000:]
-    assert "Traceback" not in err
-    monkeypatch.setenv("DAPO_TEST_API_KEY", SECRET)
+        assert proc.wait(timeout=600) == 2, log.read_text()[-3000:]  # the run stops by itself
+
+    def stopped_with_one_paragraph(_run: Path) -> None:
+        err = log.read_text()
+        assert "worker process of run workerkill died" in err and "step 2" in err and "Fix:" in err, err[
+            -3000:
+        ]
+        assert "Traceback" not in err
+
     extra = {"trainer.experiment_name": "workerkill", "trainer.total_training_steps": 2}
-    assert _train(tiny_assets, run_id="workerkill", **extra)["train_step"] == 2
+    kill_and_resume(
+        train_cmd(ov),
+        run,
+        "step_000002/prompts_g0.manifest.json",
+        env=env,
+        kill=kill_one_worker,
+        after_kill=stopped_with_one_paragraph,
+        resume_cmd=train_cmd(tiny_overrides(tiny_assets, **{**COMMON, **extra})),  # in-process workers
+        log=log,
+    )
     assert (run / "ckpt" / "latest").read_text().strip() == "2" and _metric_steps(run) == [1, 2]

@@ -83,38 +83,28 @@ def test_sigkill_between_rename_and_removal(tmp_path):
 def test_default_retention_in_a_killed_run_and_resume_stays_bitwise(tiny_assets):
     """With `keep_rollouts_every=0` a run keeps only the step folders after its latest checkpoint; a run
     SIGKILLed inside step 3 and resumed ends bitwise equal to an uninterrupted run that kept everything."""
-    from safetensors.torch import load_file
-
-    from tests.integration.conftest import CONFIG, SHORT_RUN, kill_at, tiny_overrides
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    repo = Path(__file__).resolve().parents[2]
+    from tests.integration.conftest import ROOT, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
 
     def cmd(name: str, keep: int) -> list[str]:
         extra = {**SHORT_RUN, "trainer.experiment_name": name, "trainer.keep_rollouts_every": keep}
-        ov = tiny_overrides(tiny_assets, **extra)
-        return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
+        return train_cmd(tiny_overrides(tiny_assets, **extra))
 
-    subprocess.run(cmd("kept", 1), check=True, env=env, cwd=repo, capture_output=True)
-    victim = subprocess.Popen(
-        cmd("bounded", 0),
-        env=env,
-        cwd=repo,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd("kept", 1), check=True, env=env, cwd=ROOT, capture_output=True)
+
+    def killed_inside_step_3(run: Path) -> None:
+        with RunStore(run) as store:
+            assert store.steps() == [3]  # steps 1 and 2 went after checkpoints 1 and 2
+
     run = tiny_assets / "runs" / "bounded"
-    marker = run / "step_000003" / "generate_g0.manifest.json"
-    kill_at(victim, marker)
-    with RunStore(run) as store:
-        assert store.steps() == [3]  # steps 1 and 2 went after checkpoints 1 and 2
-    done = subprocess.run(cmd("bounded", 0), env=env, cwd=repo, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    kill_and_resume(
+        cmd("bounded", 0),
+        run,
+        "step_000003/generate_g0.manifest.json",
+        after_kill=killed_inside_step_3,
+        reference=tiny_assets / "runs" / "kept",
+    )
     with RunStore(run) as store:
         assert store.steps() == []  # step 3 is covered by the final checkpoint
     with RunStore(tiny_assets / "runs" / "kept") as store:
         assert store.steps() == [1, 2, 3]
-    a = load_file(str(tiny_assets / "runs" / "kept" / "ckpt" / "step_3" / "actor" / "model.safetensors"))
-    b = load_file(str(run / "ckpt" / "step_3" / "actor" / "model.safetensors"))
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,14 @@ from safetensors.torch import load_file
 
 from dapo_core.config import load_config, to_yaml, typed
 from dapo_core.stages import DynamicSamplingExhausted
-from tests.integration.conftest import CONFIG, kill_at, tiny_overrides
+from tests.integration.conftest import (
+    CONFIG,
+    ROOT,
+    SHORT_RUN,
+    kill_and_resume,
+    tiny_overrides,
+    train_cmd,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -111,40 +117,23 @@ def _weights(run: Path, step: int) -> dict:
 def test_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
     """SIGKILL the training process inside step 3, start it again with the same run id: final weights are
     equal bit for bit to an uninterrupted run (CPU, one thread)."""
-    common = {
-        "trainer.total_training_steps": 3,
-        "trainer.save_freq": 1,
-        "trainer.test_freq": -1,
-        "trainer.val_before_train": "false",
-        "trainer.use_ray": "false",
-        "algorithm.filter_groups.enable": "false",
-    }
+
+    def short(name: str) -> list[str]:
+        return tiny_overrides(tiny_assets, **SHORT_RUN, **{"trainer.experiment_name": name})
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    root = Path(__file__).resolve().parents[2]
+    subprocess.run(train_cmd(short("straight")), check=True, env=env, cwd=ROOT, capture_output=True)
 
-    def cmd(name):
-        ov = tiny_overrides(tiny_assets, **common, **{"trainer.experiment_name": name})
-        return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
+    def killed_inside_step_3(run: Path) -> None:
+        assert (run / "ckpt" / "latest").read_text().strip() == "2"
 
-    subprocess.run(cmd("straight"), check=True, env=env, cwd=root, capture_output=True)
-    victim = subprocess.Popen(
-        cmd("resumed"),
-        env=env,
-        cwd=root,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+    kill_and_resume(
+        train_cmd(short("resumed")),
+        tiny_assets / "runs" / "resumed",
+        "step_000003/generate_g0.manifest.json",
+        after_kill=killed_inside_step_3,
+        reference=tiny_assets / "runs" / "straight",
     )
-    marker = tiny_assets / "runs" / "resumed" / "step_000003" / "generate_g0.manifest.json"
-    kill_at(victim, marker)
-    run = tiny_assets / "runs" / "resumed"
-    assert (run / "ckpt" / "latest").read_text().strip() == "2"
-    done = subprocess.run(cmd("resumed"), env=env, cwd=root, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    a, b = _weights(tiny_assets / "runs" / "straight", 3), _weights(run, 3)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert (a[k] == b[k]).all(), k
 
 
 def test_every_optional_stage_runs_gae_critic_kl_and_rollout_correction(tiny_assets):

@@ -29,7 +29,7 @@ import pytest
 
 from dapo_core.compute.cluster import QUIET_WORKER_ENV
 from tests.helpers import wait_for
-from tests.integration.conftest import CONFIG, tiny_overrides
+from tests.integration.conftest import kill_and_resume, tiny_overrides, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -168,13 +168,13 @@ def two_nodes():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.mark.timeout(900)
 def _placement(run: Path) -> dict[tuple[str, int], str]:
     """(role, rank) -> node id, from the run's workers.json."""
     workers = json.loads((run / "workers.json").read_text())["workers"]
     return {(w["role"], w["rank"]): w["node_id"] for w in workers}
 
 
+@pytest.mark.timeout(900)
 def test_rollout_on_its_node_and_an_actor_group_across_both_and_the_run_resumes(tiny_assets, two_nodes):
     address, env = two_nodes
     env = {**env, "RAY_ADDRESS": address}
@@ -195,25 +195,33 @@ def test_rollout_on_its_node_and_an_actor_group_across_both_and_the_run_resumes(
             "trainer.n_gpus_per_node": 1,
         },
     )
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *overrides]
+    placed: dict = {}
 
-    # first attempt: killed (SIGKILL, driver and all) once step 2 has started, after checkpoint 1
-    victim = subprocess.Popen(
-        cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    def kill_driver_and_all(victim: subprocess.Popen) -> None:
+        placed.update(_placement(run))  # where the first attempt's workers were
+        _kill_sessions([victim.pid], grace_s=0.0)
+        victim.wait()
+
+    def killed_after_checkpoint_1(run: Path) -> None:
+        assert (run / "ckpt" / "latest").read_text().strip() == "1"
+        first = placed
+        assert first[("actor", 0)] != first[("actor", 1)], first  # the group spans both nodes
+        # two replicas (nnodes x n_gpus_per_node = 2), both on the node that offers gen_node
+        assert first[("rollout", 0)] == first[("rollout", 1)] in (first[("actor", 0)], first[("actor", 1)]), (
+            first
+        )
+
+    # first attempt: killed (SIGKILL, driver and all) once step 2 has started, after checkpoint 1; second
+    # attempt: the same run id resumes from checkpoint 1 on the same cluster and finishes
+    done = kill_and_resume(
+        train_cmd(overrides),
+        run,
+        "step_000002/generate_g0.manifest.json",
+        env=env,
+        kill=kill_driver_and_all,
+        after_kill=killed_after_checkpoint_1,
     )
-    marker = run / "step_000002" / "generate_g0.manifest.json"
-    wait_for(marker.exists, f"the first attempt to start step 2 ({marker})", 600, 0.1, alive=victim)
-    first = _placement(run)
-    _kill_sessions([victim.pid], grace_s=0.0)
-    victim.wait()
-    assert (run / "ckpt" / "latest").read_text().strip() == "1"
-    assert first[("actor", 0)] != first[("actor", 1)], first  # the group spans both nodes
-    # two replicas (nnodes x n_gpus_per_node = 2), both on the node that offers gen_node
-    assert first[("rollout", 0)] == first[("rollout", 1)] in (first[("actor", 0)], first[("actor", 1)]), first
-
-    # second attempt: the same run id resumes from checkpoint 1 on the same cluster and finishes
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    first = placed
     second = _placement(run)
     assert second[("actor", 0)] != second[("actor", 1)], second
     # placed by resource, not by chance: the rollout is on the node that offers gen_node, both times
