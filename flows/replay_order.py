@@ -156,7 +156,7 @@ def replay_train_step(rt: TrainRun, step: int, state: DriverState) -> dict:
     if updated:
         rt.progress.stage("sync weights")
         state.weight_version += 1
-        metrics["timing_s/sync_weights"] = sync_weights(run_id, step, state.weight_version)
+        metrics.update(sync_weights(run_id, step, state.weight_version))
     adv_uri = join_parts(run_id, step, adv_uris)
     metrics["timing_s/step"] = time.perf_counter() - t0
     metrics.update(step_metrics(rt, step, adv_uri, metrics))

@@ -166,6 +166,9 @@ def rollout_replicas(cfg: DapoConfig, cluster: Cluster, model_path: str, device:
             "tensor_parallel_size": ro.tensor_model_parallel_size,
             "enforce_eager": ro.enforce_eager,
             "max_num_seqs": ro.max_num_seqs,
+            "max_num_batched_tokens": ro.max_num_batched_tokens,
+            "max_model_len": ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+            **({"enable_chunked_prefill": ro.enable_chunked_prefill} if device == "cuda" else {}),
             # colocated: the engine sleeps while the training ranks on its GPUs run
             "enable_sleep_mode": cluster.pool is not None and ro.free_cache_engine,
             **layout.engine_opts,

@@ -71,7 +71,7 @@ def update_actor(
     if sync_version is not None:
         t0 = time.perf_counter()
         _retried(lambda: push_weights(rt, sync_version), SYNC_RETRIES, SYNC_RETRY_DELAY_S)
-        out = (out[0], {**out[1], "timing_s/sync_weights": time.perf_counter() - t0})
+        out = (out[0], {**out[1], **rt.rollout.last_push, "timing_s/sync_weights": time.perf_counter() - t0})
     return out
 
 
@@ -100,21 +100,30 @@ def _retried(fn: Callable[[], None], retries: int, delay_s: float) -> None:
     retries=2,
     retry_condition_fn=retry_unless_user_error,
 )
-def sync_weights(run_id: str, step: int, weight_version: int) -> float:
-    """Push the actor's weights to the rollout worker as `weight_version`; returns the push's seconds
-    (`timing_s/sync_weights`). The orders that generate ahead call it once per step after their local
-    updates; the synchronous order pushes inside `update_actor`."""
+def sync_weights(run_id: str, step: int, weight_version: int) -> dict[str, float]:
+    """Push the actor's weights to the rollout worker as `weight_version`; returns the push's metrics
+    (`timing_s/sync_weights` and the transport's `weight_sync/*`). The orders that generate ahead call it
+    once per step after their local updates; the synchronous order pushes inside `update_actor`."""
     rt = runtime.get(run_id)
     t0 = time.perf_counter()
     push_weights(rt, weight_version)
-    return time.perf_counter() - t0
+    return {**rt.rollout.last_push, "timing_s/sync_weights": time.perf_counter() - t0}
 
 
 def push_weights(rt: runtime.Runtime, weight_version: int) -> None:
-    """Copy the actor's weights into every rollout replica and stamp them `weight_version` (with Ray the
-    tensors go from actor to replicas through the object store, not through the driver); each replica
-    confirms the version, else no replica generates."""
-    rt.rollout.push(rt.actor.weights, weight_version)
+    """Stream the actor's weights into every rollout replica and stamp them `weight_version` (with Ray the
+    tensors go from the actor's ranks to the replicas in buckets, never through the driver or the object
+    store; `RolloutReplicas.push_from`); each replica confirms the version, else no replica generates."""
+    ro = rt.cfg.actor_rollout_ref.rollout
+    rt.rollout.push_from(
+        rt.actor,
+        weight_version,
+        transport=ro.weight_transport,
+        bucket_bytes=int(ro.update_weights_bucket_megabytes) << 20,
+        actor_where=sorted(
+            (w for w in rt.cluster.workers if w.get("role") == "actor"), key=lambda w: int(w.get("rank", 0))
+        ),
+    )
 
 
 @task(

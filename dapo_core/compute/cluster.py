@@ -276,6 +276,18 @@ def proxy(handle: Handle, cls: type[T]) -> T:
     return cast(T, _WorkerProxy(handle, cls))
 
 
+def handle_of(worker: Any) -> Handle:
+    """The handle behind a worker proxy (`proxy`)."""
+    if not isinstance(worker, _WorkerProxy):
+        raise TypeError(f"handle_of() takes a worker proxy, not {worker!r}")
+    return worker._handle
+
+
+def group_size(worker: Any) -> int:
+    """How many processes a worker proxy's calls run on: the ranks of a worker group, else 1."""
+    return len(getattr(handle_of(worker), "ranks", None) or [None])
+
+
 def submit(method: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
     """Start a worker call without waiting: `fut = submit(rollout.generate, table, gen_step)`, later
     `fut.result()`. A Ray actor runs it while the driver goes on; an in-process worker computes it here, at

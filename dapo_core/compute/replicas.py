@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import heapq
 import time
+import uuid
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +31,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dapo_core.compute.cluster import Cluster, Future, broadcast, checked_resources, proxy, submit
+from dapo_core.compute.cluster import (
+    Cluster,
+    Future,
+    broadcast,
+    checked_resources,
+    group_size,
+    handle_of,
+    proxy,
+    submit,
+)
 from dapo_core.compute.pools import DevicePool
+from dapo_core.compute.weight_transport import plan_links
 from dapo_core.compute.workers.rollout import RolloutWorker, StaleWeights
 from dapo_core.errors import DapoUserError
 from dapo_core.store.jobs import StageJob, stage_files
@@ -43,6 +54,7 @@ __all__ = [
     "StaleWeights",
     "create_replicas",
     "gather_positions",
+    "link_kind",
     "replica_layout",
     "replica_role",
     "split_groups",
@@ -52,6 +64,34 @@ StageResult = tuple[str, dict[str, float]]
 
 LEFTOVER_GRACE_S = 60.0
 """How long `create_replicas` waits for room the workers of a crashed driver still hold before refusing."""
+
+
+def link_kind(
+    requested: str,
+    actor_ranks: int,
+    actor_where: Sequence[Mapping[str, Any]],
+    replica_where: Sequence[Mapping[str, Any]],
+) -> str:
+    """The kind of link a push uses (`dapo_core.compute.weight_transport`): `requested` unless `auto`;
+    `auto` is `same_device` when there are at least as many actor ranks as replicas and actor rank i shares
+    replica i's node and GPUs, else `broadcast`. A `same_device` request that cannot hold is refused."""
+    pairs = list(zip(actor_where, replica_where, strict=False))
+    fits = actor_ranks >= len(replica_where) and len(pairs) == len(replica_where)
+    same = fits and all(
+        a.get("node_id") == r.get("node_id") and list(a.get("gpus") or []) == list(r.get("gpus") or [])
+        for a, r in pairs
+    )
+    if requested == "auto":
+        return "same_device" if same else "broadcast"
+    if requested == "same_device" and not same:
+        raise DapoUserError(
+            f"actor_rollout_ref.rollout.weight_transport=same_device pairs actor rank i with rollout replica "
+            f"i on one device, but the {actor_ranks} actor rank(s) and {len(replica_where)} replica(s) do "
+            "not share devices that way",
+            where="actor_rollout_ref.rollout.weight_transport",
+            fix="set it to auto (or broadcast), or give the actor as many ranks as there are replicas",
+        )
+    return requested
 
 
 def replica_role(rank: int) -> str:
@@ -187,11 +227,73 @@ class RolloutReplicas:
             raise RuntimeError(f"rollout replicas start with different weight versions {self.versions}")
         self.weight_version: int = int(self.versions[0] or 0)
         """The version pushed last to every replica: the only one generation may use."""
+        self.last_push: dict[str, float] = {}
+        """The last push's figures (`weight_sync/*`: bytes, buckets, largest message, seconds)."""
 
     def __len__(self) -> int:
         return len(self.workers)
 
     # ------------------------------------------------------------------ weights
+    def push_from(
+        self,
+        actor: Any,
+        version: int,
+        *,
+        transport: str = "auto",
+        bucket_bytes: int = 512 << 20,
+        actor_where: Sequence[Mapping[str, Any]] = (),
+    ) -> int:
+        """Stream the weights of `actor` (an `ActorWorker` proxy: one process or a group of ranks) into
+        every replica and stamp them `version`; returns it. Each replica reports its version; until all have
+        confirmed `version`, none is used.
+
+        Under Ray the tensors go straight from the actor's ranks to the replicas in buckets of
+        `bucket_bytes` (`dapo_core.compute.weight_transport`), never through the object store or the driver:
+        `same_device` links pair actor rank i with replica i where they share a device (`actor_where[i]`,
+        the ranks' node and GPUs, against the replica's placement), else one `broadcast` link from rank 0.
+        `transport` forces one kind (`auto` chooses). In-process, the replica loads the actor's tensors as
+        they are produced. The push's figures are kept in `last_push` (`weight_sync/*`)."""
+        self.versions = [None] * len(self.workers)
+        if not (handle_of(actor).is_ray and all(handle_of(w).is_ray for w in self.workers)):
+            for w in self.workers:
+                w.sync_weights(actor.sync_tensors())
+            self.last_push = {}
+            return self.set_weight_version(version)
+        ends = [f.result() for f in [submit(w.weight_endpoint) for w in self.workers]]
+        ranks = group_size(actor)
+        kind = link_kind(transport, ranks, list(actor_where), [self.placement.get(n, {}) for n in self.names])
+        hosts = ends if kind == "same_device" else ends[:1]
+        links = plan_links(
+            kind,
+            ranks,
+            [(e["host"], int(e["port"])) for e in hosts],
+            bucket_bytes=int(bucket_bytes),
+            dtype=str(ends[0]["dtype"]),
+            device=str(ends[0]["device"]),
+            tag=f"push-{version}-{uuid.uuid4().hex[:8]}",
+        )
+        specs = [dataclasses.asdict(link) for link in links]
+        started: list[Future[dict[str, float]]] = [submit(actor.send_weights, specs, str(ends[0]["dtype"]))]
+        for i, w in enumerate(self.workers):
+            link, index = (specs[i], 0) if kind == "same_device" else (specs[0], i)
+            started.append(submit(w.receive_weights, link, index))
+        outcomes: list[Any] = []
+        for f in started:  # every end is waited for, so no call is left running when one failed
+            try:
+                outcomes.append(f.result())
+            except Exception as exc:
+                outcomes.append(exc)
+        failed = [o for o in outcomes if isinstance(o, Exception)]
+        if failed:
+            raise failed[0]
+        sent = outcomes[0]
+        self.last_push = {
+            **sent,
+            "weight_sync/max_message_bytes": max(o["weight_sync/max_message_bytes"] for o in outcomes),
+            "weight_sync/same_device": float(kind == "same_device"),
+        }
+        return self.set_weight_version(version)
+
     def push(self, source: Callable[[], Any], version: int) -> int:
         """Load `source()` (the actor's HF-named weights; computed once, and fetched by each replica from the
         object store under Ray) into every replica and stamp them `version`; returns it. Each replica reports

@@ -61,6 +61,10 @@ _ENUMS: dict[str, tuple[tuple[str, ...], str]] = {
     "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype": (TRAIN_DTYPES, ""),
     "trainer.max_off_policy_strategy": (("drop", "wait"), ""),
     "trainer.device": (("cpu", "cuda", "auto"), ""),
+    "actor_rollout_ref.rollout.weight_transport": (
+        ("auto", "same_device", "broadcast"),
+        "auto: same_device where each actor rank shares a device with one replica",
+    ),
 }
 """Keys whose value must be one of a fixed set (key -> (allowed, hint))."""
 
@@ -68,6 +72,7 @@ _POSITIVE_INTS = (
     "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
     "data.synthetic.num_train", "data.synthetic.num_val", "data.synthetic.num_operands",
     "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs",
+    "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
     "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.val_kwargs.n",
     "actor_rollout_ref.rollout.tensor_model_parallel_size",
     "actor_rollout_ref.model.sft.batch_size", "trainer.parameter_sync_step",

@@ -406,13 +406,19 @@ class RolloutConfig:
     free_cache_engine: bool = True
     """Colocated GPUs: the engine frees its memory while training (vLLM sleep mode, HF cached blocks)."""
     enable_chunked_prefill: bool = True
-    """vLLM: chunked prefill. Not implemented yet (default only)."""
+    """vLLM on GPU: chunked prefill (on CPU it stays off: seeded sampling cannot rewind a CPU generator)."""
     max_num_batched_tokens: int = 8192
-    """vLLM: tokens per engine step. Not implemented yet (default only)."""
+    """vLLM: tokens per engine step."""
+    max_model_len: int | None = None
+    """vLLM: longest prompt + response to hold (null: max_prompt_length + max_response_length)."""
     max_num_seqs: int = 1024
     """Most sequences decoded at once: vLLM's max_num_seqs, the hf engine's rows per forward (lower: OOM)."""
     dtype: str = "auto"
     """Rollout model precision: auto (hf float32; vLLM float32 on CPU, bf16 on GPU) | float32 | bfloat16."""
+    update_weights_bucket_megabytes: int = 512
+    """Weight sync: the bucket the actor's tensors travel in, MiB (verl's key); no message is larger."""
+    weight_transport: str = "auto"
+    """Weight sync links: auto | same_device (rank i to replica i, shared memory / CUDA IPC) | broadcast."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling for validation."""
 

@@ -21,8 +21,6 @@ from dapo_core.config.schema import DapoConfig
 
 __all__ = ["NOT_IMPLEMENTED", "NO_OPS", "default_value", "not_implemented_problems"]
 
-_VLLM = "not passed to vLLM yet: vLLM's own default applies"
-
 NOT_IMPLEMENTED: dict[str, str] = {
     "data.prompt_key": "prompts are read from the `prompt` column",
     "data.reward_fn_key": "rows are routed to their scoring function by the `data_source` column",
@@ -30,8 +28,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
         "a checkpoint always holds model, optimizer, extra and hf_model"
     ),
     "actor_rollout_ref.actor.checkpoint.load_contents": "resume always restores model, optimizer and extra",
-    "actor_rollout_ref.rollout.enable_chunked_prefill": _VLLM,
-    "actor_rollout_ref.rollout.max_num_batched_tokens": _VLLM,
     "reward_model.reward_manager": (
         "the one reward manager is verl's dapo manager; with overlong_buffer.enable=false it scores as "
         "verl's naive one"

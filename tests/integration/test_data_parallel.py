@@ -23,7 +23,13 @@ pytestmark = pytest.mark.slow
 SIGNAL = {"data.max_response_length": 16, "reward_model.overlong_buffer.len": 12}
 """Rewards that vary within a group (the briefly warmed-up model answers nothing right, but the overlong
 penalty grows with the length after 4 tokens), so the advantages and the gradients are not zero."""
-DP2 = {"actor_rollout_ref.actor.strategy": "fsdp2", "trainer.n_gpus_per_node": 2, "trainer.use_ray": "true"}
+DP2 = {
+    "actor_rollout_ref.actor.strategy": "fsdp2",
+    "trainer.n_gpus_per_node": 2,
+    "trainer.use_ray": "true",
+    "actor_rollout_ref.rollout.update_weights_bucket_megabytes": 1,
+}
+"""Two actor ranks, two rollout replicas, weights pushed rank i to replica i in 1 MiB buckets."""
 
 
 def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
@@ -69,6 +75,10 @@ def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets):
     }
     figures = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm")
     figures += ("actor/kl_loss",)
+    for row in logged["dp2"]:  # each push went rank to replica through shared memory, no message > 1 MiB
+        assert row["weight_sync/same_device"] == 1.0, row["step"]
+        assert 0 < row["weight_sync/max_message_bytes"] <= 1 << 20, row["step"]
+        assert row["weight_sync/buckets"] >= 1 and row["weight_sync/bytes"] > 0, row["step"]
     for row1, row2 in zip(logged["dp1"], logged["dp2"], strict=True):  # the same figures, step by step
         assert row1["step"] == row2["step"]
         for key in figures:

@@ -219,6 +219,12 @@ class DeepSpeedTrainEngine(TrainEngine):
                 return {k: v.detach().clone() for k, v in sd.items()}
             return {k: v.detach() for k, v in sd.items()}
 
+    def iter_sync_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | str]]:
+        """The weights one at a time, inside the gather of the full parameters (ZeRO-3 gathers them all at
+        once: a per-layer gather is not implemented)."""
+        with self._full_params():
+            yield from super().iter_sync_tensors(dtype)
+
     def export_hf(self, out_dir: str | Path) -> Path:
         """Write the full (gathered) weights as an HF folder with the tokenizer."""
         with self._full_params():

@@ -342,10 +342,18 @@ class HFRolloutEngine(RolloutEngine):
     def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
     ) -> None:
-        """Copy HF-named tensors into the model (names may carry a `module.` prefix).
+        """Copy HF-named tensors into the model (`load_tensors`); bumps `weight_version` by one, or sets it
+        to `version`."""
+        self.load_tensors(named_tensors)
+        self.weight_version = self.weight_version + 1 if version is None else version
 
-        Unknown names raise `KeyError` naming them. Bumps `weight_version` by one, or sets it to `version`.
-        """
+    @torch.no_grad()
+    def load_tensors(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], max_message_bytes: int | None = None
+    ) -> None:
+        """Copy HF-named tensors into the model one at a time (names may carry a `module.` prefix; each is
+        cast and copied in place, no temporary). Unknown names raise `KeyError` naming them; a shape
+        mismatch raises `ValueError`."""
         state = self.model.state_dict()
         unknown = []
         for name, tensor in named_tensors:
@@ -360,13 +368,19 @@ class HFRolloutEngine(RolloutEngine):
                     f"{tuple(dst.shape)}; the trainer and rollout models differ (check "
                     "actor_rollout_ref.model.path)."
                 )
-            dst.copy_(tensor.detach())  # casts and moves in place: no temporary per tensor
+            dst.copy_(tensor.detach())
         if unknown:
             raise KeyError(
                 f"sync_weights: parameter names not in the rollout model: {unknown[:5]}"
                 f"{' ...' if len(unknown) > 5 else ''}; send HF names (state_dict_for_sync)."
             )
-        self.weight_version = self.weight_version + 1 if version is None else version
+
+    def weight_names(self) -> set[str]:
+        return set(self.model.state_dict())
+
+    @property
+    def weight_dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     def load_weights_from(self, path: str | Path, version: int | None = None) -> None:
         """Reload every `*.safetensors` file of the HF folder `path` into the model; bumps

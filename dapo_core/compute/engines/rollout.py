@@ -109,6 +109,23 @@ class RolloutEngine(abc.ABC):
         """Copy weights (HF parameter names) from the trainer in place; bumps `weight_version`."""
 
     @abc.abstractmethod
+    def load_tensors(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], max_message_bytes: int | None = None
+    ) -> None:
+        """Copy these weights in place as they come (part of a push: the version is not bumped); an engine
+        that forwards them to other processes sends at most `max_message_bytes` at a time (one tensor
+        larger than that goes alone)."""
+
+    @abc.abstractmethod
+    def weight_names(self) -> set[str]:
+        """The HF parameter names a push must cover."""
+
+    @property
+    @abc.abstractmethod
+    def weight_dtype(self) -> str:
+        """The dtype the engine holds its weights in (what a push sends), e.g. `bfloat16`."""
+
+    @abc.abstractmethod
     def load_weights_from(self, path: str | Path) -> None:
         """Reload all weights from an HF folder (safetensors); bumps `weight_version`."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import json
 import logging
 import os
@@ -67,16 +68,35 @@ def _after_reload(worker: Any) -> None:
         _repack_cpu_embeddings(worker.model_runner.get_model())
 
 
+def _worker_reload(worker: Any, **kwargs: Any) -> None:
+    """The worker-level `reload_weights` under the worker's vLLM config (`set_current_vllm_config`, which
+    the model runner's method alone skips); the model runner's where the worker has no such method."""
+    import contextlib
+
+    try:
+        from vllm.config import set_current_vllm_config
+
+        scope: Any = set_current_vllm_config(worker.vllm_config)
+    except (ImportError, AttributeError):
+        scope = contextlib.nullcontext()
+    with scope:
+        own = getattr(type(worker), "reload_weights", None)
+        if own is not None and "weights_iterator" in inspect.signature(own).parameters:
+            worker.reload_weights(**kwargs)
+        else:
+            worker.model_runner.reload_weights(**kwargs)
+
+
 def _reload_weights_on_worker(worker: Any, named: list[tuple[str, torch.Tensor]]) -> int:
     """Runs inside each vLLM worker (via `collective_rpc`): load HF-format tensors in place."""
-    worker.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+    _worker_reload(worker, weights_iterator=iter(named), is_checkpoint_format=True)
     _after_reload(worker)
     return len(named)
 
 
 def _reload_path_on_worker(worker: Any, path: str) -> None:
     """Runs inside each vLLM worker: reload every weight from the HF folder `path`."""
-    worker.model_runner.reload_weights(weights_path=path, is_checkpoint_format=True)
+    _worker_reload(worker, weights_path=path, is_checkpoint_format=True)
     _after_reload(worker)
 
 
@@ -328,11 +348,43 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._asleep and "weights" not in self._awake_tags:
             raise RuntimeError("VLLMRolloutEngine.sync_weights called while asleep; call wake_up() first.")
         named = self._check_named(named_tensors)
+        self._send(named)
+        self.llm.reset_prefix_cache()
+        self.weight_version = self.weight_version + 1 if version is None else version
+
+    def _send(self, named: list[tuple[str, torch.Tensor]]) -> None:
         # The tensors travel inside the pickled callable: passed as `args`, vLLM decodes them in the engine
         # process as views of its receive buffer, which cannot be forwarded to the workers.
         self.llm.collective_rpc(functools.partial(_reload_weights_on_worker, named=named))
+
+    def load_tensors(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], max_message_bytes: int | None = None
+    ) -> None:
+        """Forward HF-named tensors to every vLLM worker in groups of at most `max_message_bytes` (a larger
+        tensor alone), each group loaded by the workers' own `reload_weights` as it arrives: no message
+        holds the whole model. Names and shapes are checked per group. The version is not bumped."""
+        if self._asleep and "weights" not in self._awake_tags:
+            raise RuntimeError("VLLMRolloutEngine.load_tensors called while asleep; call wake_up() first.")
+        limit = max_message_bytes or (1 << 62)
+        group: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in named_tensors:
+            n = tensor.numel() * tensor.element_size()
+            if group and size + n > limit:
+                self._send(self._check_named(group))
+                group, size = [], 0
+            group.append((name, tensor))
+            size += n
+        if group:
+            self._send(self._check_named(group))
         self.llm.reset_prefix_cache()
-        self.weight_version = self.weight_version + 1 if version is None else version
+
+    def weight_names(self) -> set[str]:
+        return set(self._shapes)
+
+    @property
+    def weight_dtype(self) -> str:
+        return str(self.llm_kwargs["dtype"])
 
     def load_weights_from(self, path: str | Path, version: int | None = None) -> None:
         """Reload every weight from the HF folder `path` (same architecture); bumps `weight_version`."""

@@ -11,7 +11,7 @@ docs/REFERENCE.md §1.4:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -349,6 +349,23 @@ class ActorWorker:
             out[k] = copies[key]
         return HostWeights(out)
 
+    def send_weights(self, links: list[dict[str, Any]], dtype: str) -> dict[str, float]:
+        """Stream the current weights, gathered one tensor at a time in `dtype`, over the push's links whose
+        sender is this rank (`dapo_core.compute.weight_transport`); every rank calls it, since the gathers
+        are collectives. Returns this rank's `weight_sync/*` figures."""
+        from dapo_core.compute.weight_transport import Link, send_all
+
+        rank = self.dp.rank if self.dp is not None else 0
+        named = _hf_names(self.engine.iter_sync_tensors(getattr(torch, dtype)))
+        return send_all(named, [Link(**d) for d in links], rank).as_metrics()
+
+    def sync_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current weights one at a time under HF names, tied names left out (a model tied like this
+        one shares the tensor): an in-process push (`RolloutWorker.sync_weights`)."""
+        for name, t in _hf_names(self.engine.iter_sync_tensors()):
+            if not isinstance(t, str):
+                yield name, t
+
     def save_checkpoint(self, path: str) -> None:
         """Weights (HF safetensors), optimizer, scheduler and RNG states into `path`."""
         self.engine.save(path)
@@ -364,6 +381,14 @@ class ActorWorker:
     def lr(self) -> float:
         """Current learning rate."""
         return float(self.engine.lr)
+
+
+def _hf_names(
+    items: Iterable[tuple[str, torch.Tensor | str]],
+) -> Iterator[tuple[str, torch.Tensor | str]]:
+    """Names (and alias targets) without the `module.` prefix a wrapping engine adds."""
+    for name, t in items:
+        yield name.removeprefix("module."), t.removeprefix("module.") if isinstance(t, str) else t
 
 
 class RefWorker:

@@ -16,8 +16,9 @@ mode; the HF engine returns its cached blocks) and the next generation or weight
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -160,17 +161,55 @@ class RolloutWorker:
     def sync_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
     ) -> int:
-        """Load new weights (HF names) into the engine; returns the new weight version."""
+        """Load new weights (HF names) into the engine, as they come (an in-process push streams them);
+        returns the new weight version."""
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        if self._released:  # the weights first, so the cache takes its room only after the load (vLLM)
-            engine: Any = self.engine
-            engine.wake_up(tags=["weights"])
-            engine.sync_weights(items)
-            engine.wake_up(tags=["kv_cache"])
-            self._released = False
-            return self.engine.weight_version
-        self.engine.sync_weights(items)
+        with self._loading():
+            self.engine.sync_weights(items)
         return self.engine.weight_version
+
+    def weight_endpoint(self) -> dict[str, Any]:
+        """Where a push's control group can meet on this worker's node (its address and a free port), and
+        the device and dtype this worker's engine takes weights in."""
+        from dapo_core.compute.dist import free_port, node_address
+
+        return {
+            "host": node_address(),
+            "port": free_port(),
+            "device": "cuda" if self.device == "cuda" else "cpu",
+            "dtype": self.engine.weight_dtype,
+        }
+
+    def receive_weights(self, link: Mapping[str, Any], index: int) -> dict[str, float]:
+        """Receive one push over `link` (`dapo_core.compute.weight_transport`; this worker is receiver
+        `index` of it), loading each tensor as it completes; the push must cover every weight of the engine.
+        Bumps the weight version; returns the push's `weight_sync/*` figures on this end."""
+        from dapo_core.compute.weight_transport import Link, receive_into
+
+        spec = Link(**dict(link))
+        with self._loading():
+            stats = receive_into(
+                spec,
+                index,
+                lambda named: self.engine.load_tensors(named, spec.bucket_bytes),
+                expect=self.engine.weight_names(),
+            )
+        self.engine.weight_version += 1
+        return stats.as_metrics()
+
+    @contextlib.contextmanager
+    def _loading(self) -> Iterator[None]:
+        """Around a weight load: a released (sleeping) engine wakes its weights first and its cache only
+        after the load, so the cache takes its room once the new weights are in (vLLM level 2 then pushes
+        into freshly allocated weights)."""
+        if not self._released:
+            yield
+            return
+        engine: Any = self.engine
+        engine.wake_up(tags=["weights"])
+        yield
+        engine.wake_up(tags=["kv_cache"])
+        self._released = False
 
     def set_weight_version(self, version: int) -> int:
         """Stamp the engine's weight version (after a resume the loaded weights carry the checkpoint's
@@ -179,13 +218,16 @@ class RolloutWorker:
         return self.engine.weight_version
 
     def release_memory(self) -> None:
-        """Free the engine's GPU memory while the training ranks on the same GPUs run: vLLM's sleep mode
-        (level 1: weights to host RAM, KV cache dropped; needs `enable_sleep_mode`), else the CUDA caching
-        allocator's free blocks. No-op on CPU."""
+        """Free the engine's GPU memory while the training ranks on the same GPUs run: vLLM's sleep mode at
+        level 2 (weights and KV cache dropped, nothing kept in host RAM; the next push loads the weights,
+        as verl does; needs `enable_sleep_mode`), else the CUDA caching allocator's free blocks. No-op on
+        CPU. The discarded weights hold no version (-1), so a generation before the next push is refused
+        as stale (`check_version`) instead of sampling from them."""
         engine: Any = self.engine  # sleep mode: the vLLM engine's
         if getattr(engine, "enable_sleep_mode", False):
             if not self._released:
-                engine.sleep(level=1)
+                engine.sleep(level=2)
+                engine.weight_version = -1
                 self._released = True
         elif self.device == "cuda" and torch.cuda.is_available():
             torch.cuda.empty_cache()
