@@ -1,13 +1,15 @@
-"""Shared fixtures for integration tests: an isolated Prefect home, small data and a tiny base model, and the
-crash tests' `kill_at` / `kill_and_resume`."""
+"""Shared fixtures for integration tests: an isolated Prefect home, small data and a tiny base model, the
+3-step reference run (trained once per test session, read-only: a test that changes a run works on
+`copy_run`'s copy), and the crash tests' `kill_at` / `kill_and_resume`."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,62 @@ def tiny_assets(tmp_path_factory, prefect_home):
     prepare_data_flow(to_yaml(cfg))
     base_model_flow(to_yaml(cfg))
     return root
+
+
+SECRET = "s3cr3t-value-never-on-disk"
+"""The value of DAPO_TEST_API_KEY while the reference run trains: its config names the variable, never it."""
+REFERENCE_RUN = {
+    **SHORT_RUN,
+    "trainer.experiment_name": "short",
+    "trainer.project_name": "${oc.env:DAPO_TEST_API_KEY}",  # a secret referenced from the environment
+}
+"""Overrides of the reference run: `SHORT_RUN`, named `short`, whose project name is a secret kept in the
+environment (DAPO_TEST_API_KEY)."""
+
+
+def reference_overrides(root: Path, runs_dir: Path | None = None, **extra) -> list[str]:
+    """`tiny_overrides` of the reference run (with its run folder under `runs_dir` when given)."""
+    runs = {} if runs_dir is None else {"trainer.runs_dir": str(runs_dir)}
+    return tiny_overrides(root, **{**REFERENCE_RUN, **runs, **extra})
+
+
+def _contents(run: Path) -> dict[str, str]:
+    """sha256 of every file of the run folder but the ledger database (which readers open) and the trust
+    records readers add beside stage files."""
+    import hashlib
+
+    return {
+        str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and not p.name.startswith(("ledger.sqlite", "."))
+    }
+
+
+@pytest.fixture(scope="session")
+def short_reference(tiny_assets, tmp_path_factory) -> Iterator[Path]:
+    """The uninterrupted 3-step reference run (`REFERENCE_RUN`, in-process workers, every step folder kept),
+    trained once per test session by the real dapo-train flow; yields its run folder. Read it only: a test
+    that changes a run (resumes, corrupts, moves it) works on `copy_run(short_reference, ...)`; at the end of
+    the session its files must be as trained."""
+    from dapo_core.config import load_config, to_yaml
+    from flows.dapo_train import dapo_train
+
+    runs = tmp_path_factory.mktemp("reference") / "runs"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DAPO_TEST_API_KEY", SECRET)
+        cfg = load_config(CONFIG, reference_overrides(tiny_assets, runs))
+        out = dapo_train(to_yaml(cfg), REFERENCE_RUN["trainer.experiment_name"])
+    assert out["train_step"] == 3
+    run = Path(out["run_dir"])
+    trained = _contents(run)
+    yield run
+    now = _contents(run)
+    changed = sorted(k for k in trained.keys() | now.keys() if trained.get(k) != now.get(k))
+    assert not changed, f"a test changed the read-only reference run {run}: {changed[:10]}"
+
+
+def copy_run(run: Path, runs_dir: Path) -> Path:
+    """A copy of the run folder `run` as `runs_dir/<its name>` (a run is named by its folder); returns it."""
+    dst = runs_dir / run.name
+    shutil.copytree(run, dst, symlinks=True)
+    return dst

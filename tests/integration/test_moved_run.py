@@ -1,10 +1,11 @@
-"""A run folder moved to another directory and resumed from there (issue 30, an operator's case).
+"""A run folder moved to another directory and resumed from there (an operator's case).
 
-A sync-order run keeps no absolute path: killed, moved and resumed with the new `trainer.runs_dir`, it ends
-bitwise equal to the uninterrupted run. A replay-buffer run's ledger names its stage files by their absolute
-location, so the resumed run used to die at its next checkpoint (after Prefect and the workers started) with
-"... is not a stage file of the run folder ..."; it is now refused by the preflight with one paragraph that
-names both folders and the fix, and resumed where it was written (through a link) it ends bitwise equal.
+A sync-order run keeps no absolute path: killed, moved and resumed with the new `trainer.runs_dir` (a copy of
+the session's reference run, whose own folder is out of reach while the copy resumes), it ends bitwise equal
+to the uninterrupted run. A replay-buffer run's ledger names its stage files by their absolute location, so
+a resume from a new folder would fail at its next checkpoint (after Prefect and the workers started) with
+"... is not a stage file of the run folder ..."; the preflight refuses it with one paragraph that names both
+folders and the fix, and resumed where it was written (through a link) it ends bitwise equal.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ import pytest
 from safetensors.torch import load_file
 
 from dapo_core.config import load_config, to_yaml
-from tests.integration.conftest import CONFIG, SHORT_RUN, tiny_overrides
+from tests.integration.conftest import (
+    CONFIG,
+    SECRET,
+    SHORT_RUN,
+    assert_same_weights,
+    copy_run,
+    reference_overrides,
+    tiny_overrides,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -49,17 +58,24 @@ def _snapshot(run: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.timeout(1200)
-def test_a_moved_sync_run_resumes_bitwise_from_its_new_folder(tiny_assets):
-    old, new = tiny_assets / "runs_sync_old", tiny_assets / "runs_sync_new"
-    assert _train(tiny_assets, old, "sync")["train_step"] == 3
-    straight = _weights(old / RUN, 3)
-    _killed_before_step_3_was_saved(old / RUN)
-    new.mkdir()
-    shutil.move(str(old / RUN), str(new / RUN))
-    out = _train(tiny_assets, new, "sync")
-    assert out["train_step"] == 3 and Path(out["run_dir"]) == new / RUN
-    resumed = _weights(new / RUN, 3)
-    assert all((straight[k] == resumed[k]).all() for k in straight)
+def test_a_moved_sync_run_resumes_bitwise_from_its_new_folder(
+    tiny_assets, short_reference, tmp_path, monkeypatch
+):
+    from flows.dapo_train import dapo_train
+
+    monkeypatch.setenv("DAPO_TEST_API_KEY", SECRET)  # the reference run's project name reads it
+    new = tmp_path / "runs_sync_new"
+    run = copy_run(short_reference, new)
+    _killed_before_step_3_was_saved(run)
+    cfg = load_config(CONFIG, reference_overrides(tiny_assets, new))
+    away = short_reference.with_name(f"{short_reference.name}.away")
+    short_reference.rename(away)  # the folder the run was written in is gone, as after a move
+    try:
+        out = dapo_train(to_yaml(cfg), run.name)
+    finally:
+        away.rename(short_reference)
+    assert out["train_step"] == 3 and Path(out["run_dir"]) == run
+    assert_same_weights(short_reference, run, 3)
 
 
 @pytest.mark.timeout(1200)

@@ -1,14 +1,12 @@
-"""The ledger writes of the synchronous step order after the orchestration cuts (issue 11, item 6): prompts
-drawn inside the generate task enter the ledger `running` in one transaction, the reward task records the
-trajectories and finishes the prompts in one transaction. A run SIGKILLed right after step 2's prompts are
-committed (before the ledger knows them) resumes to the same ledger and weights as an uninterrupted run. The
-reward task also filters the groups and assembles the step's batch once the kept groups suffice (no
-filter_groups or assemble_batch task)."""
+"""The ledger writes of the synchronous step order: prompts drawn inside the generate task enter the ledger
+`running` in one transaction, the reward task records the trajectories and finishes the prompts in one
+transaction. A run SIGKILLed right after step 2's prompts are committed (before the ledger knows them)
+resumes to the same ledger and weights as the uninterrupted reference run. The reward task also filters the
+groups and assembles the step's batch once the kept groups suffice (no filter_groups or assemble_batch
+task)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,7 +14,7 @@ import pytest
 
 from dapo_core.config import load_config, typed
 from dapo_core.store import RunStore
-from tests.integration.conftest import CONFIG, ROOT, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
+from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +30,10 @@ def _ledger(run: Path) -> dict[str, dict]:
 
 
 @pytest.mark.timeout(900)
-def test_ledger_after_a_kill_between_prompt_commit_and_generation_equals_the_straight_run(tiny_assets):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def cmd(name: str) -> list[str]:
-        return train_cmd(tiny_overrides(tiny_assets, **COMMON, **{"trainer.experiment_name": name}))
-
-    subprocess.run(cmd("ledger-straight"), check=True, env=env, cwd=ROOT, capture_output=True)
-    straight = tiny_assets / "runs" / "ledger-straight"
+def test_ledger_after_a_kill_between_prompt_commit_and_generation_equals_the_straight_run(
+    tiny_assets, short_reference
+):
+    straight = short_reference
     ledger = _ledger(straight)
     prompts = {k: t for k, t in ledger.items() if t["is_prompt"]}
     n = 4  # actor_rollout_ref.rollout.n of tiny_overrides
@@ -56,10 +50,9 @@ def test_ledger_after_a_kill_between_prompt_commit_and_generation_equals_the_str
 
     run = tiny_assets / "runs" / "ledger-killed"
     kill_and_resume(
-        cmd("ledger-killed"),
+        train_cmd(tiny_overrides(tiny_assets, **COMMON, **{"trainer.experiment_name": "ledger-killed"})),
         run,
         "step_000002/prompts_g0.manifest.json",
-        env=env,
         after_kill=killed_after_step_2s_prompts,
         reference=straight,
     )

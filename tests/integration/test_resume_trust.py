@@ -1,4 +1,4 @@
-"""Resume trust on the real dapo-train flow (real Prefect, in-process workers, real run store; issue 12):
+"""Resume trust on the real dapo-train flow (real Prefect, in-process workers, real run store):
 a lost `latest` pointer is recovered (never a restart at step 0) and the run ends bitwise equal to an
 uninterrupted one; a corrupted stage file shadowed by a later stage is found and recomputed; metrics rows are
 never duplicated; every attempt's config is kept and secrets stay `${oc.env:...}` references; changed inputs
@@ -13,22 +13,25 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from safetensors.torch import load_file
 
 from dapo_core.config import load_config, to_yaml
 from dapo_core.store import RunStore, StoreError
 from dapo_core.store.checkpoint import CheckpointError
 from dapo_core.store.fingerprints import InputsChanged
-from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
+from tests.integration.conftest import (
+    CONFIG,
+    REFERENCE_RUN,
+    SECRET,
+    actor_weights,
+    copy_run,
+    kill_and_resume,
+    tiny_overrides,
+    train_cmd,
+)
 
 pytestmark = pytest.mark.slow
 
-COMMON = {
-    **SHORT_RUN,
-    "trainer.experiment_name": "trust",
-    "trainer.project_name": "${oc.env:DAPO_TEST_API_KEY}",  # a secret referenced from the environment
-}
-SECRET = "s3cr3t-value-never-on-disk"
+COMMON = {**REFERENCE_RUN, "trainer.experiment_name": "trust"}  # the project name is a secret's reference
 
 
 def _train(root: Path, run_id: str = "trust", **extra) -> dict:
@@ -49,11 +52,16 @@ def _crash_after_logging_step_3(run: Path) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_resume_recovers_verifies_and_keeps_records(tiny_assets, monkeypatch):
+def test_resume_recovers_verifies_and_keeps_records(tiny_assets, short_reference, tmp_path, monkeypatch):
     monkeypatch.setenv("DAPO_TEST_API_KEY", SECRET)
-    run = tiny_assets / "runs" / "trust"
-    assert _train(tiny_assets)["train_step"] == 3
-    straight = load_file(str(run / "ckpt" / "step_3" / "actor" / "model.safetensors"))
+    run = copy_run(short_reference, tmp_path / "runs")  # the uninterrupted run, trained with COMMON's config
+    straight = actor_weights(short_reference, 3)
+
+    def resume(**extra) -> dict:
+        """Resume the copy (its name and folder) with COMMON and `extra`."""
+        where = {"trainer.experiment_name": run.name, "trainer.runs_dir": str(run.parent)}
+        return _train(tiny_assets, run_id=run.name, **where, **extra)
+
     first_record = (run / "config.1.yaml").read_text()
     assert _metric_steps(run) == [1, 2, 3] and "${oc.env:DAPO_TEST_API_KEY}" in first_record
     assert json.loads((run / "inputs.json").read_text())["data"]["train"]["rows"] == 400
@@ -64,9 +72,9 @@ def test_resume_recovers_verifies_and_keeps_records(tiny_assets, monkeypatch):
     data = bytearray(gen.read_bytes())
     data[len(data) // 2] ^= 0xFF
     gen.write_bytes(bytes(data))
-    out = _train(tiny_assets)
+    out = resume()
     assert out["train_step"] == 3  # resumed at step 2 (not restarted at 0) and re-ran step 3
-    resumed = load_file(str(run / "ckpt" / "step_3" / "actor" / "model.safetensors"))
+    resumed = actor_weights(run, 3)
     assert all((straight[k] == resumed[k]).all() for k in straight)  # bitwise equal to the uninterrupted run
     with RunStore(run) as store:
         store.verify_stage(3, "generate_g0")  # the corrupted file was found and recomputed
@@ -82,14 +90,14 @@ def test_resume_recovers_verifies_and_keeps_records(tiny_assets, monkeypatch):
     changed = tiny_assets / "data" / "train_changed.parquet"
     pq.write_table(table.take(list(range(table.num_rows - 1, -1, -1))), changed)  # same rows, re-ordered
     with pytest.raises(InputsChanged) as ei:
-        _train(tiny_assets, **{"data.train_files": f"[{changed}]"})
+        resume(**{"data.train_files": f"[{changed}]"})
     msg = str(ei.value)
     assert "train data" in msg and "train_changed.parquet" not in msg and "allow_changed_inputs" in msg
     assert not (run / "config.3.yaml").exists()  # no record for an attempt that did not pass setup
 
     # 3. ... allowed explicitly: the stored rollouts of step 3 (old data) are regenerated, never replayed
     before = json.loads((run / "step_000003" / "prompts_g0.manifest.json").read_text())["created"]
-    out = _train(tiny_assets, **{"data.train_files": f"[{changed}]", "trainer.allow_changed_inputs": "true"})
+    out = resume(**{"data.train_files": f"[{changed}]", "trainer.allow_changed_inputs": "true"})
     assert out["train_step"] == 3 and (run / "config.3.yaml").exists()
     assert json.loads((run / "step_000003" / "prompts_g0.manifest.json").read_text())["created"] > before
     assert (run / "inputs.3.replaced.json").exists()
@@ -114,7 +122,7 @@ def test_resume_recovers_verifies_and_keeps_records(tiny_assets, monkeypatch):
     for side in run.glob("ledger.sqlite-*"):
         side.unlink()
     with pytest.raises(StoreError, match="ledger"):
-        _train(tiny_assets, **{"data.train_files": f"[{changed}]"})
+        resume(**{"data.train_files": f"[{changed}]"})
     assert not (run / "ledger.sqlite").exists()
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pytest
 
 from dapo_core.store import RunStore
 from dapo_core.store.retention import apply_retention, retained_steps
@@ -77,34 +76,3 @@ def test_sigkill_between_rename_and_removal(tmp_path):
         assert apply_retention(store, 3) == []
     assert not [p for p in root.iterdir() if p.name.startswith(".trash-")]
     assert os.listdir(root / "step_000004")
-
-
-@pytest.mark.timeout(900)
-def test_default_retention_in_a_killed_run_and_resume_stays_bitwise(tiny_assets):
-    """With `keep_rollouts_every=0` a run keeps only the step folders after its latest checkpoint; a run
-    SIGKILLed inside step 3 and resumed ends bitwise equal to an uninterrupted run that kept everything."""
-    from tests.integration.conftest import ROOT, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
-
-    def cmd(name: str, keep: int) -> list[str]:
-        extra = {**SHORT_RUN, "trainer.experiment_name": name, "trainer.keep_rollouts_every": keep}
-        return train_cmd(tiny_overrides(tiny_assets, **extra))
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd("kept", 1), check=True, env=env, cwd=ROOT, capture_output=True)
-
-    def killed_inside_step_3(run: Path) -> None:
-        with RunStore(run) as store:
-            assert store.steps() == [3]  # steps 1 and 2 went after checkpoints 1 and 2
-
-    run = tiny_assets / "runs" / "bounded"
-    kill_and_resume(
-        cmd("bounded", 0),
-        run,
-        "step_000003/generate_g0.manifest.json",
-        after_kill=killed_inside_step_3,
-        reference=tiny_assets / "runs" / "kept",
-    )
-    with RunStore(run) as store:
-        assert store.steps() == []  # step 3 is covered by the final checkpoint
-    with RunStore(tiny_assets / "runs" / "kept") as store:
-        assert store.steps() == [1, 2, 3]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,6 @@ from dapo_core.config import load_config, to_yaml, typed
 from dapo_core.stages import DynamicSamplingExhausted
 from tests.integration.conftest import (
     CONFIG,
-    ROOT,
     SHORT_RUN,
     kill_and_resume,
     tiny_overrides,
@@ -114,26 +111,31 @@ def _weights(run: Path, step: int) -> dict:
 
 
 @pytest.mark.timeout(900)
-def test_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
+def test_killed_and_resumed_run_ends_bitwise_equal(tiny_assets, short_reference):
     """SIGKILL the training process inside step 3, start it again with the same run id: final weights are
-    equal bit for bit to an uninterrupted run (CPU, one thread)."""
-
-    def short(name: str) -> list[str]:
-        return tiny_overrides(tiny_assets, **SHORT_RUN, **{"trainer.experiment_name": name})
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(train_cmd(short("straight")), check=True, env=env, cwd=ROOT, capture_output=True)
+    equal bit for bit to an uninterrupted run (CPU, one thread). The killed run has the default retention
+    (`keep_rollouts_every=0`: only the step folders after its latest checkpoint are kept); the uninterrupted
+    one kept everything."""
+    from dapo_core.store import RunStore
 
     def killed_inside_step_3(run: Path) -> None:
         assert (run / "ckpt" / "latest").read_text().strip() == "2"
+        with RunStore(run) as store:
+            assert store.steps() == [3]  # steps 1 and 2 went after checkpoints 1 and 2
 
+    extra = {**SHORT_RUN, "trainer.experiment_name": "resumed", "trainer.keep_rollouts_every": 0}
+    run = tiny_assets / "runs" / "resumed"
     kill_and_resume(
-        train_cmd(short("resumed")),
-        tiny_assets / "runs" / "resumed",
+        train_cmd(tiny_overrides(tiny_assets, **extra)),
+        run,
         "step_000003/generate_g0.manifest.json",
         after_kill=killed_inside_step_3,
-        reference=tiny_assets / "runs" / "straight",
+        reference=short_reference,
     )
+    with RunStore(run) as store:
+        assert store.steps() == []  # step 3 is covered by the final checkpoint
+    with RunStore(short_reference) as store:
+        assert store.steps() == [1, 2, 3]
 
 
 def test_every_optional_stage_runs_gae_critic_kl_and_rollout_correction(tiny_assets):
