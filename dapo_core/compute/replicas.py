@@ -262,11 +262,10 @@ class RolloutReplicas:
         ends = [f.result() for f in [submit(w.weight_endpoint) for w in self.workers]]
         ranks = group_size(actor)
         kind = link_kind(transport, ranks, list(actor_where), [self.placement.get(n, {}) for n in self.names])
-        hosts = ends if kind == "same_device" else ends[:1]
         links = plan_links(
             kind,
             ranks,
-            [(e["host"], int(e["port"])) for e in hosts],
+            [(e["host"], int(e["port"])) for e in ends],
             bucket_bytes=int(bucket_bytes),
             dtype=str(ends[0]["dtype"]),
             device=str(ends[0]["device"]),

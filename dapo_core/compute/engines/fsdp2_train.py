@@ -184,6 +184,8 @@ class FSDP2TrainEngine(TrainEngine):
         policy = MixedPrecisionPolicy(
             param_dtype=compute, reduce_dtype=None if compute is None and reduce == dtype else reduce
         )
+        self.mp_policy = policy
+        """The FSDP2 mixed-precision policy every unit was sharded with."""
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
