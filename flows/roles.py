@@ -159,13 +159,16 @@ def rollout_replicas(cfg: DapoConfig, cluster: Cluster, model_path: str, device:
     layout = replica_layout(
         cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, ro.tensor_model_parallel_size, ro.name, device
     )
-    engine_opts: dict[str, Any] = {"max_batch_size": ro.max_num_seqs}  # hf: rows per forward
+    # The replicas start with unset weights (nothing read from disk, so they start together cheaply) and the
+    # run's first push (`flows.run_setup.restore`) loads the actor's.
+    engine_opts: dict[str, Any] = {"max_batch_size": ro.max_num_seqs, "dummy_weights": True}  # hf
     if ro.name == "vllm":
         engine_opts = {
             "gpu_memory_utilization": ro.gpu_memory_utilization,
             "tensor_parallel_size": ro.tensor_model_parallel_size,
             "enforce_eager": ro.enforce_eager,
             "max_num_seqs": ro.max_num_seqs,
+            "load_format": "dummy",
             "max_num_batched_tokens": ro.max_num_batched_tokens,
             "max_model_len": ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
             **({"enable_chunked_prefill": ro.enable_chunked_prefill} if device == "cuda" else {}),

@@ -264,7 +264,8 @@ def _resume_path_dir(given: Path, ckpts: CheckpointDir, step: int) -> Path:
 
 
 def restore(rt: TrainRun) -> DriverState:
-    """Load the latest checkpoint (resume_mode auto / resume_path) and prepare later steps for replay."""
+    """Load the latest checkpoint (resume_mode auto / resume_path), push the actor's weights to the rollout
+    replicas (which start without any) and prepare later steps for replay."""
     cfg = rt.cfg
     state = DriverState(total_steps=total_training_steps(rt))
     ckpts = rt.store.checkpoints
@@ -294,7 +295,7 @@ def restore(rt: TrainRun) -> DriverState:
         if "keep_rate_state" in saved:
             rt.keep_rate.load_state_dict(saved["keep_rate_state"])
         rt.kl_ctrl.value = float(saved["kl_coef"])
-        push_weights(rt, state.weight_version)
+    push_weights(rt, state.weight_version)  # the replicas start with unset weights: every run pushes first
     dropped = rt.tracker.rewind(state.train_step)
     if dropped:
         print(

@@ -4,9 +4,9 @@
 `dapo/<run_id>/<role>` (namespace `dapo`) per role (`rollout`, `actor`, `ref`, `critic`, `reward`) and hands
 out `Handle`s; a task looks a worker up by run id and role (`Cluster.lookup`). `proxy(handle, ActorWorker)`
 is typed as the worker class, so calls are checked against it (and block); `submit(...)` starts one without
-waiting (a `Future`), and `chain(actor.weights, rollout.sync_weights)` hands one worker's result to another
-without routing it through the driver. With `trainer.use_ray=False` the roles are plain objects in this
-process. `shutdown()` kills only the actors this object created and stops Ray only if it started it.
+waiting (a `Future`); `create_many` starts several workers at once. With `trainer.use_ray=False` the roles
+are plain objects in this process. `shutdown()` kills only the actors this object created and stops Ray
+only if it started it.
 
 On CPU each actor asks for `num_cpus=1` and runs torch with one thread; on GPU the model-holding roles ask
 for `num_gpus` each. `trainer.ray_resources.<role>` places a worker on nodes advertising a custom resource
@@ -16,6 +16,7 @@ where each landed. Workers are quiet unless `DAPO_WORKER_LOGS=1`. More in docs/I
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -299,34 +300,6 @@ def submit(method: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> Futu
     return Future(method.handle, method.handle.submit(method.name, *args, **kwargs))
 
 
-def chain(source: Callable[[], R], sink: Callable[[R], S]) -> S:
-    """`sink(source())`, without routing the intermediate result through the driver when both are methods of
-    Ray actor proxies: `sink`'s actor receives the ObjectRef of `source()` and fetches it from the object
-    store. Weight sync is `chain(actor.weights, rollout.sync_weights)`. Plain callables are composed."""
-    if not (isinstance(source, _RemoteMethod) and isinstance(sink, _RemoteMethod)):
-        return sink(source())
-    ref = source.handle.submit(source.name)
-    if source.handle.is_ray and sink.handle.is_ray:
-        return cast(S, sink.handle.wait(sink.handle.submit(sink.name, source.handle.passable(ref))))
-    return cast(S, sink(source.handle.wait(ref)))
-
-
-def broadcast(source: Callable[[], R], sinks: list[Callable[[R], S]]) -> list[S]:
-    """`[sink(source()) for sink in sinks]` with `source()` computed once, the sinks started together and
-    waited in order; between Ray actor proxies every sink's actor fetches the result from the object store
-    (weight sync to every rollout replica), not through the driver."""
-    if not (isinstance(source, _RemoteMethod) and all(isinstance(s, _RemoteMethod) for s in sinks)):
-        value = source()
-        return [sink(value) for sink in sinks]
-    ref = source.handle.submit(source.name)
-    if source.handle.is_ray and all(cast(_RemoteMethod, s).handle.is_ray for s in sinks):
-        ref = source.handle.passable(ref)  # a worker group's: rank 0's ref, once every rank finished
-    else:
-        ref = source.handle.wait(ref)
-    started = [(s.handle, s.handle.submit(s.name, ref)) for s in cast(list[_RemoteMethod], sinks)]
-    return [cast(S, handle.wait(r)) for handle, r in started]
-
-
 RAY_BIND_ENV = "DAPO_RAY_BIND"
 """Environment variable: the address a *local* Ray listens on. Unset = loopback only (127.0.0.1); `all` =
 Ray's own default (the machine's address, every interface for the gRPC servers); an IP = that address."""
@@ -525,6 +498,18 @@ def _restore_sigterm_handler(handler: Any) -> None:
     signal.signal(signal.SIGTERM, record_then_chain)
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker for `Cluster.create_many`: its role, zero-argument factory and what it asks Ray for."""
+
+    role: str
+    factory: Callable[[], Any]
+    num_gpus: float = 0.0
+    num_cpus: float = 1.0
+    resources: Mapping[str, Any] | None = None
+    scheduling_strategy: Any = None
+
+
 class Cluster:
     """Start or join Ray and own the named worker actors of one run.
 
@@ -615,26 +600,63 @@ class Cluster:
         resumed run never talks to a worker holding stale weights. A placement no live node can satisfy
         raises `PlacementError` before anything is started.
         """
-        custom = checked_resources(role, resources)
-        if not self.use_ray:
-            if custom:
-                log.warning(
-                    "%s.%s is ignored: trainer.use_ray=false runs every worker in this process",
-                    RESOURCES_KEY,
+        return self.create_many(
+            [
+                WorkerSpec(
                     role,
+                    factory,
+                    num_gpus=num_gpus,
+                    num_cpus=num_cpus,
+                    resources=resources,
+                    scheduling_strategy=scheduling_strategy,
                 )
-            handle = Handle(role=role, local=factory())
-            self.workers.append({"role": role, "rank": 0, "node_id": "in-process", "node_ip": None})
-            with _REGISTRY_LOCK:
-                _LOCAL_REGISTRY[(self.run_id, role)] = handle
-            self._owned[role] = handle
-            return handle
+            ]
+        )[0]
+
+    def create_many(self, specs: list[WorkerSpec]) -> list[Handle]:
+        """`create` for several workers at once: under Ray every actor is started before any is waited
+        for, so their construction (model loads) runs in parallel; the handles come back in `specs`' order.
+        A worker that fails to start kills the others started here."""
+        if not self.use_ray:
+            return [self._create_local(s) for s in specs]
         import ray
 
-        request = {"CPU": float(num_cpus), **({"GPU": float(num_gpus)} if num_gpus else {}), **custom}
-        if scheduling_strategy is None:  # a bundle already holds what it asks for
-            check_feasible(role, request, ray.nodes())
-        name = actor_name(self.run_id, role)
+        started: list[tuple[WorkerSpec, Any]] = []
+        try:
+            for spec in specs:
+                started.append((spec, self._launch(spec)))
+            return [self._confirm(spec, actor) for spec, actor in started]
+        except BaseException:
+            for _, actor in started:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+            raise
+
+    def _create_local(self, spec: WorkerSpec) -> Handle:
+        custom = checked_resources(spec.role, spec.resources)
+        if custom:
+            log.warning(
+                "%s.%s is ignored: trainer.use_ray=false runs every worker in this process",
+                RESOURCES_KEY,
+                spec.role,
+            )
+        handle = Handle(role=spec.role, local=spec.factory())
+        self.workers.append({"role": spec.role, "rank": 0, "node_id": "in-process", "node_ip": None})
+        with _REGISTRY_LOCK:
+            _LOCAL_REGISTRY[(self.run_id, spec.role)] = handle
+        self._owned[spec.role] = handle
+        return handle
+
+    def _launch(self, spec: WorkerSpec) -> Any:
+        """Start the Ray actor of `spec` (replacing a stale one of the same name) without waiting for it."""
+        import ray
+
+        custom = checked_resources(spec.role, spec.resources)
+        request = {"CPU": float(spec.num_cpus), **({"GPU": float(spec.num_gpus)} if spec.num_gpus else {})}
+        request.update(custom)
+        if spec.scheduling_strategy is None:  # a bundle already holds what it asks for
+            check_feasible(spec.role, request, ray.nodes())
+        name = actor_name(self.run_id, spec.role)
         try:
             stale = ray.get_actor(name, namespace=NAMESPACE)
             log.warning("replacing existing actor %s", name)
@@ -642,22 +664,29 @@ class Cluster:
         except ValueError:
             pass
         remote_cls: Any = ray.remote(_RayHost)
-        actor = remote_cls.options(
+        return remote_cls.options(
             name=name,
             namespace=NAMESPACE,
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            resources=(custom or None) if scheduling_strategy is None else None,
+            num_cpus=spec.num_cpus,
+            num_gpus=spec.num_gpus,
+            resources=(custom or None) if spec.scheduling_strategy is None else None,
             max_concurrency=1,
-            scheduling_strategy=scheduling_strategy,
-        ).remote(factory, self.host_options())
+            scheduling_strategy=spec.scheduling_strategy,
+        ).remote(spec.factory, self.host_options())
+
+    def _confirm(self, spec: WorkerSpec, actor: Any) -> Handle:
+        """Wait for a launched actor's construction and record where it runs."""
+        import ray
+
+        role = spec.role
         try:  # construction errors surface here, with the role in the traceback
             _ray_get(actor.ping.remote(), timeout=self.start_timeout_s)
         except TimeoutError:
             ray.kill(actor)
+            custom = checked_resources(role, spec.resources)
             raise PlacementError(
                 f"worker '{role}' of run {self.run_id} did not start within {self.start_timeout_s:.0f}s; it "
-                f"asked for num_cpus={num_cpus}, num_gpus={num_gpus}, resources={custom} "
+                f"asked for num_cpus={spec.num_cpus}, num_gpus={spec.num_gpus}, resources={custom} "
                 f"({RESOURCES_KEY}.{role}) and the cluster has {ray.available_resources()} free",
                 fix=(
                     "free resources (other runs' workers hold them), or start Ray with more "
@@ -666,7 +695,7 @@ class Cluster:
             ) from None
         self.placement[role] = _ray_get(actor.where.remote(), timeout=self.start_timeout_s)
         self.workers.append({"role": role, "rank": 0, **self.placement[role]})
-        log.info("worker %s runs on node %s (%s)", role, self.placement[role]["node_id"][:8], name)
+        log.info("worker %s runs on node %s (%s)", role, self.placement[role]["node_id"][:8], actor)
         handle = Handle(role=role, ray_actor=actor)
         self._owned[role] = handle
         return handle

@@ -35,6 +35,7 @@ __all__ = [
     "build_tiny_model",
     "load_model",
     "load_tokenizer",
+    "require_hf_folder",
     "save_model",
     "tokenizer_dir",
 ]
@@ -209,6 +210,17 @@ def config_subset(tiny_cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {k: (v if isinstance(v, (int, float, bool, str)) else str(v)) for k, v in tiny_cfg.items()}
 
 
+def require_hf_folder(path: str | Path) -> Path:
+    """`path` as a Path, or `FileNotFoundError` naming the key to set when it holds no config.json."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{p} has no config.json; set actor_rollout_ref.model.path to an HF model folder "
+            "(or build one with dapo_core.compute.models.build_tiny_model)."
+        )
+    return p
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -222,12 +234,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{p} has no config.json; set actor_rollout_ref.model.path to an HF model folder "
-            "(or build one with dapo_core.compute.models.build_tiny_model)."
-        )
+    p = require_hf_folder(path)
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, attn_implementation=attn_implementation)
     model.to(device)  # type: ignore[arg-type]  # transformers types `to` through a decorator
     model.eval()

@@ -8,8 +8,8 @@ replica), largest expected tokens first (`split_groups`); each commits its share
 as a row selection over the shares in input order (`gather_positions`): no generated table passes through the
 driver, no row is lost or duplicated; a single share is committed as the stage itself. Seeds derive from the
 uid, so the tokens do not depend on the split (log-probs to float precision: a share pads to its own longest
-prompt). `push` sends one copy of the weights to every replica and records the version each reports; a replica
-that did not confirm the current version is never used (`StaleWeights`), and each checks again when it
+prompt). `push_from` streams the actor's weights to every replica and records the version each reports; a
+replica that did not confirm the current version is never used (`StaleWeights`), and each checks again when it
 generates. Device seam, `replica_layout`: tensor parallelism (vLLM; a replica reserves TP GPUs and runs its TP
 ranks with vLLM's multiprocessing executor) is GPU-only, refused on CPU and for the HF engine. On a colocated
 pool (`dapo_core.compute.pools`) a replica shares its GPUs with the training ranks and frees its memory while
@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 from dapo_core.compute.cluster import (
     Cluster,
     Future,
-    broadcast,
+    WorkerSpec,
     checked_resources,
     group_size,
     handle_of,
@@ -293,14 +293,6 @@ class RolloutReplicas:
         }
         return self.set_weight_version(version)
 
-    def push(self, source: Callable[[], Any], version: int) -> int:
-        """Load `source()` (the actor's HF-named weights; computed once, and fetched by each replica from the
-        object store under Ray) into every replica and stamp them `version`; returns it. Each replica reports
-        its version; until all have confirmed `version`, none is used."""
-        self.versions = [None] * len(self.workers)
-        broadcast(source, [w.sync_weights for w in self.workers])
-        return self.set_weight_version(version)
-
     def set_weight_version(self, version: int) -> int:
         """Stamp every replica's current weights `version` (no weights move) and record the versions they
         report; returns it."""
@@ -473,18 +465,16 @@ def create_replicas(
         raise ValueError(f"{m} replicas but the pool holds {pool.layout.replicas}")
     if pool is not None:  # a stale replica of the same name is replaced by `Cluster.create`
         tp = pool.layout.tp
-        workers = [
-            proxy(
-                cluster.create(
-                    name,
-                    factory(None, pool.visible_devices(i) if tp > 1 else None),
-                    num_gpus=pool.layout.fraction,
-                    scheduling_strategy=pool.strategy(pool.layout.replica_bundles(i)[0]),
-                ),
-                RolloutWorker,
+        specs = [
+            WorkerSpec(
+                name,
+                factory(None, pool.visible_devices(i) if tp > 1 else None),
+                num_gpus=pool.layout.fraction,
+                scheduling_strategy=pool.strategy(pool.layout.replica_bundles(i)[0]),
             )
             for i, name in enumerate(names)
         ]
+        workers = [proxy(h, RolloutWorker) for h in cluster.create_many(specs)]
         if tp > 1:  # Ray knows the replica's share of its first GPU; its engine runs on all of its bundles'
             for i, name in enumerate(names):
                 cluster.placement[name] = {
@@ -539,10 +529,5 @@ def _plain_replicas(
                     "more (RAY_ADDRESS / ray start --num-cpus / --num-gpus, infra/ray_cluster.sh)"
                 ),
             )
-    return [
-        proxy(
-            cluster.create(name, factory(threads, None), num_gpus=layout.num_gpus, resources=where),
-            RolloutWorker,
-        )
-        for name in names
-    ]
+    specs = [WorkerSpec(n, factory(threads, None), num_gpus=layout.num_gpus, resources=where) for n in names]
+    return [proxy(h, RolloutWorker) for h in cluster.create_many(specs)]

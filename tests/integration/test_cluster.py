@@ -10,8 +10,8 @@ from dapo_core.compute.cluster import (
     QUIET_WORKER_ENV,
     Cluster,
     PlacementError,
+    WorkerSpec,
     actor_name,
-    chain,
     check_feasible,
     checked_resources,
     proxy,
@@ -54,8 +54,18 @@ def test_workers_are_created_called_synced_and_shut_down(use_ray, monkeypatch):
         assert a.add(2) == 7
         # found by run id + role, from anywhere
         assert proxy(Cluster.lookup("t1", "actor"), Counter).add(1) == 8
-        assert chain(a.weights, r.sync_weights) == 8  # worker to worker
+        assert r.sync_weights(a.weights()) == 8
         assert r.add(0) == 8
+        b, c = (
+            proxy(h, Counter)
+            for h in cluster.create_many(  # started together, handed back in order
+                [
+                    WorkerSpec("b", functools.partial(Counter, 1)),
+                    WorkerSpec("c", functools.partial(Counter, 2)),
+                ]
+            )
+        )
+        assert (b.add(0), c.add(0)) == (1, 2)
         future = submit(a.add, 1)
         assert future.result() == 9
         with pytest.raises(AttributeError, match="has no method 'ad'"):

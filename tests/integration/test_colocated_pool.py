@@ -47,7 +47,8 @@ def test_roles_share_each_gpu_of_the_pool_and_a_tp_replica_sees_its_bundles(tiny
             assert gpus[("actor", rank)] == gpus[("ref", rank)] == gpus[("rollout", rank)], gpus
             assert len(gpus[("actor", rank)]) == 1
         assert gpus[("actor", 0)] != gpus[("actor", 1)]
-        assert rollout.colocated and rollout.push(actor.weights, 1) == 1
+        actor_where = [w for w in cluster.workers if w["role"] == "actor"]
+        assert rollout.colocated and rollout.push_from(actor, 1, actor_where=actor_where) == 1
         rollout.release()  # a no-op for the engine on CPU, but the call reaches every replica
         assert rollout.versions == [1, 1]
         groups = [pg.id.hex() for pg in cluster.pool.groups]

@@ -108,3 +108,89 @@ def test_hf_engine_generates_from_the_imported_folder_and_stops_at_eos(smollm2):
     assert text.strip()
     if tok.eos_token_id in a.token_ids:
         assert a.token_ids[-1] == tok.eos_token_id
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("order", ["sync", "async"])
+def test_dp2_pushes_give_every_replica_the_exported_models_greedy(smollm2, tmp_path, prefect_home, order):
+    """The real model with an FSDP2 actor over two ranks and two rollout replicas: every push goes rank i to
+    replica i in 4 MiB buckets (the embedding is split over many), after each push every replica's greedy
+    validation share equals an HF engine's greedy on the actor's exported weights, and the two ranks' peak
+    memory differ by less than a quarter of the model's float32 bytes (no rank gathers the whole model)."""
+    from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
+    from dapo_core.compute.engines.rollout import SamplingParams
+    from dapo_core.data.datasets import write_parquet
+    from dapo_core.data.word_problems import make_word_problem_splits
+    from dapo_core.store import RunStore
+    from flows.dapo_train import dapo_train
+
+    train, val = make_word_problem_splits(64, 4, seed=0, num_operands=2, max_value=9)
+    write_parquet(train, tmp_path / "train.parquet")
+    write_parquet(val, tmp_path / "val.parquet")
+    bucket_mb, new_tokens = 4, 8
+    cfg = load_config(
+        str(CONFIG),
+        [
+            f"actor_rollout_ref.model.path={smollm2}",
+            f"data.train_files=[{tmp_path / 'train.parquet'}]",
+            f"data.val_files=[{tmp_path / 'val.parquet'}]",
+            f"trainer.runs_dir={tmp_path / 'runs'}",
+            f"trainer.models_dir={tmp_path / 'models'}",
+            "trainer.logger=[jsonl]",
+            "trainer.use_ray=true",
+            f"trainer.step_order={order}",
+            "actor_rollout_ref.actor.strategy=fsdp2",
+            "trainer.n_gpus_per_node=2",
+            f"actor_rollout_ref.rollout.update_weights_bucket_megabytes={bucket_mb}",
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=1",
+            "trainer.test_freq=1",
+            "trainer.val_before_train=false",
+            f"data.max_response_length={new_tokens}",
+            "reward_model.overlong_buffer.len=4",
+            "data.train_batch_size=2",
+            "data.gen_batch_size=2",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.optim.lr=1e-4",
+            "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+            "algorithm.filter_groups.enable=false",
+        ],
+    )
+    out = dapo_train(to_yaml(cfg), f"dp2_{order}")
+    assert out["train_step"] == 2
+    run = Path(out["run_dir"])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    pushes = [r for r in rows if r["step"] > 0]
+    assert len(pushes) == 2
+    for r in pushes:
+        assert r["weight_sync/same_device"] == 1.0
+        assert 0 < r["weight_sync/max_message_bytes"] <= bucket_mb << 20
+        assert r["weight_sync/buckets"] > 56 / bucket_mb  # the 56 MB bf16 embedding alone fills 14
+    store = RunStore(run)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, top_p=1.0, top_k=-1, do_sample=False)
+    try:
+        for step in (1, 2):
+            exported = run / "ckpt" / f"step_{step}" / "actor"
+            engine = HFRolloutEngine(str(exported), dtype=cfg.actor_rollout_ref.rollout.dtype)
+            try:
+                for i in (0, 1):
+                    share = store.read_stage(step, f"val_generate_r{i}of2")
+                    assert share.num_rows and set(share.column("weight_version").to_pylist()) == {step}
+                    prompts = share.column("prompt_ids").to_pylist()
+                    want = engine.generate(prompts, params, list(range(len(prompts))))
+                    got = share.column("response_ids").to_pylist()
+                    assert got == [list(c.token_ids) for c in want], (step, i)
+            finally:
+                engine.close()
+    finally:
+        store.close()
+    memory = json.loads((run / "memory.json").read_text())
+    ranks = [p for p in memory["processes"] if p["role"] == "actor"]
+    assert len(ranks) == 2
+    fp32 = sum(t.numel() * 4 for t in load_file(str(smollm2 / "model.safetensors")).values())
+    spread = abs(ranks[0]["peak_rss_bytes"] - ranks[1]["peak_rss_bytes"])
+    peaks = [p["peak_rss_bytes"] >> 20 for p in ranks]
+    print(f"{order}: actor rank peaks {peaks} MiB, spread {spread >> 20} MiB, model float32 {fp32 >> 20} MiB")
+    assert spread < fp32 // 4, (spread, fp32)

@@ -203,6 +203,22 @@ def test_sync_weights_and_load_weights_from(tiny_dir, prompts, tmp_path):
         eng.load_weights_from(tmp_path)
 
 
+def test_an_engine_started_on_unset_weights_generates_as_loaded_after_a_push(engine, tiny_dir, prompts):
+    """`dummy_weights`: nothing is read from disk; one push of the actor's tensors (tied ones once) makes
+    it the loaded engine, token for token, and the tie holds."""
+    dummy = HFRolloutEngine(tiny_dir, progress=False, dummy_weights=True)
+    assert dummy.weight_names() == engine.weight_names()
+    trainer = make_train_engine("torch", tiny_dir, {"lr": 1e-3}, total_steps=1, grad_clip=None)
+    sent = [(n, t) for n, t in trainer.iter_sync_tensors() if not isinstance(t, str)]
+    assert len(sent) < len(engine.weight_names())  # the tied lm_head is an alias, not sent
+    dummy.load_tensors(iter(sent))
+    sp = SamplingParams(max_new_tokens=8, do_sample=False)
+    want = [c.token_ids for c in engine.generate(prompts, sp, [0] * len(prompts))]
+    assert [c.token_ids for c in dummy.generate(prompts, sp, [0] * len(prompts))] == want
+    head, embed = dummy.model.get_output_embeddings().weight, dummy.model.get_input_embeddings().weight
+    assert head.data_ptr() == embed.data_ptr()
+
+
 def test_argument_errors(engine, prompts):
     with pytest.raises(SamplingParamsError, match="top_p"):
         SamplingParams(top_p=0.0)

@@ -97,7 +97,7 @@ def test_skipping_the_old_log_prob_forward_changes_no_loss_gradient_or_weight(mo
         assert g_ref.keys() == g_skip.keys() and g_ref
         for name in g_ref:
             torch.testing.assert_close(g_skip[name], g_ref[name], rtol=1e-5, atol=1e-7, msg=name)
-        w_ref, w_skip = ref.weights(), skip.weights()
+        w_ref, w_skip = _weights(ref), _weights(skip)
         for name in w_ref:
             torch.testing.assert_close(w_skip[name], w_ref[name], rtol=0, atol=1e-6, msg=name)
         if weights is not None:
@@ -151,7 +151,7 @@ def test_bypass_mode_takes_the_rollout_log_probs_as_pi_old_without_the_stage(mod
     # from the update's forward: the mean over mini-batches of each one's token-mean entropy
     assert m_skip["actor/entropy"] == pytest.approx(stage_entropy, rel=0.1)
     assert "actor/entropy" not in m_given  # there the stage reported it
-    w_a, w_b = a.weights(), b.weights()
+    w_a, w_b = _weights(a), _weights(b)
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
 
 
@@ -185,3 +185,8 @@ def test_the_flow_skips_only_exactly_on_policy_updates(tmp_path):
     assert old_log_prob_needed(_cfg(*bypass, always), model_path=no_model) == always
     (tmp_path / "config.json").write_text('{"attention_dropout": 0.1, "hidden_size": 8}')
     assert "dropout 0.1" in old_log_prob_needed(_cfg(on), model_path=str(tmp_path))
+
+
+def _weights(worker) -> dict:
+    """The worker's current weights, copied (what a push sends)."""
+    return {k: v.detach().clone() for k, v in worker.sync_tensors()}

@@ -130,6 +130,21 @@ def _replicas(model_path: str, m: int, run_id: str) -> tuple[Cluster, RolloutRep
     return cluster, RolloutReplicas(workers, max_new_tokens=MAX_NEW, names=names, placement=cluster.placement)
 
 
+class _Tensors:
+    """A weight source standing in for the actor in these in-process tests: `sync_tensors` as the actor
+    yields them."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.weights = weights
+
+    def sync_tensors(self):
+        yield from self.weights.items()
+
+
+def _source(cluster: Cluster, weights: dict[str, torch.Tensor], name: str) -> _Tensors:
+    return proxy(cluster.create(name, functools.partial(_Tensors, weights)), _Tensors)
+
+
 def _prompts(model_path: str, num: int = 7) -> pa.Table:
     from dapo_core.compute.models import load_tokenizer
 
@@ -211,7 +226,7 @@ def test_weights_reach_every_replica_with_their_version_and_a_stale_one_is_never
     cluster, reps = _replicas(model_path, 2, "stale")
     try:
         before = reps.generate(table, 0)
-        assert reps.push(lambda: weights, 4) == 4
+        assert reps.push_from(_source(cluster, weights, "src4"), 4) == 4
         assert reps.versions == [4, 4] and [w.weight_version() for w in reps.workers] == [4, 4]
         after = reps.generate(table, 0)
         assert set(after.column("weight_version").to_pylist()) == {4}
@@ -235,10 +250,10 @@ def test_weights_reach_every_replica_with_their_version_and_a_stale_one_is_never
         assert not files.is_committed(1, "generate_g0")
         # a failed push leaves every replica unconfirmed until a push succeeds
         with pytest.raises(KeyError, match=r"no\.such\.weight"):
-            reps.push(lambda: {"no.such.weight": torch.zeros(1)}, 5)
+            reps.push_from(_source(cluster, {"no.such.weight": torch.zeros(1)}, "bad"), 5)
         with pytest.raises(StaleWeights, match=r"rollout-0 \(version None\), rollout-1 .*did not confirm"):
             reps.generate(table, 0)
-        reps.push(lambda: weights, 5)
+        reps.push_from(_source(cluster, weights, "src5"), 5)
         out_uri, _ = reps.generate_stage(_job(tmp_path, "generate_g0", uri, n), 0)
         assert set(files.read_uri(out_uri).column("weight_version").to_pylist()) == {5}
         info = reps.workers_info()
@@ -246,33 +261,5 @@ def test_weights_reach_every_replica_with_their_version_and_a_stale_one_is_never
             ("rollout", 0, "rollout-0"),
             ("rollout", 1, "rollout-1"),
         ]
-    finally:
-        cluster.shutdown()
-
-
-class _Box:
-    def __init__(self, value: int = 0):
-        self.value = value
-        self.calls = 0
-
-    def weights(self) -> dict:
-        self.calls += 1
-        return {"w": self.value}
-
-    def load(self, named: dict) -> int:
-        self.value = named["w"]
-        return self.value
-
-
-def test_broadcast_computes_the_source_once_and_feeds_every_sink():
-    from dapo_core.compute.cluster import broadcast
-
-    cluster = Cluster("bcast", use_ray=False)
-    try:
-        src = proxy(cluster.create("src", functools.partial(_Box, 7)), _Box)
-        sinks = [proxy(cluster.create(f"dst-{i}", _Box), _Box) for i in range(3)]
-        assert broadcast(src.weights, [s.load for s in sinks]) == [7, 7, 7]
-        assert cluster._owned["src"].local.calls == 1
-        assert broadcast(lambda: {"w": 2}, [s.load for s in sinks]) == [2, 2, 2]  # plain callables compose
     finally:
         cluster.shutdown()

@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicLayer
 
 from dapo_core.compute.engines.decode_attention import DECODE_ATTENTION, append_reserved, shared_prefix_cache
 from dapo_core.compute.engines.rollout import Completion, RolloutEngine, SamplingParams, check_generate_args
-from dapo_core.compute.models import load_model
+from dapo_core.compute.models import load_model, require_hf_folder
 
 __all__ = ["HFRolloutEngine", "filter_logits"]
 
@@ -54,6 +54,23 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     return out
+
+
+def _unloaded_model(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
+    """The causal LM of the HF folder `path` with its parameters allocated on `device` but not set (buffers
+    such as rotary frequencies computed), tied weights tied, in eval mode: for an engine whose first weight
+    push loads every tensor."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dapo_core.compute.engines.fsdp2_train import materialize, parameters_on_meta
+
+    config = AutoConfig.from_pretrained(str(require_hf_folder(path)))
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    materialize(model, device)
+    model.tie_weights()
+    model.eval()
+    return model
 
 
 class _ReservedLayer(DynamicLayer):
@@ -119,7 +136,10 @@ class HFRolloutEngine(RolloutEngine):
         pad_token_id: int | None = None,
         eos_token_id: int | list[int] | None = None,
         decode_attention: bool = True,
+        dummy_weights: bool = False,
     ) -> None:
+        """`dummy_weights`: build the model from its config with unset weights (nothing read from disk; the
+        first weight push fills every tensor) instead of loading the folder's safetensors."""
         super().__init__()
         if max_batch_size < 1:
             raise ValueError(f"HFRolloutEngine max_batch_size={max_batch_size} must be >= 1.")
@@ -140,7 +160,11 @@ class HFRolloutEngine(RolloutEngine):
                 )
             dtype = getattr(torch, dtype)
         assert isinstance(dtype, torch.dtype)
-        self.model = load_model(self.model_path, dtype=dtype, device=self.device)
+        self.model = (
+            _unloaded_model(self.model_path, dtype, self.device)
+            if dummy_weights
+            else load_model(self.model_path, dtype=dtype, device=self.device)
+        )
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         # The prefill needs the last position's logits only; the LM head skips the others where it can.

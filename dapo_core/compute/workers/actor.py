@@ -20,7 +20,6 @@ import torch
 from dapo_core.algo.losses import ActorLoss, PolicyLossParams, agg_loss
 from dapo_core.compute import dist as dpd
 from dapo_core.compute.engines.train import TrainEngine, make_train_engine, ppo_update
-from dapo_core.compute.host_weights import HostWeights
 from dapo_core.compute.microbatch import grouped_order, token_budget_split
 from dapo_core.config import ActorConfig, RolloutCorrectionConfig, section
 from dapo_core.config.checks import train_dtype
@@ -335,20 +334,6 @@ class ActorWorker:
         return metrics
 
     # -- weights and checkpoints -----------------------------------------------------------------------------
-    def weights(self) -> HostWeights:
-        """Current weights under HF parameter names (CPU copies; names that share a tensor share the copy),
-        for the rollout engine; under Ray they reach the rollout through the object store without a copy on
-        its side (`HostWeights`). With data-parallel ranks every rank takes part in the gather and rank 0
-        returns them (empty elsewhere)."""
-        copies: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
-        out: dict[str, torch.Tensor] = {}
-        for k, v in self.engine.state_dict_for_sync().items():
-            key = (v.data_ptr(), tuple(v.shape), v.stride(), v.dtype)
-            if key not in copies:
-                copies[key] = v.detach().to("cpu").clone()
-            out[k] = copies[key]
-        return HostWeights(out)
-
     def send_weights(self, links: list[dict[str, Any]], dtype: str) -> dict[str, float]:
         """Stream the current weights, gathered one tensor at a time in `dtype`, over the push's links whose
         sender is this rank (`dapo_core.compute.weight_transport`); every rank calls it, since the gathers
