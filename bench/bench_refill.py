@@ -2,7 +2,8 @@
 
 A step generates batches until `train_batch_size` groups are kept; kept groups beyond that are thrown away
 (docs/REFERENCE.md §6.1 step 10). Each prompt is kept independently (Binomial) at a keep rate; no model is
-involved, only the prompt accounting. All adaptive policies use the run-wide `KeepRateEstimator` (decay 0.9).
+involved, only the prompt accounting (`tests.helpers.simulate_refill_steps`). All adaptive policies use the
+run-wide `KeepRateEstimator` (decay 0.9).
 
 `budget`: per-step keep rates from a finished run's `kept_g*` manifests (`--run`, e.g. `runs/<id>` of a
 `make train`) or a constant `--keep-rate`, with the policies
@@ -23,17 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dapo_core.algo.dynamic_sampling import KeepRateEstimator, next_gen_batch_size, surplus_bounded_size
-
-SizeFn = Callable[[int, float | None], int]
-"""(deficit in groups, estimated keep rate or None) -> prompts to generate next."""
+from tests.helpers import refill_policy_size_fn, simulate_refill, simulate_refill_steps
 
 
 def run_keep_rates(run: Path) -> list[float]:
@@ -52,60 +49,6 @@ def run_keep_rates(run: Path) -> list[float]:
     return rates
 
 
-def simulate_steps(size_fn: SizeFn, rates: Sequence[float], *, tbs: int, seed: int) -> dict[str, float]:
-    """One step per entry of `rates`; per-step means of surplus groups, rounds and prompts, and the surplus
-    as a share of the kept groups used."""
-    rng = np.random.default_rng(seed)
-    est = KeepRateEstimator(decay=0.9)
-    surplus, rounds, prompts = [], [], []
-    for p in rates:
-        kept = r = n = 0
-        while kept < tbs:
-            size = size_fn(tbs - kept, est.rate)
-            k = int(rng.binomial(size, p))
-            est.update(k, size)
-            kept, r, n = kept + k, r + 1, n + size
-        surplus.append(kept - tbs)
-        rounds.append(r)
-        prompts.append(n)
-    return {
-        "surplus_groups": float(np.mean(surplus)),
-        "surplus_share": float(np.sum(surplus) / (tbs * len(rates))),
-        "gen_batches_per_step": float(np.mean(rounds)),
-        "prompts_per_step": float(np.mean(prompts)),
-    }
-
-
-def policy_size_fn(policy: str, *, tbs: int, gbs: int, min_size: int = 1) -> SizeFn:
-    """The batch-size rule named `policy` (`fixed`, `budget<x>`, `safety<s>`)."""
-    if policy == "fixed":
-        return lambda deficit, rate: gbs
-    if policy.startswith("safety"):
-        s = float(policy[len("safety") :])
-        return lambda deficit, rate: next_gen_batch_size(deficit, rate, base=gbs, min_size=min_size, safety=s)
-    if policy.startswith("budget"):
-        budget = float(policy[len("budget") :]) * tbs
-        return lambda deficit, rate: surplus_bounded_size(deficit, rate, surplus_budget=budget, base=gbs)
-    raise SystemExit(f"unknown policy {policy!r}: use fixed, budget<x> or safety<s>")
-
-
-def simulate(
-    p: float,
-    adaptive: bool,
-    *,
-    steps: int,
-    train_batch_size: int,
-    gen_batch_size: int,
-    min_size: int,
-    safety: float,
-    seed: int,
-) -> dict[str, float]:
-    """`steps` steps at constant keep rate `p`: fixed batches, or `next_gen_batch_size` when `adaptive`."""
-    policy = f"safety{safety}" if adaptive else "fixed"
-    size_fn = policy_size_fn(policy, tbs=train_batch_size, gbs=gen_batch_size, min_size=min_size)
-    return simulate_steps(size_fn, [p] * steps, tbs=train_batch_size, seed=seed)
-
-
 def _budget(args: argparse.Namespace) -> None:
     rates = run_keep_rates(Path(args.run)) if args.run else [args.keep_rate] * args.steps
     tbs, gbs = args.train_batch_size, args.gen_batch_size
@@ -116,8 +59,8 @@ def _budget(args: argparse.Namespace) -> None:
     print("| policy | surplus (% of kept groups used) | generation rounds / step | prompts / step |")
     print("|---|---|---|---|")
     for policy in args.policies.split(","):
-        size_fn = policy_size_fn(policy, tbs=tbs, gbs=gbs)
-        res = [simulate_steps(size_fn, rates, tbs=tbs, seed=s) for s in range(args.seeds)]
+        size_fn = refill_policy_size_fn(policy, tbs=tbs, gbs=gbs)
+        res = [simulate_refill_steps(size_fn, rates, tbs=tbs, seed=s) for s in range(args.seeds)]
         m = {k: float(np.mean([r[k] for r in res])) for k in res[0]}
         print(
             f"| {policy} | {100 * m['surplus_share']:.2f} % | {m['gen_batches_per_step']:.2f} | "
@@ -134,7 +77,7 @@ def _simulate(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|")
     for p in (0.2, 0.4, 0.7):
         for adaptive in (False, True):
-            r = simulate(
+            r = simulate_refill(
                 p,
                 adaptive,
                 steps=args.steps,

@@ -1,36 +1,34 @@
-"""Run-store scale benchmark (issue 9 items 3, 4 and 6): bytes written per step, bytes through the driver,
-driver seconds per step and disk after N steps with retention.
+"""Run-store scale benchmark: bytes written per step, bytes through the driver, driver seconds per step and
+disk after N steps with retention.
 
-Two modes, each runnable against this checkout or an older one (`--tree`, e.g. a `git worktree` of the
-commit before the column-delta store), so the before/after figures come from the same script:
+Two modes, each runnable against this checkout or another one (`--tree`, e.g. a `git worktree` of a commit
+without the column-delta store), so the figures of both trees come from the same script:
 
     # bytes passing through the driver per step of the tiny default (`make train`'s config), real flow + Ray
     .venv/bin/python bench/bench_scale.py driver --steps 2
-    .venv/bin/python bench/bench_scale.py driver --steps 2 --tree /work/tmp/wt_before
+    .venv/bin/python bench/bench_scale.py driver --steps 2 --tree /work/tmp/wt_other
 
     # a synthetic step at the recipe's batch shape (8,192 trajectories), no model: store, validation,
     # transfer (the tables a stage hands on) and advantage, with the stage sequence of the sync order
     .venv/bin/python bench/bench_scale.py synthetic --rows 8192 --resp-len 512 --steps 4
     .venv/bin/python bench/bench_scale.py synthetic --rows 8192 --resp-len 512 --steps 4 \
-        --tree /work/tmp/wt_before
+        --tree /work/tmp/wt_other
 
     # the replay-buffer step order (trainer.step_order=replay_buffer, parameter_sync_step=2): driver bytes
     # per step as above, plus bytes written per step / unique bytes per step of the run folder's stage files
     .venv/bin/python bench/bench_scale.py driver --order replay_buffer --steps 3
-    .venv/bin/python bench/bench_scale.py driver --order replay_buffer --steps 3 --tree /work/wtA-before
+    .venv/bin/python bench/bench_scale.py driver --order replay_buffer --steps 3 --tree /work/tmp/wt_other
 
 `driver` counts, in the driver process, the Arrow bytes of every table the tasks read from or write to the run
 store and of every table handed to or returned by a worker call (Ray serialises those through the driver).
 `synthetic` prints JSON: bytes written per step, unique bytes per step (each value once), driver seconds per
-step (store reads/writes and the batch transfer the driver does: all of them before, the prompts it draws and
-the filter/assemble selections after, the rest being the workers'), and the run folder's size after N steps
-(with retention where the tree has it: a checkpoint every step).
+step (store reads/writes and the batch transfer the driver does: without the column-delta store all of them,
+with it the prompts it draws and the filter/assemble selections, the rest being the workers'), and the run
+folder's size after N steps (with retention where the tree has it: a checkpoint every step).
 `driver --order replay_buffer` keeps every step folder (`trainer.keep_rollouts_every=1`) and adds
-`store_accounting` of the run folder: the data bytes of every stage file (each cell's values plus the row ids
-`_key`/`_src`; Arrow IPC framing left out, so tiny files compare fairly) against the unique bytes (each
-distinct row/column/value counted once, in the step that first wrote it), per step, and the number of
-token-level cells (lists, or the store's compact struct form of them) written again with a value an earlier
-file already holds.
+`tests.helpers.store_accounting` of the run folder (always this checkout's, whatever `--tree`): the data
+bytes of every stage file against the unique bytes, per step, and the number of token-level cells written
+again with a value an earlier file already holds.
 """
 
 from __future__ import annotations
@@ -43,6 +41,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Imported before `--tree` goes ahead of this checkout on sys.path; imports nothing of dapo_core or flows.
+from tests.helpers import store_accounting
 
 
 def _tree(args) -> Path:
@@ -62,79 +65,6 @@ def _nbytes(x) -> int:
     if isinstance(x, dict):
         return sum(_nbytes(v) for v in x.values())
     return 0
-
-
-def _cell_bytes(arrow_type, value) -> float:
-    """The data bytes of one cell: list and string values plus their 4-byte offset, fixed widths by width."""
-    import pyarrow as pa
-
-    if value is None:
-        return 0.125
-    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
-        return 4 + sum(_cell_bytes(arrow_type.value_type, v) for v in value)
-    if pa.types.is_string(arrow_type) or pa.types.is_binary(arrow_type):
-        return 4 + len(value.encode() if isinstance(value, str) else value)
-    if pa.types.is_boolean(arrow_type):
-        return 0.125
-    if pa.types.is_struct(arrow_type):
-        return sum(_cell_bytes(f.type, value.get(f.name)) for f in arrow_type)
-    try:
-        return arrow_type.bit_width / 8
-    except ValueError:  # another variable-width type (map, union, ...): its values as text
-        return 4 + len(repr(value).encode())
-
-
-def store_accounting(root: str | Path) -> dict:
-    """Data bytes written per step vs unique bytes per step of the stage files under the run folder `root`
-    (module docstring): `{"per_step": {step: {"written", "unique", "token_cells_again"}}, "written",
-    "unique", "written_over_unique", "token_cells_again"}`. Reads every file whole (a benchmark and test
-    helper, not for large runs)."""
-    import hashlib
-
-    import pyarrow as pa
-    from pyarrow import ipc
-
-    seen: set[tuple] = set()
-    per_step: dict[int, dict[str, float]] = {}
-    for step_dir in sorted(Path(root).glob("step_*")):
-        step = int(step_dir.name.split("_")[1])
-        acc = {"written": 0.0, "unique": 0.0, "token_cells_again": 0}
-        for path in sorted(step_dir.glob("*.arrow")):
-            if path.name.startswith(".") or not path.with_name(path.stem + ".manifest.json").exists():
-                continue
-            with pa.memory_map(str(path)) as f:
-                table = ipc.open_file(f).read_all()
-            ids = ["_key", "_src"]
-            keys = (
-                table.column("_key").to_pylist()
-                if "_key" in table.column_names
-                else [(path.name, i) for i in range(table.num_rows)]
-            )
-            acc["written"] += 8 * table.num_rows * sum(c in table.column_names for c in ids)
-            for field in table.schema:
-                if field.name in ids:
-                    continue
-                # token-level: a list per row, or the store's compact struct form of one
-                nested = pa.types.is_nested(field.type)
-                for key, value in zip(keys, table.column(field.name).to_pylist(), strict=True):
-                    size = _cell_bytes(field.type, value)
-                    acc["written"] += size
-                    ident = (key, field.name, hashlib.blake2b(repr(value).encode(), digest_size=16).digest())
-                    if ident in seen:
-                        acc["token_cells_again"] += int(nested)
-                    else:
-                        seen.add(ident)
-                        acc["unique"] += size
-        per_step[step] = acc
-    written = sum(a["written"] for a in per_step.values())
-    unique = sum(a["unique"] for a in per_step.values())
-    return {
-        "per_step": per_step,
-        "written": written,
-        "unique": unique,
-        "written_over_unique": round(written / unique, 3) if unique else None,
-        "token_cells_again": sum(a["token_cells_again"] for a in per_step.values()),
-    }
 
 
 def driver(args) -> dict:
@@ -303,8 +233,9 @@ def synthetic(args) -> dict:
         t_drv = t_wrk = 0.0
 
         def w(stage, table, base=None, step=step, on_worker=True):
-            """Write a stage; its time is the driver's before (every table passed through it) and the
-            worker's after, except for the stages the driver itself computes (`on_worker=False`)."""
+            """Write a stage; its time is the worker's with the column-delta store, except for the stages
+            the driver itself computes (`on_worker=False`), and the driver's without it (every table passes
+            through the driver)."""
             nonlocal t_drv, t_wrk
             t0 = time.perf_counter()
             uri = (
@@ -348,7 +279,7 @@ def synthetic(args) -> dict:
             u_k = w("kept_g0", kept)
             u_b = w("batch", rd(u_k))
         t0 = time.perf_counter()
-        batch = store.read_uri(u_b)  # on a worker (after) or in the driver (before)
+        batch = store.read_uri(u_b)  # on a worker (column-delta store) or in the driver
         t_transfer = time.perf_counter() - t0
         if delta:
             t_wrk += t_transfer

@@ -10,7 +10,7 @@ Three more rows cover what `timing_s/step` does not: `loop` — the driver's wal
 the next one's (timestamps of `StepProgress.begin_step`, recorded by this script), `tail` = loop − step:
 the step's metrics on the reward worker, `metrics.jsonl`, the progress display and the Prefect UI artifacts,
 and `driver_cpu` — the driver process's CPU time (`time.process_time`, all its threads) over the same span,
-which other sessions' load on the machine changes far less than the wall times.
+which other processes' load on the machine changes far less than the wall times.
 `--profile FILE` writes a cProfile of the driver process (with `--in-process`, the whole step), of CPU time
 with `--profile-cpu`. `--models-dir` reads `tiny_base` from another folder than `models/`.
 
@@ -38,39 +38,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ALIASES = {"timing_s/step", "timing_s/gen", "timing_s/adv"}
-"""Timing keys that are not stages of their own (the step, and the reference's names for ours)."""
+from tests.helpers import step_anatomy
+
+ROOT = Path(__file__).resolve().parents[1]
+
 SHORT = {"SKIP_OFF": "actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false"}
 """Abbreviations usable in --variant."""
-
-
-def stage_times(row: dict) -> dict[str, float]:
-    """The step's per-stage seconds (`timing_s/<stage>` minus the aliases)."""
-    return {
-        k.split("/", 1)[1]: float(v) for k, v in row.items() if k.startswith("timing_s/") and k not in ALIASES
-    }
-
-
-def anatomy(rows: list[dict]) -> dict[str, float]:
-    """Medians over `rows` (metrics.jsonl step rows): step, each stage, orchestration (step − Σ stages), and
-    `loop` / `tail` where the rows carry this script's `_loop_s`, `driver_cpu` where they carry
-    `_driver_cpu_s`."""
-    stages = sorted({k for r in rows for k in stage_times(r)})
-    out = {"step": statistics.median(r["timing_s/step"] for r in rows)}
-    for s in stages:
-        out[s] = statistics.median(stage_times(r).get(s, 0.0) for r in rows)
-    out["orchestration"] = statistics.median(r["timing_s/step"] - sum(stage_times(r).values()) for r in rows)
-    looped = [r for r in rows if "_loop_s" in r]
-    if looped:
-        out["loop"] = statistics.median(r["_loop_s"] for r in looped)
-        out["tail"] = statistics.median(r["_loop_s"] - r["timing_s/step"] for r in looped)
-    timed = [r["_driver_cpu_s"] for r in rows if "_driver_cpu_s" in r]
-    if timed:
-        out["driver_cpu"] = statistics.median(timed)
-    return out
 
 
 STEP_STARTS: list[tuple[float, float]] = []
@@ -226,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile)
-    result = {name: anatomy(r) for name, r in rows.items()}
+    result = {name: step_anatomy(r) for name, r in rows.items()}
     last = ["orchestration", "loop", "tail", "driver_cpu"]
     keys = [
         "step",

@@ -100,3 +100,190 @@ def write_good_inputs(root: Path) -> Path:
     write_parquet(val, root / "val.parquet")
     build_tiny_model(root / "model", asdict(TinyModelConfig()), 0)
     return root
+
+
+# Measurement helpers shared by tests and bench scripts (bench/bench_scale.py, bench/bench_refill.py,
+# bench/bench_step_anatomy.py import them from here).
+
+
+def _cell_bytes(arrow_type: Any, value: Any) -> float:
+    """The data bytes of one cell: list and string values plus their 4-byte offset, fixed widths by width."""
+    import pyarrow as pa
+
+    if value is None:
+        return 0.125
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        return 4 + sum(_cell_bytes(arrow_type.value_type, v) for v in value)
+    if pa.types.is_string(arrow_type) or pa.types.is_binary(arrow_type):
+        return 4 + len(value.encode() if isinstance(value, str) else value)
+    if pa.types.is_boolean(arrow_type):
+        return 0.125
+    if pa.types.is_struct(arrow_type):
+        return sum(_cell_bytes(f.type, value.get(f.name)) for f in arrow_type)
+    try:
+        return arrow_type.bit_width / 8
+    except ValueError:  # another variable-width type (map, union, ...): its values as text
+        return 4 + len(repr(value).encode())
+
+
+def store_accounting(root: str | Path) -> dict:
+    """Data bytes written per step vs unique bytes per step of the committed stage files (those with a
+    manifest) under the run folder `root`: `{"per_step": {step: {"written", "unique", "token_cells_again"}},
+    "written", "unique", "written_over_unique", "token_cells_again"}`.
+
+    Written bytes are each cell's values plus the row ids `_key`/`_src` (8 bytes each; Arrow IPC framing
+    left out, so tiny files compare fairly); unique bytes count each distinct row/column/value once, in the
+    step that first wrote it; `token_cells_again` counts the token-level cells (lists, or the store's compact
+    struct form of them) written with a value an earlier file already holds. Reads every file whole (for
+    tests and benchmarks, not for large runs)."""
+    import hashlib
+
+    import pyarrow as pa
+    from pyarrow import ipc
+
+    seen: set[tuple] = set()
+    per_step: dict[int, dict[str, float]] = {}
+    for step_dir in sorted(Path(root).glob("step_*")):
+        step = int(step_dir.name.split("_")[1])
+        acc = {"written": 0.0, "unique": 0.0, "token_cells_again": 0}
+        for path in sorted(step_dir.glob("*.arrow")):
+            if path.name.startswith(".") or not path.with_name(path.stem + ".manifest.json").exists():
+                continue
+            with pa.memory_map(str(path)) as f:
+                table = ipc.open_file(f).read_all()
+            ids = ["_key", "_src"]
+            keys = (
+                table.column("_key").to_pylist()
+                if "_key" in table.column_names
+                else [(path.name, i) for i in range(table.num_rows)]
+            )
+            acc["written"] += 8 * table.num_rows * sum(c in table.column_names for c in ids)
+            for field in table.schema:
+                if field.name in ids:
+                    continue
+                # token-level: a list per row, or the store's compact struct form of one
+                nested = pa.types.is_nested(field.type)
+                for key, value in zip(keys, table.column(field.name).to_pylist(), strict=True):
+                    size = _cell_bytes(field.type, value)
+                    acc["written"] += size
+                    ident = (key, field.name, hashlib.blake2b(repr(value).encode(), digest_size=16).digest())
+                    if ident in seen:
+                        acc["token_cells_again"] += int(nested)
+                    else:
+                        seen.add(ident)
+                        acc["unique"] += size
+        per_step[step] = acc
+    written = sum(a["written"] for a in per_step.values())
+    unique = sum(a["unique"] for a in per_step.values())
+    return {
+        "per_step": per_step,
+        "written": written,
+        "unique": unique,
+        "written_over_unique": round(written / unique, 3) if unique else None,
+        "token_cells_again": sum(a["token_cells_again"] for a in per_step.values()),
+    }
+
+
+RefillSizeFn = Callable[[int, float | None], int]
+"""(deficit in groups, estimated keep rate or None) -> prompts to generate next."""
+
+
+def simulate_refill_steps(
+    size_fn: RefillSizeFn, rates: list[float], *, tbs: int, seed: int
+) -> dict[str, float]:
+    """Dynamic-sampling refill without a model: one step per entry of `rates` (each prompt kept independently,
+    Binomial, at that keep rate), generating `size_fn(deficit, estimated rate)` prompts per round until `tbs`
+    groups are kept, with the run-wide `KeepRateEstimator` (decay 0.9). Returns per-step means of surplus
+    groups, rounds and prompts, and the surplus as a share of the kept groups used."""
+    import numpy as np
+
+    from dapo_core.algo.dynamic_sampling import KeepRateEstimator
+
+    rng = np.random.default_rng(seed)
+    est = KeepRateEstimator(decay=0.9)
+    surplus, rounds, prompts = [], [], []
+    for p in rates:
+        kept = r = n = 0
+        while kept < tbs:
+            size = size_fn(tbs - kept, est.rate)
+            k = int(rng.binomial(size, p))
+            est.update(k, size)
+            kept, r, n = kept + k, r + 1, n + size
+        surplus.append(kept - tbs)
+        rounds.append(r)
+        prompts.append(n)
+    return {
+        "surplus_groups": float(np.mean(surplus)),
+        "surplus_share": float(np.sum(surplus) / (tbs * len(rates))),
+        "gen_batches_per_step": float(np.mean(rounds)),
+        "prompts_per_step": float(np.mean(prompts)),
+    }
+
+
+def refill_policy_size_fn(policy: str, *, tbs: int, gbs: int, min_size: int = 1) -> RefillSizeFn:
+    """The refill batch-size rule named `policy`: `fixed` (always `gbs`), `budget<x>`
+    (`surplus_bounded_size` with a surplus budget of x · `tbs` groups) or `safety<s>` (`next_gen_batch_size`
+    with safety factor s)."""
+    from dapo_core.algo.dynamic_sampling import next_gen_batch_size, surplus_bounded_size
+
+    if policy == "fixed":
+        return lambda deficit, rate: gbs
+    if policy.startswith("safety"):
+        s = float(policy[len("safety") :])
+        return lambda deficit, rate: next_gen_batch_size(deficit, rate, base=gbs, min_size=min_size, safety=s)
+    if policy.startswith("budget"):
+        budget = float(policy[len("budget") :]) * tbs
+        return lambda deficit, rate: surplus_bounded_size(deficit, rate, surplus_budget=budget, base=gbs)
+    raise SystemExit(f"unknown policy {policy!r}: use fixed, budget<x> or safety<s>")
+
+
+def simulate_refill(
+    p: float,
+    adaptive: bool,
+    *,
+    steps: int,
+    train_batch_size: int,
+    gen_batch_size: int,
+    min_size: int,
+    safety: float,
+    seed: int,
+) -> dict[str, float]:
+    """`simulate_refill_steps` for `steps` steps at constant keep rate `p`: fixed batches, or
+    `next_gen_batch_size` (`safety<safety>`) when `adaptive`."""
+    policy = f"safety{safety}" if adaptive else "fixed"
+    size_fn = refill_policy_size_fn(policy, tbs=train_batch_size, gbs=gen_batch_size, min_size=min_size)
+    return simulate_refill_steps(size_fn, [p] * steps, tbs=train_batch_size, seed=seed)
+
+
+STAGE_TIMING_ALIASES = {"timing_s/step", "timing_s/gen", "timing_s/adv"}
+"""Timing keys that are not stages of their own (the step, and the reference's names for ours)."""
+
+
+def stage_times(row: dict) -> dict[str, float]:
+    """The step's per-stage seconds of a metrics.jsonl step row (`timing_s/<stage>` minus the aliases)."""
+    return {
+        k.split("/", 1)[1]: float(v)
+        for k, v in row.items()
+        if k.startswith("timing_s/") and k not in STAGE_TIMING_ALIASES
+    }
+
+
+def step_anatomy(rows: list[dict]) -> dict[str, float]:
+    """Medians over `rows` (metrics.jsonl step rows): step, each stage, orchestration (step − Σ stages), and
+    `loop` / `tail` (loop − step) where the rows carry `_loop_s` (the driver's wall time from this step's
+    start to the next one's), `driver_cpu` where they carry `_driver_cpu_s`."""
+    import statistics
+
+    stages = sorted({k for r in rows for k in stage_times(r)})
+    out = {"step": statistics.median(r["timing_s/step"] for r in rows)}
+    for s in stages:
+        out[s] = statistics.median(stage_times(r).get(s, 0.0) for r in rows)
+    out["orchestration"] = statistics.median(r["timing_s/step"] - sum(stage_times(r).values()) for r in rows)
+    looped = [r for r in rows if "_loop_s" in r]
+    if looped:
+        out["loop"] = statistics.median(r["_loop_s"] for r in looped)
+        out["tail"] = statistics.median(r["_loop_s"] - r["timing_s/step"] for r in looped)
+    timed = [r["_driver_cpu_s"] for r in rows if "_driver_cpu_s" in r]
+    if timed:
+        out["driver_cpu"] = statistics.median(timed)
+    return out

@@ -2,8 +2,9 @@
 workers):
 
 - no token-level column is written twice: over a few real tiny steps every list cell of the run folder is
-  written once, and the data bytes written are <= 1.3x the unique bytes (`bench/bench_scale.py`'s
-  `store_accounting`); the `replay_add` files and the sampled `batch` are row selections;
+  written once, and the data bytes written are <= 1.3x the unique bytes (`tests.helpers.store_accounting`,
+  which `bench/bench_scale.py driver --order replay_buffer` reports too); the `replay_add` files and the
+  sampled `batch` are row selections;
 - the driver process reads no token-level column (only uids, metrics, weight versions, list lengths);
 - a run SIGKILLed in the middle of a step, with default retention, resumes to final weights bitwise equal to
   the uninterrupted run's, and keeps exactly the step folders the replay buffer still references.
@@ -11,7 +12,6 @@ workers):
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,9 +19,9 @@ import pytest
 
 from dapo_core.store import RunStore
 from dapo_core.store.replay import referenced_steps
+from tests.helpers import store_accounting
 from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 COMMON = {
     **SHORT_RUN,
@@ -29,14 +29,6 @@ COMMON = {
     "trainer.parameter_sync_step": 2,
     "trainer.total_training_steps": STEPS,
 }
-
-
-def _store_accounting():
-    spec = importlib.util.spec_from_file_location("bench_scale", REPO / "bench" / "bench_scale.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.store_accounting
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +58,7 @@ def reference(tiny_assets):
 
 def test_no_token_column_written_twice_nor_read_in_the_driver(reference):
     run, reads = reference
-    acct = _store_accounting()(run)
+    acct = store_accounting(run)
     assert sorted(acct["per_step"]) == list(range(1, STEPS + 1))
     assert acct["token_cells_again"] == 0, acct["per_step"]
     assert acct["written_over_unique"] <= 1.3, acct

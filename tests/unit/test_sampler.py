@@ -127,7 +127,7 @@ def _cfg(*overrides: str):
 
 
 def test_the_config_picks_the_sampler(table, tokenizer, capsys):
-    s = train_sampler(_cfg(), table, tokenizer)  # the CPU default draws with it (bench/README.md, session 9)
+    s = train_sampler(_cfg(), table, tokenizer)  # the CPU default draws with it (bench/README.md)
     assert isinstance(s, HistorySampler) and s.window == 1 and s.explore_prob == 0.1
     s = train_sampler(_cfg("data.history_sampler.window=3"), table, tokenizer)
     assert isinstance(s, HistorySampler) and s.window == 3

@@ -1,19 +1,15 @@
 """Stage validation through the compact per-row frame: pandera validates `row_ok`, Arrow types are compared
-directly, and both kinds of failure still come back in one paragraph naming each column; the step-anatomy
-bench's medians (loop / tail rows)."""
+directly, and both kinds of failure come back in one paragraph naming each column; the step-anatomy medians
+(`tests.helpers.step_anatomy`, which `bench/bench_step_anatomy.py` prints), loop / tail rows included."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
 from dapo_core.data import schemas as S
+from tests.helpers import step_anatomy
 from tests.unit.test_schemas import KW, LF32, replace, valid_table
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _err(stage: str, table: pa.Table) -> str:
@@ -68,17 +64,14 @@ def test_type_and_row_failures_in_one_paragraph():
 
 
 def test_anatomy_loop_and_tail_rows():
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench_step_anatomy import anatomy
-
     rows = [
         {"timing_s/step": 2.0, "timing_s/generate": 1.0, "timing_s/update_actor": 0.7, "_loop_s": 2.5},
         {"timing_s/step": 3.0, "timing_s/generate": 1.5, "timing_s/update_actor": 1.2, "_loop_s": 3.1},
         {"timing_s/step": 4.0, "timing_s/generate": 2.0, "timing_s/update_actor": 1.5},
     ]
-    out = anatomy(rows)
+    out = step_anatomy(rows)
     assert out["step"] == 3.0 and out["orchestration"] == pytest.approx(0.3)
     assert out["loop"] == pytest.approx(2.8) and out["tail"] == pytest.approx(0.3)
     assert "driver_cpu" not in out  # rows without the driver's CPU time
     rows[0]["_driver_cpu_s"], rows[1]["_driver_cpu_s"] = 0.08, 0.12
-    assert anatomy(rows)["driver_cpu"] == pytest.approx(0.10)
+    assert step_anatomy(rows)["driver_cpu"] == pytest.approx(0.10)
