@@ -31,7 +31,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +125,6 @@ class PushStats:
     tensors: int = 0
     max_message_bytes: int = 0
     seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def as_metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
         return {

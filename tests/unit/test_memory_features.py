@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dapo_core.algo.losses import PolicyLossParams, actor_objective
-from dapo_core.compute.engines.train import make_train_engine, minibatch_update, ppo_update
+from dapo_core.compute.engines.train import _checkpointing, make_train_engine, minibatch_update, ppo_update
 from dapo_core.compute.microbatch import pack_rows, row_token_costs, token_budget_split
 from dapo_core.compute.models import build_tiny_model
 from dapo_core.compute.workers.actor import ActorWorker
@@ -161,7 +161,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):
     batch = ragged_batch()
     plain = engine(tiny_dir)
     ckpt = engine(tiny_dir, gradient_checkpointing=True)
-    assert ckpt.model.is_activation_checkpointing and not plain.model.is_activation_checkpointing
+    assert _checkpointing(ckpt.model) and not _checkpointing(plain.model)
     loss_a, g_a = grads_of_one_minibatch(plain, batch, "token-mean", micro_batch_size=3)
     loss_b, g_b = grads_of_one_minibatch(ckpt, batch, "token-mean", micro_batch_size=3)
     assert loss_a == pytest.approx(loss_b, abs=1e-12)
@@ -184,7 +184,7 @@ def test_gradient_checkpointing_on_deepspeed(tiny_dir):
             deepspeed_cfg={"zero_stage": 1},
             gradient_checkpointing=on,
         )
-        assert eng.model.is_activation_checkpointing == on
+        assert _checkpointing(eng.model) == on
         ppo_update(eng, batch, loss_fn=loss_fn_for("token-mean"), mini_batch_size=8, micro_batch_size=4)
         results.append({k: v.detach().clone() for k, v in eng.state_dict_for_sync().items()})
         eng.close()
