@@ -6,10 +6,13 @@ a rollout replica of `tensor_model_parallel_size` GPUs (replicas = world // tp),
 the torch and DeepSpeed engines run one process per role, each on a GPU of its own. `make_plan` returns the
 per-role rows (what a process holds on its device: on CPU that is the process's resident memory), the sum for
 a GPU shared by several roles, and the host RAM of each node. A role's peak is what it holds throughout plus
-its largest pass; a "load" pass (weights arriving) stands alone. `advise` (plan_advice.py) finds the config
-changes that make a failing check pass by re-planning with each. `gpu_budget_problem` is the check that makes
-`dapo train` refuse a GPU config whose per-GPU memory it does not know. Checked against measured peaks in
-tests/unit/test_plan.py, bench/bench_plan.py (CPU) and bench/gpu_memory_check.sh (GPU).
+its largest pass; a "load" pass (weights arriving) stands alone. The weight push after each update is a
+"sync" pass of its own (one tensor in flight and the buckets of `weight_transport`, never the whole model),
+and `MemoryPlan.sync` gives its bytes and estimated seconds per step at assumed bandwidths (module
+constants). `advise` (plan_advice.py) finds the config changes that make a failing check pass by
+re-planning with each. `gpu_budget_problem` is the check that makes `dapo train` refuse a GPU config whose
+per-GPU memory it does not know. Checked against measured peaks in tests/unit/test_plan.py (with a real push
+of a tiny model over `weight_transport`), bench/bench_plan.py (CPU) and bench/gpu_memory_check.sh (GPU).
 """
 
 from __future__ import annotations
@@ -101,6 +104,20 @@ class ModelShape:
         """All parameters: embedding, layers, final norm, LM head unless tied."""
         head = 0 if self.tie_word_embeddings else self.embedding_params
         return self.embedding_params + self.num_hidden_layers * self.layer_params + self.hidden_size + head
+
+    @property
+    def largest_params(self) -> int:
+        """Elements of the largest single tensor: the embedding V·h (the LM head is as large), or a layer's
+        gate/up i·h, q/o h·q."""
+        q = self.num_attention_heads * self.head_dim
+        return max(self.embedding_params, self.intermediate_size * self.hidden_size, q * self.hidden_size)
+
+    @property
+    def num_tensors(self) -> int:
+        """Distinct tensors of the state dict: per layer q, k, v (and their biases), o, gate, up, down, two
+        norms; the embedding, the final norm and the LM head unless tied."""
+        per_layer = 9 + (3 if self.qkv_bias else 0)
+        return self.num_hidden_layers * per_layer + 2 + (0 if self.tie_word_embeddings else 1)
 
     @classmethod
     def from_config_json(cls, path: str | Path, source: str | None = None) -> ModelShape:
@@ -211,8 +228,32 @@ def parse_bytes(text: str) -> int:
 
 PROCESS_BYTES = {"cpu": 481_932 << 10, "cuda": 3 * GiB}
 """Resident memory of a worker process before it loads a model. cpu: the VmRSS of a Ray actor that has
-imported torch, transformers and the dapo workers (one thread); cuda: assumed (torch, the CUDA context's
-host side, NCCL)."""
+imported torch, transformers and the dapo workers (one thread); cuda: assumed (Python, torch, the host side
+of the CUDA context and its libraries)."""
+NCCL_BUFFER_BYTES = 32 * 2 * (4 << 20)
+"""Assumed host RAM of one GPU process's NCCL communicator: NCCL's default NCCL_BUFFSIZE (4 MiB, the Simple
+protocol's buffer) per channel and ring direction, for the 32 channels NCCL opens at most, pinned on the host
+for its network proxy (no GPUDirect RDMA)."""
+NVLINK_BYTES_PER_S = 200e9
+"""Assumed bandwidth of a collective inside a node: NCCL's all-gather bus bandwidth over NVLink 3 on 8 A100s
+is about 230 GB/s in nccl-tests (NVLink 4 on H100 about twice it)."""
+NETWORK_BYTES_PER_S = 25e9
+"""Assumed bandwidth between nodes per GPU: one 200 Gb/s InfiniBand HCA per GPU (DGX A100; DGX H100 has
+400 Gb/s)."""
+DEVICE_COPY_BYTES_PER_S = 1e12
+"""Assumed bandwidth of a copy within one GPU: a copy reads and writes, so about half of the HBM bandwidth
+(2 TB/s on an A100 80GB)."""
+HOST_COPY_BYTES_PER_S = 8e9
+"""Bandwidth of a copy in host memory by one core: torch's copy_ of 256 MiB measured 8.7 GB/s on the 2-core
+CPU machine of the tests (assumed for other hosts)."""
+LOOPBACK_BYTES_PER_S = 1e9
+"""Assumed bandwidth of a gloo collective between processes of one host (TCP over the loopback device)."""
+LINK_GROUP_BYTES = 4 << 20
+"""Resident memory a CPU process adds for a push's link: its gloo group, TCPStore and their threads (2.5-3.5
+MiB measured on the tests' CPU machine beside the buckets; tests/unit/test_plan.py)."""
+SAME_DEVICE_COPIES = 4
+"""Copies of every byte on a same-device link: into the bucket, into the shared buffer, out of it, into the
+rollout's model (`weight_transport.send_all` / `receive_into`)."""
 RAY_NODE_BYTES = 1 * GiB
 """Assumed resident memory of Ray's own processes on a node (raylet, GCS, dashboard, log monitor)."""
 DRIVER_BYTES = 1 * GiB
@@ -272,6 +313,9 @@ class RolePlan:
     """Processes of this role on a node (ranks, or tensor-parallel workers)."""
     note: str = ""
     """A line printed under the role (what the numbers mean beyond the rows)."""
+    beside: list[Row] = field(default_factory=list)
+    """Device rows outside `budget` (vLLM on GPU: the push's buffers, which torch allocates beside vLLM's
+    reservation); counted on the shared GPU."""
 
     @property
     def total(self) -> int:
@@ -346,6 +390,8 @@ class MemoryPlan:
     hosts: list[RolePlan] = field(default_factory=list)
     """Host RAM of each distinct node (node 0 holds the driver)."""
     host_mem: int | None = None
+    sync: SyncPlan | None = None
+    """The weight push after each update: bytes and estimated seconds."""
 
     def checks(self) -> list[RolePlan]:
         """Every table with a verdict: roles, the shared GPU, the hosts."""
@@ -372,11 +418,154 @@ class MemoryPlan:
         out += [*(f"assume: {a}" for a in self.assumptions), ""]
         for role in self.checks():
             out += _render_role(role, where if role in self.roles else "")
+        if self.sync is not None:
+            out += self.sync.render()
         return "\n".join(out)
 
 
+@dataclass
+class SyncLine:
+    """One figure of the weight push: bytes, the seconds they take at `bandwidth`, and how."""
+
+    name: str
+    bytes: int
+    formula: str
+    bandwidth: float = 0.0
+    """Bytes per second assumed for it (0: not timed)."""
+    link: str = ""
+    """Which bandwidth: the module constant's name."""
+
+    @property
+    def seconds(self) -> float:
+        return self.bytes / self.bandwidth if self.bandwidth else 0.0
+
+
+@dataclass
+class SyncPlan:
+    """The weight push after every update (one per step): link kind, bytes and estimated seconds."""
+
+    kind: str
+    links: int
+    receivers: int
+    dtype_bytes: int
+    bucket: int
+    per_link: int
+    """Tensor bytes one link carries per push (what `PushStats.bytes` reports): P·b."""
+    lines: list[SyncLine] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        """Estimated seconds of one push: the timed lines run one after the other."""
+        return sum(x.seconds for x in self.lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "links": self.links,
+            "receivers": self.receivers,
+            "dtype_bytes": self.dtype_bytes,
+            "bucket_bytes": self.bucket,
+            "bytes_per_link": self.per_link,
+            "seconds_per_step": self.seconds,
+            "lines": [
+                {
+                    "name": x.name,
+                    "bytes": x.bytes,
+                    "seconds": x.seconds,
+                    "bandwidth": x.bandwidth,
+                    "link": x.link,
+                }
+                for x in self.lines
+            ],
+        }
+
+    def render(self) -> list[str]:
+        width = max(len(x.name) for x in self.lines)
+        out = [
+            f"[weight sync per step] ({self.kind}: {self.links} link(s) to {self.receivers} replica(s), "
+            f"{self.dtype_bytes}-byte values, bucket {self.bucket >> 20} MiB)"
+        ]
+        for x in self.lines:
+            t = f"{x.seconds:8.2f} s at {x.bandwidth / 1e9:g} GB/s ({x.link})" if x.bandwidth else ""
+            out.append(f"  {x.name:<{width}} {_gib(x.bytes):>11}  {t}")
+            out.append(f"  {'':<{width}}   = {x.formula}")
+        out.append(f"  {'total':<{width}} {'':>11}  {self.seconds:8.2f} s per step (one push per step)")
+        out.append("")
+        return out
+
+
+def _sync_plan(s: ModelShape, lay: Layout, push: _Push) -> SyncPlan:
+    """Bytes and seconds of one push at the assumed bandwidths: the FSDP2 all-gather each rank takes part
+    in, then the links (same_device: every rank copies into its replica at once; broadcast: rank 0 sends once
+    to every replica)."""
+    b, P = push.dtype_bytes, push.params
+    sp = SyncPlan(push.kind, push.links, push.receivers, b, push.bucket, push.per_link)
+    gpu, multi = lay.device == "cuda", lay.nnodes > 1
+    net = (NETWORK_BYTES_PER_S, "NETWORK_BYTES_PER_S") if multi else None
+    if lay.strategy in FSDP_STRATEGIES and lay.dp > 1:
+        intra = (
+            (NVLINK_BYTES_PER_S, "NVLINK_BYTES_PER_S")
+            if gpu
+            else (LOOPBACK_BYTES_PER_S, "LOOPBACK_BYTES_PER_S")
+        )
+        bw, name = net or intra
+        sp.lines.append(
+            SyncLine(
+                "all-gather per rank",
+                (lay.dp - 1) * P * b // lay.dp,
+                f"(dp−1)/dp·P·{b} B = {lay.dp - 1}/{lay.dp}·{P:,}·{b} (FSDP2, in the push dtype)",
+                bw,
+                name,
+            )
+        )
+    if push.kind == "same_device":
+        bw, name = (
+            (DEVICE_COPY_BYTES_PER_S, "DEVICE_COPY_BYTES_PER_S")
+            if gpu
+            else (
+                HOST_COPY_BYTES_PER_S,
+                "HOST_COPY_BYTES_PER_S",
+            )
+        )
+        sp.lines.append(
+            SyncLine(
+                "bytes per push",
+                push.per_link * push.links,
+                f"P·{b} B × {push.links} link(s): each rank feeds its replica",
+            )
+        )
+        sp.lines.append(
+            SyncLine(
+                "copies per link",
+                SAME_DEVICE_COPIES * push.per_link,
+                f"{SAME_DEVICE_COPIES}·P·{b} B (into the bucket, the shared buffer, out, into the model); "
+                "links in parallel",
+                bw,
+                name,
+            )
+        )
+    else:
+        intra = (
+            (NVLINK_BYTES_PER_S, "NVLINK_BYTES_PER_S")
+            if gpu
+            else (LOOPBACK_BYTES_PER_S, "LOOPBACK_BYTES_PER_S")
+        )
+        bw, name = net or intra
+        sp.lines.append(
+            SyncLine(
+                "bytes per push",
+                push.per_link,
+                f"P·{b} B = {P:,}·{b}: rank 0 broadcasts once to {push.receivers} replica(s) "
+                f"({'NCCL' if gpu else 'gloo'})",
+                bw,
+                name,
+            )
+        )
+    return sp
+
+
 def _render_role(role: RolePlan, where: str) -> list[str]:
-    width = max((len(r.name) + len(r.phase) + 2 for r in role.rows), default=10)
+    width = max((len(r.name) + len(r.phase) + 2 for r in [*role.rows, *role.beside]), default=10)
     out = [f"[{role.role}]" + (f" ({where})" if where else "")]
     for r in role.rows:
         name = f"{r.phase}: {r.name}" if r.phase else r.name
@@ -385,6 +574,11 @@ def _render_role(role: RolePlan, where: str) -> list[str]:
     budget = f" of {_gib(role.budget)}" if role.budget is not None else ""
     how = " (held throughout + the largest pass)" if any(r.phase for r in role.rows) else ""
     out.append(f"  {'total':<{width}} {_gib(role.total):>11}{budget}{verdict}{how}")
+    if role.beside:
+        out.append("  beside its reservation, on the same GPU:")
+        for r in role.beside:
+            name = f"{r.phase}: {r.name}" if r.phase else r.name
+            out.append(f"    {name:<{width - 2}} {_gib(r.bytes):>11}   = {r.formula}")
     if role.host_rows:
         out.append(f"  host RAM of each of its {role.procs_per_node} process(es) on a node:")
         for r in role.host_rows:
@@ -525,6 +719,23 @@ def _logits_row(
     )
 
 
+def _slice_grad_row(s: ModelShape, tokens: int, model_bytes: int, *, packed: bool, phase: str) -> Row | None:
+    """The backward of log-probs computed in chunks (packed) or blocks (padded, above `CHUNK_ELEMENTS`):
+    each chunk is a slice of the logits, and a slice's backward returns a gradient of the full (N, V) shape,
+    added into the logits' gradient: one more full-size tensor beside it (measured on CPU: the peak is
+    three N·V tensors plus one chunk's temporaries). None where the float32 work is done at once."""
+    V = s.vocab_size
+    if not packed and _logit_block(tokens * V) >= tokens * V:
+        return None
+    return Row(
+        "logits grad of a slice",
+        tokens * V * model_bytes,
+        f"N·V·b = {tokens}·{V}·{model_bytes} (a chunk's gradient at the full logits' size, from its slice's "
+        "backward)",
+        phase,
+    )
+
+
 def _logit_block(values: int) -> int:
     """Logits whose float32 temporaries the padded log-prob code holds at once: all of them, or one block of
     `dapo_core.compute.logits.CHUNK_ELEMENTS` where the code computes in blocks."""
@@ -602,7 +813,6 @@ def _train_states(
         if trained:
             st.dev.append(Row("gradients", P * 4 // dp, f"P·4 B / dp {dp}"))
             st.dev.append(Row("optimizer", P * 8 // dp, f"P·8 B (AdamW m + v) / dp {dp}"))
-            st.dev.append(Row("weight sync", big * wb, f"one full tensor at a time: V·h·{wb} B", "sync"))
         head = 0 if s.tie_word_embeddings else big
         st.gathered = (2 * s.layer_params + big + head) * gb + (s.layer_params * 4 if trained else 0)
         return st
@@ -651,7 +861,7 @@ def _train_states(
             )
         if stage == 3:
             st.dev.append(
-                Row("weight sync", 2 * P * wb, f"2·P·{wb} B: all weights gathered and cloned at once", "sync")
+                Row("gathered weights", P * wb, f"P·{wb} B: ZeRO-3 gathers every weight for a push", "sync")
             )
         return st
     wb = 4 if trained else dtype_bytes
@@ -669,13 +879,19 @@ def _train_states(
 
 def _place(role: RolePlan, st: _States, lay: Layout) -> None:
     """Device rows to the role, host rows to its host table (on CPU both are the process's memory)."""
-    what = "measured on CPU" if lay.device == "cpu" else "with the CUDA context, assumed"
+    what = "measured on CPU" if lay.device == "cpu" else "with the CUDA context's host side, assumed"
     base = Row("process", PROCESS_BYTES[lay.device], f"Python, torch, transformers ({what})")
     if lay.device == "cpu":
         role.rows[:0] = [base, *[r for r in st.dev if r.phase != "load"], *st.host]
     else:
         role.rows[:0] = st.dev
-        role.host_rows[:0] = [base, *st.host]
+        role.host_rows[:0] = [base, _nccl_row(), *st.host]
+
+
+def _nccl_row() -> Row:
+    return Row(
+        "NCCL buffers", NCCL_BUFFER_BYTES, "32 channels × 2 directions × NCCL_BUFFSIZE 4 MiB (assumed)"
+    )
 
 
 def make_plan(
@@ -723,6 +939,7 @@ def make_plan(
             if r.role != "rollout":
                 r.budget = None  # checked together on the shared GPU
     plan.hosts = _host_plans(cfg, s, lay, roles, host_mem)
+    plan.sync = _sync_plan(s, lay, _push(cfg, s, lay))
     return plan
 
 
@@ -791,6 +1008,9 @@ def _pass_rows(
     role.rows.append(
         _logits_row(s, n, cb, entropy=entropy, packed=packed, phase=phase, grad=ckpt is not None)
     )
+    extra = _slice_grad_row(s, n, cb, packed=packed, phase=phase) if ckpt is not None else None
+    if extra is not None:
+        role.rows.append(extra)
 
 
 def _shared_shape(cfg: Any, lay: Layout, role: str) -> tuple[int, int, bool] | None:
@@ -860,30 +1080,160 @@ def _shared_pass_rows(
     row = _logits_row(s, logit_tokens, cb, entropy=entropy, packed=False, phase=phase, grad=grad)
     row.formula += f"; N = rows·R + G = {logit_tokens} (response positions and each prompt's last)"
     role.rows.append(row)
+    extra = _slice_grad_row(s, logit_tokens, cb, packed=False, phase=phase) if grad else None
+    if extra is not None:
+        role.rows.append(extra)
 
 
-def _received_weights(cfg: Any, s: ModelShape) -> Row:
-    """The weights a CPU rollout process receives. Under Ray they arrive through the object store and stay
-    resident (the store's shared pages remain mapped into the process between pushes); without Ray they
-    are a copy that lives only until it is copied in."""
-    if bool(cfg.trainer.use_ray):
-        return Row("weight sync", s.num_params * 4, "P·4 B: received weights, mapped from Ray's object store")
-    return Row("weight sync", s.num_params * 4, "P·4 B: received weights before the copy in", "sync")
+@dataclass(frozen=True)
+class _Push:
+    """How the weights travel to the rollout after an update (`weight_transport`, `push_from`)."""
+
+    kind: str
+    """`same_device` (actor rank i feeds replica i through shared memory) or `broadcast` (rank 0 to all)."""
+    links: int
+    """Links of one push: one per replica (same_device) or one (broadcast)."""
+    receivers: int
+    """Replicas fed."""
+    dtype_bytes: int
+    """Bytes per value of the push dtype: the rollout engine's weight dtype."""
+    bucket: int
+    """`update_weights_bucket_megabytes` in bytes: the largest message."""
+    fill: int
+    """The most bytes one bucket holds: min(bucket, P·b + 64 B alignment per tensor)."""
+    alloc: int
+    """Resident bytes of one bucket buffer: the whole bucket on GPU (allocated at once), its touched pages
+    (`fill`) on CPU."""
+    largest: int
+    """Bytes of the largest tensor in the push dtype."""
+    params: int
+    """P, the values of one push."""
+
+    @property
+    def per_link(self) -> int:
+        """Tensor bytes a link carries per push: P·b."""
+        return self.params * self.dtype_bytes
 
 
-def _sync_host(role: RolePlan, s: ModelShape, lay: Layout, nbytes: int, use_ray: bool) -> None:
-    """The full CPU copy of the weights `ActorWorker.weights` makes for the rollout (under FSDP2 on rank 0
-    only, gathered one tensor at a time); on CPU under Ray also the copy in the object store, whose shared
-    pages stay mapped into the process."""
-    row = Row("weight sync", s.num_params * nbytes, f"P·{nbytes} B: a CPU copy of every weight", "sync")
+def _rollout_dtype_bytes(cfg: Any, lay: Layout) -> int:
+    """Bytes per value of the rollout engine's weights (what a push casts to): `rollout.dtype`, else vLLM's
+    bf16 on GPU, float32 for the HF engine and on CPU."""
+    ro = cfg.actor_rollout_ref.rollout
+    default = 2 if ro.name == "vllm" and lay.device == "cuda" else 4
+    return _DTYPE_NAMES.get(str(ro.dtype), default)
+
+
+def _push(cfg: Any, s: ModelShape, lay: Layout) -> _Push:
+    """The push `RolloutReplicas.push_from` makes for this layout. `weight_transport: auto` is same_device
+    where actor rank i shares replica i's devices (colocated with tp 1, or one actor process and one replica
+    on one CPU host), else broadcast."""
+    ro = cfg.actor_rollout_ref.rollout
+    want = str(_opt(ro, "weight_transport", "auto"))
+    ranks = lay.world if lay.colocated else 1
+    one_host = lay.device == "cpu" and lay.nnodes == 1 and ranks >= lay.replicas
+    same = lay.tp == 1 if lay.colocated else one_host
+    kind = want if want != "auto" else ("same_device" if same else "broadcast")
+    b = _rollout_dtype_bytes(cfg, lay)
+    bucket = int(_opt(ro, "update_weights_bucket_megabytes", 512)) << 20
+    fill = min(bucket, s.num_params * b + 64 * s.num_tensors)
+    return _Push(
+        kind=kind,
+        links=lay.replicas if kind == "same_device" else 1,
+        receivers=lay.replicas,
+        dtype_bytes=b,
+        bucket=bucket,
+        fill=fill,
+        alloc=bucket if lay.device == "cuda" else fill,
+        largest=s.largest_params * b,
+        params=s.num_params,
+    )
+
+
+def _fill_formula(push: _Push) -> str:
+    return f"min(bucket, P·{push.dtype_bytes} B + 64 B·tensors) = {push.fill:,} B"
+
+
+def _alloc_formula(push: _Push, gpu: bool) -> str:
+    return f"bucket {push.bucket >> 20} MiB" if gpu else f"touched pages: {_fill_formula(push)}"
+
+
+def _sender_rows(role: RolePlan, s: ModelShape, lay: Layout, push: _Push, weight_bytes: int) -> None:
+    """The push's pass on an actor rank that sends (rank 0 of a broadcast; every rank of same_device links):
+    the tensor in flight (FSDP2: its shard cast to the push dtype and all-gathered; one-process engines: a
+    cast copy when the weights are not in the push dtype) and the bucket(s). On GPU they are device memory,
+    on CPU the process's."""
+    b, gpu = push.dtype_bytes, lay.device == "cuda"
+    if not gpu:
+        role.rows.append(_link_row())
     if lay.strategy in FSDP_STRATEGIES:
-        row.formula += " (rank 0 gathers them; the other ranks hold none)"
-        if lay.device == "cuda":
-            return  # counted once per cluster, on node 0 (`_host_plans`)
-    (role.rows if lay.device == "cpu" else role.host_rows).append(row)
-    if lay.device == "cpu" and use_ray:
         role.rows.append(
-            Row("object store", s.num_params * nbytes, f"P·{nbytes} B: the copy put into Ray's object store")
+            Row(
+                "gathered tensor",
+                push.largest + push.largest // lay.dp,
+                f"largest·{b}·(1 + 1/dp): the largest tensor's shard cast to the push dtype, all-gathered "
+                f"({s.largest_params:,} values)",
+                "sync",
+            )
+        )
+    elif weight_bytes != b:
+        role.rows.append(
+            Row("cast tensor", push.largest, f"largest·{b} B: one weight cast to the push dtype", "sync")
+        )
+    role.rows.append(
+        Row("bucket", push.alloc, "the buffer tensors are packed into: " + _alloc_formula(push, gpu), "sync")
+    )
+    if push.kind == "same_device":
+        where = "device memory shared by CUDA IPC" if gpu else "a /dev/shm file its replica maps"
+        role.rows.append(Row("shared bucket", push.alloc, f"{where}: " + _alloc_formula(push, gpu), "sync"))
+
+
+def _link_row() -> Row:
+    return Row(
+        "link group", LINK_GROUP_BYTES, "gloo group and TCPStore of the link (measured on CPU)", "sync"
+    )
+
+
+def _receiver_rows(role: RolePlan, lay: Layout, push: _Push, vllm: bool) -> None:
+    """The push's pass on a rollout replica: the bucket it reads (its broadcast receive buffer; on CPU the
+    sender's /dev/shm pages it maps, resident in both processes; on GPU same_device the sender's memory, not
+    counted again), the tensors copied out of one bucket with the tensors split over buckets staged whole
+    (the one a bucket completes and the one it starts), and for vLLM the group of at most a bucket (or one
+    larger tensor) handed to its workers."""
+    gpu = lay.device == "cuda"
+    if not gpu:
+        role.rows.append(_link_row())
+    if push.kind == "broadcast":
+        role.rows.append(
+            Row(
+                "receive bucket", push.alloc, "broadcast receive buffer: " + _alloc_formula(push, gpu), "sync"
+            )
+        )
+    elif not gpu:
+        role.rows.append(
+            Row(
+                "receive bucket",
+                push.fill,
+                "the sender's /dev/shm bucket, mapped: " + _fill_formula(push),
+                "sync",
+            )
+        )
+    role.rows.append(
+        Row(
+            "tensors copied out",
+            push.fill + 2 * push.largest,
+            f"one bucket's tensors + 2·largest·{push.dtype_bytes} B = {push.fill:,} + 2·{push.largest:,} "
+            "(the tensor a bucket completes and the one it starts, each staged whole)",
+            "sync",
+        )
+    )
+    if vllm:
+        role.rows.append(
+            Row(
+                "weight group",
+                max(push.fill, push.largest),
+                "max(bucket's fill, largest tensor): the tensors handed to vLLM's workers at once",
+                "sync",
+            )
         )
 
 
@@ -932,7 +1282,7 @@ def _actor_plan(
     for name, nbytes, formula in per_pass:
         if nbytes:
             a.rows.extend(Row(name, nbytes, formula, phase) for phase in ("update", "log-prob"))
-    _sync_host(a, s, lay, st.weight_bytes if lay.strategy != "torch" else 4, bool(cfg.trainer.use_ray))
+    _sender_rows(a, s, lay, _push(cfg, s, lay), st.weight_bytes)
     return a
 
 
@@ -1079,23 +1429,30 @@ def _rollout_plan(
                 else f"vLLM reserves {_gib(r.budget)} per GPU; sequences beyond "
                 f"{max(room, 0) // one} wait for room (slower, not an error)"
             )
-        r.host_rows = [
-            Row("process", PROCESS_BYTES[lay.device], "vLLM worker: Python, torch, CUDA context (assumed)"),
-            Row("weight sync", s.num_params * db // tp, f"P·{db} B / tp: received weights", "sync"),
-        ]
-        if lay.colocated and lay.device == "cuda" and ro.free_cache_engine:
-            r.host_rows.append(
-                Row(
-                    "asleep",
-                    s.num_params * db // tp,
-                    f"P·{db} B / tp: weights in host RAM while training",
-                    "train",
-                )
-            )
+        push = _push(cfg, s, lay)
+        _receiver_rows(r, lay, push, vllm=True)
+        if lay.device == "cuda":
+            r.beside = [row for row in r.rows if row.phase == "sync"]
+            r.rows = [row for row in r.rows if row.phase != "sync"]
+        process = Row(
+            "process",
+            PROCESS_BYTES[lay.device],
+            "vLLM worker: Python, torch, CUDA context's host side (assumed)",
+        )
         if lay.device == "cpu":
-            r.rows[:0] = [r.host_rows[0]]
-            r.rows.append(r.host_rows[1])
-            r.host_rows = []
+            r.rows.insert(0, process)
+            return r
+        r.host_rows = [
+            process,
+            _nccl_row(),
+            Row(
+                "weight group",
+                max(push.fill, push.largest),
+                "max(bucket's fill, largest tensor): the group pickled through host memory to the workers "
+                "(collective_rpc, assumed)",
+                "sync",
+            ),
+        ]
         return r
     db = _DTYPE_NAMES.get(dtype, 4)
     rows = min(-(-rows_all // lay.replicas), int(ro.max_num_seqs))  # one replica's share
@@ -1134,14 +1491,14 @@ def _rollout_plan(
             "generate" if cpu else "decode",
         )
     )
+    _receiver_rows(r, lay, _push(cfg, s, lay), vllm=False)
     if cpu:
         r.rows.insert(0, Row("process", PROCESS_BYTES["cpu"], "Python, torch, transformers (measured)"))
-        r.rows.append(_received_weights(cfg, s))
     else:
         r.host_rows = [
-            Row("process", PROCESS_BYTES["cuda"], "Python, torch, CUDA context (assumed)"),
+            Row("process", PROCESS_BYTES["cuda"], "Python, torch, CUDA context's host side (assumed)"),
+            _nccl_row(),
             Row("load", s.num_params * db, f"P·{db} B read into host RAM, then moved", "load"),
-            Row("weight sync", s.num_params * 4, "P·4 B: received weights", "sync"),
         ]
     return r
 
@@ -1149,18 +1506,25 @@ def _rollout_plan(
 def _shared_gpu(cfg: Any, roles: list[RolePlan], gpu_mem: int | None) -> RolePlan:
     """The sum on one GPU of a colocated layout: every role's held rows, plus the largest pass of any role.
     The rollout holds util·GPU while it generates; with `free_cache_engine` it frees it for the training
-    passes (`RolloutWorker.release_memory`): vLLM sleeps (weights to host RAM, cache dropped), the HF engine
-    returns its cache and keeps its weights."""
+    passes (`RolloutWorker.release_memory`): vLLM sleeps at level 2 (weights and cache discarded), the HF
+    engine returns its cache and keeps its weights. The weight sync is one pass: the actor rank's sending
+    rows, the replica's receiving rows and (vLLM) its woken weights."""
     free = bool(cfg.actor_rollout_ref.rollout.free_cache_engine)
     sleeps = cfg.actor_rollout_ref.rollout.name == "vllm"
     g = RolePlan("GPU shared by all roles", budget=gpu_mem)
     for role in roles:
-        for row in role.rows:
+        for row in [*role.rows, *role.beside]:
             phase = f"{role.role} {row.phase}" if row.phase else ""
-            if role.role == "rollout" and (row.name != "weights" or sleeps):
+            if row.phase == "sync":
+                phase = "weight sync"  # the actor's rank sends, its replica receives, at once
+            elif role.role == "rollout" and (row.name != "weights" or sleeps):
                 phase = "rollout generate" if free else ""
             name = row.name if phase and phase.startswith(role.role) else f"{role.role} {row.name}"
             g.rows.append(Row(name, row.bytes, row.formula, phase))
+            if role.role == "rollout" and row.name == "weights" and sleeps and free:
+                g.rows.append(
+                    Row("rollout weights", row.bytes, row.formula + ", woken for the push", "weight sync")
+                )
         if role.role == "rollout" and role.budget is not None:
             reserved = role.budget - role.total
             g.rows.append(
@@ -1173,7 +1537,11 @@ def _shared_gpu(cfg: Any, roles: list[RolePlan], gpu_mem: int | None) -> RolePla
             )
     g.note = "passes never overlap (sync step order); " + (
         "free_cache_engine: the rollout's memory is released while training"
-        + (" (vLLM sleep mode; its weights wait in host RAM)" if sleeps else " (its weights stay)")
+        + (
+            " (vLLM sleep level 2: weights and cache discarded, the next push fills the woken weights)"
+            if sleeps
+            else " (its weights stay)"
+        )
         if free
         else "the rollout keeps its reservation throughout"
     )
@@ -1200,15 +1568,6 @@ def _host_plans(
             h.rows.append(
                 Row(f"{role.role} × {procs}", per * procs, f"{procs} × {_gib(per)} (peak of one process)")
             )
-        full = s.num_params * (FSDP_BYTES if lay.strategy in FSDP_STRATEGIES else 0)
-        if node == 0 and full and lay.device == "cuda":
-            h.rows.append(
-                Row("actor rank 0 weight sync", full, f"P·{FSDP_BYTES} B: rank 0 gathers every weight")
-            )
-        host_rows = roles[0].rows if lay.device == "cpu" else roles[0].host_rows
-        sync = next((r.bytes for r in host_rows if r.name == "weight sync"), full)
-        if node == 0 and sync:
-            h.rows.append(Row("object store", sync, "the weights in transit to the rollout (Ray)"))
         out.append(h)
     return out
 
@@ -1440,9 +1799,7 @@ def measure_actor_update(
     actor = next(r for r in plan.roles if r.role == "actor")
     weights = sum(r.bytes for r in actor.rows if r.name == "weights")
     estimated = sum(
-        r.bytes
-        for r in actor.rows
-        if r.phase in ("", "update") and r.name not in ("weights", "process", "object store")
+        r.bytes for r in actor.rows if r.phase in ("", "update") and r.name not in ("weights", "process")
     )
     return {"measured": int(measured), "estimated": int(estimated), "weights": int(weights)}
 
@@ -1453,7 +1810,7 @@ def measure_rollout(cfg: Any, model_path: str, *, device: str = "cpu", seed: int
     One batch of `min(gen batch × n, max_num_seqs)` rows: `n` samples of each of `rows / n` random prompts of
     `max_prompt_length` tokens, `max_response_length` new tokens (EOS is an id the model almost never draws,
     so rows run to full length: the plan's worst case). Measured as in `measure_actor_update`; `estimated` is
-    the plan's rollout rows except the weights, the process and the weight sync, `weights` its weight row.
+    the plan's rollout rows except the weights, the process and the push's pass, `weights` its weight row.
     """
     import torch
 
@@ -1488,7 +1845,6 @@ def measure_rollout(cfg: Any, model_path: str, *, device: str = "cpu", seed: int
         engine.generate(batch, params, list(range(rows)))
         measured = rss_bytes("VmHWM") - base
     rollout = next(r for r in make_plan(cfg, device=device).roles if r.role == "rollout")
-    skip = ("weights", "process", "weight sync")
-    estimated = _peak([r for r in rollout.rows if r.name not in skip])
+    estimated = _peak([r for r in rollout.rows if r.name not in ("weights", "process") and r.phase != "sync"])
     weights = sum(r.bytes for r in rollout.rows if r.name == "weights")
     return {"measured": int(measured), "estimated": int(estimated), "weights": int(weights), "rows": rows}

@@ -143,8 +143,12 @@ def test_rows_can_be_checked_by_hand():
     # Checkpointed activations of one 22,528-token micro-batch, bf16: N·(layers·h + 2·(8h + 4kv + 4i))·2.
     per = 8 * 5120 + 4 * 1024 + 4 * 27648
     assert rows[("update", "activations (ckpt)")] == 22528 * (64 * 5120 + 2 * per) * 2
-    # Weight sync gathers every ZeRO-3 partition and clones it on the GPU: 2·P·2 bytes, more than 80 GiB.
-    assert rows[("sync", "weight sync")] == 2 * P * 2 and actor.fits() is False
+    # A push gathers every ZeRO-3 partition (P·2 bytes) and packs the tensors into one 512 MiB bucket that
+    # rank 0 broadcasts to the rollout GPUs; the weights are bf16 already, so no tensor is cast.
+    assert rows[("sync", "gathered weights")] == P * 2 and rows[("sync", "bucket")] == 512 << 20
+    assert ("sync", "cast tensor") not in rows and ("sync", "shared bucket") not in rows
+    assert actor.total == sum(r.bytes for r in actor.rows if not r.phase) + P * 2 + (512 << 20)
+    assert plan.sync is not None and (plan.sync.kind, plan.sync.per_link) == ("broadcast", P * 2)
     rollout = plan.roles[-1]
     assert rollout.role == "rollout" and rollout.budget == int(0.8 * parse_bytes("80GiB"))
     assert rollout.rows[0].bytes == P * 2 // 4  # bf16 weights over tensor-parallel 4
@@ -178,9 +182,35 @@ def test_recipe_layout_shards_over_128_gpus_and_says_what_does_not_fit(capsys):
     assert rows[("load", "load")] == V_h * 4 // 128
     # float32 activations and logits of a 22,528-token micro-batch do not fit beside the rollout's weights.
     assert plan.gpu is not None and plan.gpu.fits() is False
-    # Rank 0 gathers the full float32 weights into host RAM for the rollout; Ray's object store holds a copy.
-    node0 = {r.name: r.bytes for r in plan.hosts[0].rows}
-    assert node0["actor rank 0 weight sync"] == P * 4 == node0["object store"]
+    # The push: each rank all-gathers one tensor at a time in the rollout's bf16 (the largest, V·h, plus
+    # its cast shard) and rank 0 packs it into a 512 MiB bucket; no process holds the whole model.
+    assert rows[("sync", "gathered tensor")] == V_h * 2 + V_h * 2 // 128
+    assert rows[("sync", "bucket")] == 512 << 20 and ("sync", "shared bucket") not in rows  # tp 4: broadcast
+    rollout = plan.roles[-1]
+    beside = {r.name: r.bytes for r in rollout.beside}
+    assert beside == {
+        "receive bucket": 512 << 20,
+        "tensors copied out": (512 << 20) + 2 * V_h * 2,
+        "weight group": max(512 << 20, V_h * 2),
+    }
+    # Host RAM per node: Ray (+ the driver on node 0) and each process's peak; vLLM sleeps at level 2, so
+    # no row holds a copy of the weights.
+    from dapo_core.compute.plan import DRIVER_BYTES, NCCL_BUFFER_BYTES, PROCESS_BYTES, RAY_NODE_BYTES
+
+    actor_host = PROCESS_BYTES["cuda"] + NCCL_BUFFER_BYTES
+    rollout_host = actor_host + beside["weight group"]
+    assert [r.host_total for r in plan.roles] == [actor_host, rollout_host]
+    node0, node1 = plan.hosts
+    assert node0.total == RAY_NODE_BYTES + DRIVER_BYTES + 8 * (actor_host + rollout_host)
+    assert node1.total == node0.total - DRIVER_BYTES
+    assert [r.name for r in node1.rows] == ["Ray", "actor × 8", "rollout × 8"]
+    # One push per step: each rank's share of the all-gather, then rank 0's broadcast of P·2 bytes.
+    sync = plan.sync
+    assert sync is not None and (sync.kind, sync.links, sync.receivers) == ("broadcast", 1, 32)
+    lines = {x.name: x for x in sync.lines}
+    assert lines["all-gather per rank"].bytes == 127 * P * 2 // 128
+    assert lines["bytes per push"].bytes == P * 2 == sync.per_link
+    assert sync.seconds == pytest.approx((127 * P * 2 / 128 + P * 2) / 25e9)
     assert run_plan(cfg, "plan", gpu_mem="80GiB", host_mem="1800GiB") == 2
     err = capsys.readouterr().err
     assert "no setting of the memory keys fits (largest: actor update: activations (ckpt)" in err
@@ -259,7 +289,7 @@ SCENARIOS = {
             "actor_rollout_ref.actor.deepspeed.offload_optimizer=false",
             "actor_rollout_ref.model.enable_gradient_checkpointing=false",
         ],
-        "24GiB",
+        "32GiB",
         "actor",
     ),
     "token budget above the width": (
@@ -279,12 +309,12 @@ SCENARIOS = {
             "actor_rollout_ref.actor.use_kl_loss=true",
             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=45056",
         ],
-        "24GiB",
+        "32GiB",
         "ref",
     ),
     "vLLM without room for one sequence": (
         [*SMALL, "actor_rollout_ref.rollout.gpu_memory_utilization=0.05"],
-        "24GiB",
+        "32GiB",
         "rollout",
     ),
 }
@@ -327,7 +357,7 @@ def test_a_token_budget_at_the_width_is_not_advised_with_packing():
         gpu_mem=parse_bytes(gpu_text),
         host_mem=None,
     )
-    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20480" in knobs
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10240" in knobs
 
 
 def test_weights_are_counted_once_without_offload_param():
@@ -414,10 +444,17 @@ def test_cpu_plan_is_the_resident_memory_of_each_process():
     for role in plan.roles:
         assert role.rows[0].name == "process" and role.rows[0].bytes == PROCESS_BYTES["cpu"]
     (host,) = plan.hosts
-    assert host.total == RAY_NODE_BYTES + DRIVER_BYTES + sum(r.total for r in plan.roles) + next(
-        r.bytes for r in host.rows if r.name == "object store"
-    )
+    assert host.total == RAY_NODE_BYTES + DRIVER_BYTES + sum(r.total for r in plan.roles)
     assert host.fits() is True
+    # The push's pass: the actor packs into its bucket and the /dev/shm bucket the rollout maps; the rollout
+    # copies one bucket's tensors out. A bucket's resident pages are at most P·4 B (+ alignment) here.
+    s, sync = plan.shape, plan.sync
+    fill = s.num_params * 4 + 64 * s.num_tensors
+    assert sync is not None and sync.kind == "same_device" and fill < 512 << 20
+    actor, rollout = ({(r.phase, r.name): r.bytes for r in role.rows} for role in plan.roles)
+    assert actor[("sync", "bucket")] == actor[("sync", "shared bucket")] == fill
+    assert rollout[("sync", "receive bucket")] == fill
+    assert rollout[("sync", "tensors copied out")] == fill + 2 * s.largest_params * 4
 
 
 def test_host_ram_problem_refuses_a_cpu_run_that_cannot_fit_and_its_change_fits():
@@ -468,3 +505,113 @@ def test_model_config_flag_reads_a_config_json(tmp_path, capsys):
     args += ["--gpu-mem", "80GiB", *DS]
     assert main(args) == 0
     assert "P=494,032,768 parameters" in capsys.readouterr().out
+
+
+def _resident_weights(folder: str) -> dict:
+    """The tiny model's tensors, read from its safetensors file into resident memory (a model's weights as
+    the actor and the rollout hold them), without importing transformers (the child starts faster)."""
+    import torch
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    state = {k: v.clone() for k, v in load_file(str(Path(folder) / "model.safetensors")).items()}
+    return state
+
+
+def _push_send(folder: str, links: list, out) -> None:
+    import traceback
+
+    try:
+        from dapo_core.compute import weight_transport as wt
+        from dapo_core.compute.peak_memory import rss_bytes
+
+        state = _resident_weights(folder)
+        base = rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        st = wt.send_all(wt.distinct_tensors(state.items()), [wt.Link(**d) for d in links], 0)
+        out.put(("sender", st.bytes, st.max_message_bytes, st.seconds, rss_bytes("VmHWM") - base))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+
+
+def _push_receive(folder: str, link: dict, index: int, out) -> None:
+    import traceback
+
+    try:
+        from dapo_core.compute import weight_transport as wt
+        from dapo_core.compute.peak_memory import rss_bytes
+
+        state = _resident_weights(folder)
+        base = rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+        def load(named) -> None:  # what the HF engine's load_tensors does: a copy into each weight
+            for name, t in named:
+                state[name].copy_(t)
+
+        st = wt.receive_into(wt.Link(**link), index, load, list(state))
+        out.put(("receiver", st.bytes, st.max_message_bytes, st.seconds, rss_bytes("VmHWM") - base))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("kind", ["same_device", "broadcast"])
+def test_a_real_push_of_the_tiny_model_moves_the_planned_bytes(kind, tmp_path, monkeypatch):
+    """A push of a tiny model whose MLP tensors (512 × 8192 float32, 16 MiB) split over 8 MiB buckets, over
+    `weight_transport` between real processes, planned with the same link kind: the plan's bytes per link
+    are the transport's `bytes` on every end, no message exceeds the plan's bucket, and each end's resident
+    growth during the push is the plan's rows of the push's pass (within 0.75-1.25)."""
+    import multiprocessing as mp
+    from dataclasses import asdict
+
+    from dapo_core.compute import weight_transport as wt
+    from dapo_core.compute.dist import free_port
+    from dapo_core.compute.models import build_tiny_model
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
+    shape = [
+        "actor_rollout_ref.model.tiny.hidden_size=512",
+        "actor_rollout_ref.model.tiny.intermediate_size=8192",
+        "actor_rollout_ref.model.tiny.num_hidden_layers=2",
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes=8",
+        f"actor_rollout_ref.rollout.weight_transport={kind}",
+    ]
+    cfg = typed(load_config(CONFIGS / "tiny_cpu.yaml", shape))
+    plan = make_plan(cfg, device="cpu")
+    sync = plan.sync
+    assert sync is not None and (sync.kind, sync.bucket) == (kind, 8 << 20)
+    assert plan.shape.largest_params * 4 == 16 << 20
+    folder = str(build_tiny_model(str(tmp_path), dict(vars(cfg.actor_rollout_ref.model.tiny)), seed=0))
+    n = 1 if kind == "same_device" else 2
+    link = wt.Link(
+        kind, 0, n, "127.0.0.1", free_port("127.0.0.1"), sync.bucket, "float32", tag=f"plan-{kind}"
+    )
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_push_send, args=(folder, [asdict(link)], out))]
+    procs += [ctx.Process(target=_push_receive, args=(folder, asdict(link), i, out)) for i in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        got = [out.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [g[1] for g in got if g[0] == "error"]
+    assert not errors, errors[0]
+    rows = {role.role: {r.name: r.bytes for r in role.rows if r.phase == "sync"} for role in plan.roles}
+    sender = next(g for g in got if g[0] == "sender")
+    receivers = [g for g in got if g[0] == "receiver"]
+    print(f"{kind}: plan {sync.per_link:,} B per link, rows {rows}; measured {got}")
+    for _, nbytes, max_msg, _, _ in [sender, *receivers]:
+        assert nbytes == sync.per_link
+        assert max_msg <= sync.bucket
+    # The resident growth of each end during the push against the plan's rows of its pass.
+    for g, role in [(sender, "actor"), *((r, "rollout") for r in receivers)]:
+        planned = sum(rows[role].values())
+        assert 0.75 <= g[4] / planned <= 1.25, (g, role, rows)
