@@ -199,7 +199,7 @@ class _Control:
         self.link = link
         self.rank = rank
         size = 1 + link.receivers
-        self.store = dist.TCPStore(
+        self.store: Any = dist.TCPStore(
             link.host, link.port, size, is_master=(rank == 1), timeout=TIMEOUT, wait_for_workers=True
         )
         prefix = dist.PrefixStore(f"{link.tag}/ctl", self.store)
@@ -237,6 +237,12 @@ class _Control:
 
     def barrier(self) -> None:
         self.group.barrier().wait()
+
+    def shutdown(self) -> None:
+        """Drop the groups and the store: their connections close, so a peer still waiting in a collective
+        fails at once instead of at the timeout."""
+        self.group = self.data = None
+        self.store = None
 
 
 def _nccl_group(store: Any, rank: int, size: int) -> Any:  # pragma: no cover - needs CUDA
@@ -369,6 +375,7 @@ class Sender:
         if self.shared is not None:
             self.shared.close()
             self.shared = None
+        self.ctl.shutdown()
 
 
 class Receiver:
@@ -441,6 +448,7 @@ class Receiver:
         if self.attached is not None:
             self.attached.close()
             self.attached = None
+        self.ctl.shutdown()
 
 
 def distinct_tensors(state: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | str]]:

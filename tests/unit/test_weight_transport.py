@@ -138,6 +138,58 @@ def test_a_push_that_misses_a_model_tensor_is_refused():
     assert errors and "did not cover the rollout model's tensors ['lm_head.extra']" in errors[0]
 
 
+def _failing_receive(link: dict, out: Any, done: Any) -> None:
+    """A receiver whose engine fails on the first tensor, then stays alive (as a Ray worker does) until
+    the test has the sender's outcome."""
+    try:
+
+        def load(named) -> None:
+            next(iter(named))
+            raise RuntimeError("the engine refused a tensor")
+
+        wt.receive_into(wt.Link(**link), 0, load)
+    except BaseException as exc:
+        kept = exc  # held, as a worker's error is held until reported: its frames keep the receiver alive
+        out.put(("receiver", str(kept)))
+        done.wait(timeout=600)
+
+
+def _timed_send(link: dict, out: Any) -> None:
+    import time
+
+    t0 = time.monotonic()
+    try:
+        wt.send_all(iter(_weights()), [wt.Link(**link)], rank=0)
+        out.put(("sender", "finished", time.monotonic() - t0))
+    except BaseException as exc:
+        out.put(("sender", type(exc).__name__, time.monotonic() - t0))
+
+
+def test_a_receiver_that_fails_mid_push_fails_the_sender_at_once():
+    from dataclasses import asdict
+
+    link = wt.Link("same_device", 0, 1, "127.0.0.1", free_port("127.0.0.1"), 1024, "float32", tag="t-fail")
+    ctx = mp.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(target=_timed_send, args=(asdict(link), out)),
+        ctx.Process(target=_failing_receive, args=(asdict(link), out, done)),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        got = {r[0]: r for r in (out.get(timeout=300) for _ in procs)}
+    finally:
+        done.set()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert "the engine refused a tensor" in got["receiver"][1]
+    _, outcome, seconds = got["sender"]
+    assert outcome != "finished" and seconds < wt.TIMEOUT.total_seconds() / 4, got["sender"]
+
+
 def test_plan_pairs_ranks_with_workers_or_broadcasts_from_rank_0():
     eps = [("10.0.0.1", 7001), ("10.0.0.2", 7002)]
     same = wt.plan_links("same_device", 2, eps, bucket_bytes=BUCKET, dtype="bfloat16")
