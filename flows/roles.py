@@ -160,7 +160,7 @@ def rollout_replicas(cfg: DapoConfig, cluster: Cluster, model_path: str, device:
         cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, ro.tensor_model_parallel_size, ro.name, device
     )
     # The replicas start with unset weights (nothing read from disk, so they start together cheaply) and the
-    # run's first push (`flows.run_setup.restore`) loads the actor's.
+    # run's first push (`flows.run_setup.open_run`) loads the actor's.
     engine_opts: dict[str, Any] = {"max_batch_size": ro.max_num_seqs, "dummy_weights": True}  # hf
     if ro.name == "vllm":
         engine_opts = {

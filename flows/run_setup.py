@@ -181,6 +181,7 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             inputs=inputs,
             changed_inputs=changed,
         )
+        push_weights(rt, 0)  # the replicas start with unset weights: the actor's initial ones, version 0
     except (
         BaseException
     ):  # nothing of a half-opened run may outlive it (Ray actors, a Ray we started, the store)
@@ -264,8 +265,8 @@ def _resume_path_dir(given: Path, ckpts: CheckpointDir, step: int) -> Path:
 
 
 def restore(rt: TrainRun) -> DriverState:
-    """Load the latest checkpoint (resume_mode auto / resume_path), push the actor's weights to the rollout
-    replicas (which start without any) and prepare later steps for replay."""
+    """Load the latest checkpoint (resume_mode auto / resume_path), push its weights to the rollout replicas
+    and prepare later steps for replay."""
     cfg = rt.cfg
     state = DriverState(total_steps=total_training_steps(rt))
     ckpts = rt.store.checkpoints
@@ -295,7 +296,7 @@ def restore(rt: TrainRun) -> DriverState:
         if "keep_rate_state" in saved:
             rt.keep_rate.load_state_dict(saved["keep_rate_state"])
         rt.kl_ctrl.value = float(saved["kl_coef"])
-    push_weights(rt, state.weight_version)  # the replicas start with unset weights: every run pushes first
+        push_weights(rt, state.weight_version)
     dropped = rt.tracker.rewind(state.train_step)
     if dropped:
         print(

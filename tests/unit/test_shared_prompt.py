@@ -180,7 +180,11 @@ def test_actor_update_with_shared_prompts_lands_on_the_same_weights(tiny_dir, pa
         w = _actor(tiny_dir, mini=4 if shuffle else 2, micro=4, total_steps=2, share=share)
         old = w.compute_log_prob(table)
         metrics = w.update_actor(old, global_steps=1)
-        results[share] = (old.column("old_log_probs").to_pylist(), metrics, w.weights())
+        results[share] = (
+            old.column("old_log_probs").to_pylist(),
+            metrics,
+            {k: v.detach().clone() for k, v in w.sync_tensors()},
+        )
     (lp0, m0, w0), (lp1, m1, w1) = results[False], results[True]
     if path == "grouped":  # the log-probs in one micro-batch, then update micro-batches of one prompt each
         assert seen == [4, 1, 1, 1, 1]

@@ -75,10 +75,10 @@ def test_actor_recomputes_rollout_log_probs_and_an_update_moves_the_policy(model
     rewards = pa.array([1.0, -1.0, -1.0, 1.0] * 2, pa.float32())
     t = t.append_column("reward", rewards)
     t, _ = compute_advantage_table(t, pad_token_id=0, adv_estimator="grpo")
-    before = {k: v.clone() for k, v in actor.weights().items()}
+    before = {k: v.detach().clone() for k, v in actor.sync_tensors()}
     metrics = actor.update_actor(t, global_steps=1)
     assert {"actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/pg_clipfrac"} <= set(metrics)
-    after = actor.weights()
+    after = {k: v.detach().clone() for k, v in actor.sync_tensors()}
     assert any(not torch.equal(before[k], after[k]) for k in before)
     # weight sync: the rollout now samples from the updated policy
     roll.sync_weights(after)

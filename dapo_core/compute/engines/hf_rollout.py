@@ -165,6 +165,8 @@ class HFRolloutEngine(RolloutEngine):
             if dummy_weights
             else load_model(self.model_path, dtype=dtype, device=self.device)
         )
+        if dummy_weights:
+            self.weight_version = -1  # no weights yet: a rollout worker refuses to generate until a push
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         # The prefill needs the last position's logits only; the LM head skips the others where it can.

@@ -287,6 +287,8 @@ class VLLMRolloutEngine(RolloutEngine):
         llm_kwargs.update(opts)
         self.llm_kwargs = llm_kwargs
         self.llm = LLM(**llm_kwargs)
+        if llm_kwargs.get("load_format") == "dummy":
+            self.weight_version = -1  # random weights: a rollout worker refuses to generate until a push
         self._asleep = False
         self._awake_tags: set[str] = set()
         self._warned_renormalised = False

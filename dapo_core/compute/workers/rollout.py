@@ -150,7 +150,15 @@ class RolloutWorker:
         return int(self.engine.weight_version)
 
     def check_version(self, expect: int | None) -> None:
-        """Raise `StaleWeights` when `expect` is given and the engine holds another weight version."""
+        """Raise `StaleWeights` when the engine holds no weights (version -1: started on unset weights, or
+        released at sleep level 2, and not pushed to since), or when `expect` is given and the engine holds
+        another weight version."""
+        if self.engine.weight_version < 0:
+            raise StaleWeights(
+                "this rollout replica holds no weights (it started on unset weights or discarded them while "
+                "the training ranks ran) and has not received a push since, so it generates nothing",
+                fix="push the actor's weights first (RolloutReplicas.push_from), or resume the run",
+            )
         if expect is not None and int(expect) != self.engine.weight_version:
             raise StaleWeights(
                 f"this rollout replica holds weight version {self.engine.weight_version}, but the driver "
