@@ -145,6 +145,9 @@ def test_dp2_pushes_give_every_replica_the_exported_models_greedy(smollm2, tmp_p
             "trainer.total_training_steps=2",
             "trainer.save_freq=1",
             "trainer.test_freq=1",
+            "trainer.keep_rollouts_every=1",  # step 1's stage files stay after step 2's checkpoint
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=false",  # greedy validation, to compare
+            "actor_rollout_ref.rollout.val_kwargs.temperature=0.0",
             "trainer.val_before_train=false",
             f"data.max_response_length={new_tokens}",
             "reward_model.overlong_buffer.len=4",
