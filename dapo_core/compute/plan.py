@@ -501,14 +501,12 @@ def _sync_plan(s: ModelShape, lay: Layout, push: _Push) -> SyncPlan:
     b, P = push.dtype_bytes, push.params
     sp = SyncPlan(push.kind, push.links, push.receivers, b, push.bucket, push.per_link)
     gpu, multi = lay.device == "cuda", lay.nnodes > 1
-    net = (NETWORK_BYTES_PER_S, "NETWORK_BYTES_PER_S") if multi else None
+    intra = (
+        (NVLINK_BYTES_PER_S, "NVLINK_BYTES_PER_S") if gpu else (LOOPBACK_BYTES_PER_S, "LOOPBACK_BYTES_PER_S")
+    )
+    link = (NETWORK_BYTES_PER_S, "NETWORK_BYTES_PER_S") if multi else intra
     if lay.strategy in FSDP_STRATEGIES and lay.dp > 1:
-        intra = (
-            (NVLINK_BYTES_PER_S, "NVLINK_BYTES_PER_S")
-            if gpu
-            else (LOOPBACK_BYTES_PER_S, "LOOPBACK_BYTES_PER_S")
-        )
-        bw, name = net or intra
+        bw, name = link
         sp.lines.append(
             SyncLine(
                 "all-gather per rank",
@@ -545,12 +543,7 @@ def _sync_plan(s: ModelShape, lay: Layout, push: _Push) -> SyncPlan:
             )
         )
     else:
-        intra = (
-            (NVLINK_BYTES_PER_S, "NVLINK_BYTES_PER_S")
-            if gpu
-            else (LOOPBACK_BYTES_PER_S, "LOOPBACK_BYTES_PER_S")
-        )
-        bw, name = net or intra
+        bw, name = link
         sp.lines.append(
             SyncLine(
                 "bytes per push",

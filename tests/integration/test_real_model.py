@@ -116,7 +116,7 @@ def test_dp2_pushes_give_every_replica_the_exported_models_greedy(smollm2, tmp_p
     """The real model with an FSDP2 actor over two ranks and two rollout replicas: every push goes rank i to
     replica i in 4 MiB buckets (the embedding is split over many), after each push every replica's greedy
     validation share equals an HF engine's greedy on the actor's exported weights, and the two ranks' peak
-    memory differ by less than a quarter of the model's float32 bytes (no rank gathers the whole model)."""
+    memory differ by less than half the model's float32 bytes (no rank gathers the whole model)."""
     from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
     from dapo_core.compute.engines.rollout import SamplingParams
     from dapo_core.data.datasets import write_parquet
@@ -196,4 +196,6 @@ def test_dp2_pushes_give_every_replica_the_exported_models_greedy(smollm2, tmp_p
     spread = abs(ranks[0]["peak_rss_bytes"] - ranks[1]["peak_rss_bytes"])
     peaks = [p["peak_rss_bytes"] >> 20 for p in ranks]
     print(f"{order}: actor rank peaks {peaks} MiB, spread {spread >> 20} MiB, model float32 {fp32 >> 20} MiB")
-    assert spread < fp32 // 4, (spread, fp32)
+    # A rank that gathered the whole model for a push would peak at least its float32 bytes above the other;
+    # the ranks' own passes differ by up to ~150 MiB here (the data split gives them unequal tokens).
+    assert spread < fp32 // 2, (spread, fp32)
