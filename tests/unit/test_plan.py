@@ -562,9 +562,9 @@ def test_a_real_push_of_the_tiny_model_moves_the_planned_bytes(kind, tmp_path, m
     """A push of a tiny model whose MLP tensors (512 × 8192 float32, 16 MiB) split over 8 MiB buckets, over
     `weight_transport` between real processes, planned with the same link kind: the plan's bytes per link
     are the transport's `bytes` on every end, no message exceeds the plan's bucket, and each end's resident
-    growth during the push stays within twice the plan's rows of the push's pass (+ 8 MiB): far below the
-    model (98 MiB), which an end holding the whole set would add. Resident growth on a busy machine runs up
-    to ~2× the rows (allocator and page timing), so the bound is loose on purpose; the figures are printed."""
+    growth during the push stays within 1.5× the plan's rows of the push's pass + 8 MiB (allocator and page
+    timing add a few MiB on a busy machine, large beside the sender's 2 MiB of rows): below the model
+    (98 MiB), which an end holding the whole set would add. The figures are printed."""
     import multiprocessing as mp
     from dataclasses import asdict
 
@@ -616,4 +616,4 @@ def test_a_real_push_of_the_tiny_model_moves_the_planned_bytes(kind, tmp_path, m
     # The resident growth of each end during the push against the plan's rows of its pass.
     for g, role in [(sender, "actor"), *((r, "rollout") for r in receivers)]:
         planned = sum(rows[role].values())
-        assert g[4] <= 2 * planned + (8 << 20) < sync.per_link, (g, role, rows)
+        assert g[4] <= 1.5 * planned + (8 << 20) < sync.per_link, (g, role, rows)
