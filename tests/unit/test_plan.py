@@ -557,6 +557,7 @@ def _push_receive(folder: str, link: dict, index: int, out) -> None:
         out.put(("error", traceback.format_exc()))
 
 
+@pytest.mark.slow  # real processes: in the full suite, not `make test`
 @pytest.mark.parametrize("kind", ["same_device", "broadcast"])
 def test_a_real_push_of_the_tiny_model_moves_the_planned_bytes(kind, tmp_path, monkeypatch):
     """A push of a tiny model whose MLP tensors (512 × 8192 float32, 16 MiB) split over 8 MiB buckets, over

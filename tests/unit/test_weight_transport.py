@@ -109,6 +109,7 @@ def _expected() -> dict[str, list]:
     return want
 
 
+@pytest.mark.slow  # real processes: in the full suite, not `make test`
 @pytest.mark.parametrize("kind", ["same_device", "broadcast"])
 def test_a_push_delivers_every_tensor_in_the_rollout_dtype(kind):
     n = 1 if kind == "same_device" else 2
@@ -131,6 +132,7 @@ def test_a_push_delivers_every_tensor_in_the_rollout_dtype(kind):
     )
 
 
+@pytest.mark.slow  # real processes: in the full suite, not `make test`
 def test_a_push_that_misses_a_model_tensor_is_refused():
     link = wt.Link("same_device", 0, 1, "127.0.0.1", free_port("127.0.0.1"), BUCKET, "float32", tag="t-miss")
     results = _run([link], [(link, 0)], expect=[n for n, _ in _weights()] + ["lm_head.extra"])
@@ -165,6 +167,7 @@ def _timed_send(link: dict, out: Any) -> None:
         out.put(("sender", type(exc).__name__, time.monotonic() - t0))
 
 
+@pytest.mark.slow  # real processes: in the full suite, not `make test`
 def test_a_receiver_that_fails_mid_push_fails_the_sender_at_once():
     from dataclasses import asdict
 
