@@ -7,7 +7,7 @@ workers over a **link**, then its buffer is reused. No message (a bucket's paylo
 describing its pieces) is ever larger than the bucket, and both ends check it.
 
 A link has one sender (an actor rank) and one or more receivers (rollout workers), and one of two kinds
-behind one seam (`open_sender` / `open_receiver`):
+behind one seam (`Sender` / `Receiver`):
 - `same_device`: the sender and its one receiver share a device (colocated). The bucket lives in memory both
   map: a shared-memory segment on CPU, a CUDA IPC handle of a device buffer on GPU. Only the header crosses
   the control group.
@@ -48,8 +48,6 @@ __all__ = [
     "TransportError",
     "bucketed",
     "distinct_tensors",
-    "open_receiver",
-    "open_sender",
     "plan_links",
     "receive_into",
     "send_all",
@@ -197,7 +195,6 @@ class _Control:
 
     def __init__(self, link: Link, rank: int) -> None:
         self.link = link
-        self.rank = rank
         size = 1 + link.receivers
         self.store: Any = dist.TCPStore(
             link.host, link.port, size, is_master=(rank == 1), timeout=TIMEOUT, wait_for_workers=True
@@ -467,14 +464,6 @@ def _as_tensor(raw: torch.Tensor, p: Piece) -> torch.Tensor:
     return raw.view(_dtype(p.dtype)).reshape(p.shape)
 
 
-def open_sender(link: Link) -> Sender:
-    return Sender(link)
-
-
-def open_receiver(link: Link, index: int) -> Receiver:
-    return Receiver(link, index)
-
-
 # -- both ends, whole pushes ---------------------------------------------------------------------------------
 def send_all(
     named: Iterable[tuple[str, torch.Tensor | str]], links: list[Link], rank: int, device: str = "cpu"
@@ -485,7 +474,7 @@ def send_all(
     rank's totals."""
     mine = [link for link in links if link.source_rank == rank]
     t0 = time.perf_counter()
-    senders = [open_sender(link) for link in mine]
+    senders = [Sender(link) for link in mine]
     try:
         names: list[str] = []
         aliases: dict[str, str] = {}
@@ -532,7 +521,7 @@ def receive_into(
     nor as an alias. Aliases (tied weights) are not loaded: a model tied like the actor's shares the
     tensor."""
     t0 = time.perf_counter()
-    r = open_receiver(link, index)
+    r = Receiver(link, index)
     arrived: set[str] = set()
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
