@@ -11,8 +11,9 @@ its largest pass; a "load" pass (weights arriving) stands alone. The weight push
 and `MemoryPlan.sync` gives its bytes and estimated seconds per step at assumed bandwidths (module
 constants). `advise` (plan_advice.py) finds the config changes that make a failing check pass by
 re-planning with each. `gpu_budget_problem` is the check that makes `dapo train` refuse a GPU config whose
-per-GPU memory it does not know. Checked against measured peaks in tests/unit/test_plan.py (with a real push
-of a tiny model over `weight_transport`), bench/bench_plan.py (CPU) and bench/gpu_memory_check.sh (GPU).
+per-GPU memory it does not know. Checked against measured peaks in tests/unit/dapo_core/compute/test_plan.py
+(with a real push of a tiny model over `weight_transport`), bench/bench_plan.py (CPU) and
+bench/gpu_memory_check.sh (GPU).
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ LOOPBACK_BYTES_PER_S = 1e9
 """Assumed bandwidth of a gloo collective between processes of one host (TCP over the loopback device)."""
 LINK_GROUP_BYTES = 4 << 20
 """Resident memory a CPU process adds for a push's link: its gloo group, TCPStore and their threads (2.5-3.5
-MiB measured on the tests' CPU machine beside the buckets; tests/unit/test_plan.py)."""
+MiB measured on the tests' CPU machine beside the buckets; tests/unit/dapo_core/compute/test_plan.py)."""
 SAME_DEVICE_COPIES = 4
 """Copies of every byte on a same-device link: into the bucket, into the shared buffer, out of it, into the
 rollout's model (`weight_transport.send_all` / `receive_into`)."""

@@ -1,0 +1,620 @@
+"""`dapo plan`: the estimate checked by hand, against measured CPU peaks, its advice applied, and the CLI.
+
+Measured peaks come from `measure_actor_update` in a fresh Python process (the resident high-water mark,
+reset after the weights are loaded, so memory freed by earlier tests cannot hide an allocation). The process
+runs with glibc's mmap threshold fixed at 128 KiB: with its default, dynamic threshold, freed tensors stay in
+the heap by chance, and the same update's high-water mark ranged over 1.1-1.7x the live peak from run to run;
+fixed, every tensor above 128 KiB is returned when freed and the mark is the live peak the plan models, the
+same in every run. Tolerance: measured / estimated within 0.7-1.6 (on CPU the packed forward's attention
+materialises scores; the plan counts the packed pass's buffers at their budget). bench/bench_plan.py reports
+the ratios per feature. Every refusal's advice is applied through the real config loader and re-planned: it
+must fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dapo_core.compute.plan import (
+    BUILTIN_SHAPES,
+    EXIT_UNKNOWN_BUDGET,
+    PlanError,
+    advise,
+    gpu_budget_problem,
+    make_plan,
+    parse_bytes,
+    resolve_shape,
+)
+from dapo_core.compute.plan_advice import apply_overrides
+from dapo_core.config import load_config, typed
+from flows.cli import main
+
+GiB = 1 << 30
+ROOT = Path(__file__).resolve().parents[4]
+CONFIGS = ROOT / "configs"
+BIG_32B = ["dapo_qwen2.5_32b.yaml", "dapo_wo_ds_qwen2.5_32b.yaml", "dapo_early_qwen2.5_32b.yaml"]
+DS = [  # the one-process DeepSpeed engine (ZeRO-3, both offloads, bf16) on the 32B config's data and lengths
+    "trainer.nnodes=1",
+    "actor_rollout_ref.actor.strategy=deepspeed",
+    "actor_rollout_ref.actor.deepspeed.zero_stage=3",
+    "actor_rollout_ref.actor.deepspeed.offload_optimizer=true",
+    "actor_rollout_ref.actor.deepspeed.offload_param=true",
+    "actor_rollout_ref.actor.deepspeed.bf16=true",
+]
+
+MEASURE = """
+import json, sys, tempfile, torch
+torch.set_num_threads(1)
+from dapo_core.config import load_config, typed
+from dapo_core.compute.models import build_tiny_model
+from dapo_core.compute.plan import measure_actor_update
+cfg = typed(load_config("configs/tiny_cpu.yaml", sys.argv[1:]))
+tiny = {k: v for k, v in vars(cfg.actor_rollout_ref.model.tiny).items()}
+folder = build_tiny_model(tempfile.mkdtemp(), tiny, seed=0)
+print(json.dumps(measure_actor_update(cfg, str(folder))))
+"""
+
+SHAPE = [
+    "actor_rollout_ref.model.tiny.hidden_size=256",
+    "actor_rollout_ref.model.tiny.intermediate_size=1024",
+    "actor_rollout_ref.model.tiny.num_hidden_layers=4",
+    "actor_rollout_ref.model.tiny.max_position_embeddings=512",
+    "data.max_prompt_length=64",
+    "data.max_response_length=192",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+]
+MIXED = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"
+SHARED = "actor_rollout_ref.model.use_shared_prompt"  # the rows of a group share their prompt (tiny default)
+MEMORY_ON = [
+    "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+    "actor_rollout_ref.model.use_remove_padding=true",
+    "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024",
+]
+
+
+def _measure(overrides: list[str], what: str = "measure_actor_update") -> dict[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE.replace("measure_actor_update", what), *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(128 << 10)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "features",
+    [[f"{SHARED}=false"], MEMORY_ON, [f"{SHARED}=true"], [f"{SHARED}=true", f"{MIXED}=bf16"]],
+    ids=["padded", "ckpt+packed+budget", "shared prompt", "shared prompt, bf16 autocast"],
+)
+def test_estimate_is_within_tolerance_of_the_measured_cpu_peak(features):
+    r = _measure(SHAPE + features)
+    ratio = r["measured"] / r["estimated"]
+    assert 0.7 <= ratio <= 1.6, r
+
+
+def test_rollout_estimate_is_within_tolerance_of_the_measured_cpu_peak():
+    # HF engine: 32 prompts × n 4 = 128 rows of 64 + 192 tokens, KV cache, prefill and sampling tensors.
+    r = _measure(SHAPE, "measure_rollout")
+    assert r["rows"] == 128 and 0.7 <= r["measured"] / r["estimated"] <= 1.6, r
+
+
+def test_memory_features_lower_the_estimate():
+    cfg = typed(load_config(CONFIGS / "tiny_cpu.yaml", SHAPE))
+    on = typed(load_config(CONFIGS / "tiny_cpu.yaml", SHAPE + MEMORY_ON))
+    actor = next(r for r in make_plan(cfg).roles if r.role == "actor")
+    actor_on = next(r for r in make_plan(on).roles if r.role == "actor")
+    base = actor.rows[0].bytes  # the process itself (Python, torch), the same in both
+    assert actor_on.total - base < (actor.total - base) / 2
+
+
+def test_parameter_counts_match_the_published_models():
+    # Qwen2.5-0.5B: 494,032,768 parameters (tied embeddings); Qwen2.5-32B: 32,763,876,352 (HF model cards).
+    assert BUILTIN_SHAPES["Qwen2.5-0.5B"].num_params == 494_032_768
+    assert BUILTIN_SHAPES["Qwen2.5-32B"].num_params == 32_763_876_352
+
+
+def test_rows_can_be_checked_by_hand():
+    # The one-process DeepSpeed engine of the 32B config (ZeRO-3, both offloads, bf16) on an 80 GiB GPU.
+    cfg = typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", DS))
+    plan = make_plan(cfg, gpu_mem=parse_bytes("80GiB"))
+    s = plan.shape
+    P = s.num_params
+    actor = plan.roles[0]
+    rows = {(r.phase, r.name): r.bytes for r in actor.rows}
+    host = {(r.phase, r.name): r.bytes for r in actor.host_rows}
+    # offload_optimizer: fp32 master, m, v and fp32 gradients (16 B per parameter) on the host.
+    assert ("", "optimizer") not in rows and host[("", "optimizer")] == P * 16
+    assert host[("", "weights")] == P * 2  # offload_param: the bf16 weights on the host
+    # Checkpointed activations of one 22,528-token micro-batch, bf16: N·(layers·h + 2·(8h + 4kv + 4i))·2.
+    per = 8 * 5120 + 4 * 1024 + 4 * 27648
+    assert rows[("update", "activations (ckpt)")] == 22528 * (64 * 5120 + 2 * per) * 2
+    # A push gathers every ZeRO-3 partition (P·2 bytes) and packs the tensors into one 512 MiB bucket that
+    # rank 0 broadcasts to the rollout GPUs; the weights are bf16 already, so no tensor is cast.
+    assert rows[("sync", "gathered weights")] == P * 2 and rows[("sync", "bucket")] == 512 << 20
+    assert ("sync", "cast tensor") not in rows and ("sync", "shared bucket") not in rows
+    assert actor.total == sum(r.bytes for r in actor.rows if not r.phase) + P * 2 + (512 << 20)
+    assert plan.sync is not None and (plan.sync.kind, plan.sync.per_link) == ("broadcast", P * 2)
+    rollout = plan.roles[-1]
+    assert rollout.role == "rollout" and rollout.budget == int(0.8 * parse_bytes("80GiB"))
+    assert rollout.rows[0].bytes == P * 2 // 4  # bf16 weights over tensor-parallel 4
+    text = plan.render()
+    assert "N·(layers·h + 2·(8h+4kv+4i))·b" in text and "offload_param" in text and "host RAM" in text
+
+
+def _fsdp2(cfg, nnodes=16):
+    """The recipe's layout on a typed config: the fsdp2 actor over nnodes × 8 GPUs."""
+    cfg.actor_rollout_ref.actor.strategy = "fsdp2"
+    cfg.trainer.nnodes = nnodes
+    return cfg
+
+
+def test_recipe_layout_shards_over_128_gpus_and_says_what_does_not_fit(capsys):
+    from dapo_core.compute.plan import run_plan
+
+    fp32 = f"{MIXED}=fp32"
+    cfg = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", [*DS, fp32])))
+    plan = make_plan(cfg, gpu_mem=parse_bytes("80GiB"), host_mem=parse_bytes("1800GiB"))
+    lay, P, V_h = plan.layout, plan.shape.num_params, plan.shape.embedding_params
+    assert (lay.world, lay.dp, lay.tp, lay.replicas, lay.colocated) == (128, 128, 4, 32, True)
+    rows = {(r.phase, r.name): r.bytes for r in plan.roles[0].rows}
+    # float32 shards of weights, gradients and AdamW m, v: 1/128 each on every GPU.
+    assert (rows[("", "weights")], rows[("", "gradients")], rows[("", "optimizer")]) == (
+        P * 4 // 128,
+        P * 4 // 128,
+        P * 8 // 128,
+    )
+    # No load spike: each rank reads its rows of one tensor at a time into meta-built shards.
+    assert rows[("load", "load")] == V_h * 4 // 128
+    # float32 activations and logits of a 22,528-token micro-batch do not fit beside the rollout's weights.
+    assert plan.gpu is not None and plan.gpu.fits() is False
+    # The push: each rank all-gathers one tensor at a time in the rollout's bf16 (the largest, V·h, plus
+    # its cast shard) and rank 0 packs it into a 512 MiB bucket; no process holds the whole model.
+    assert rows[("sync", "gathered tensor")] == V_h * 2 + V_h * 2 // 128
+    assert rows[("sync", "bucket")] == 512 << 20 and ("sync", "shared bucket") not in rows  # tp 4: broadcast
+    rollout = plan.roles[-1]
+    beside = {r.name: r.bytes for r in rollout.beside}
+    assert beside == {
+        "receive bucket": 512 << 20,
+        "tensors copied out": (512 << 20) + 2 * V_h * 2,
+        "weight group": max(512 << 20, V_h * 2),
+    }
+    # Host RAM per node: Ray (+ the driver on node 0) and each process's peak; vLLM sleeps at level 2, so
+    # no row holds a copy of the weights.
+    from dapo_core.compute.plan import DRIVER_BYTES, NCCL_BUFFER_BYTES, PROCESS_BYTES, RAY_NODE_BYTES
+
+    actor_host = PROCESS_BYTES["cuda"] + NCCL_BUFFER_BYTES
+    rollout_host = actor_host + beside["weight group"]
+    assert [r.host_total for r in plan.roles] == [actor_host, rollout_host]
+    node0, node1 = plan.hosts
+    assert node0.total == RAY_NODE_BYTES + DRIVER_BYTES + 8 * (actor_host + rollout_host)
+    assert node1.total == node0.total - DRIVER_BYTES
+    assert [r.name for r in node1.rows] == ["Ray", "actor × 8", "rollout × 8"]
+    # One push per step: each rank's share of the all-gather, then rank 0's broadcast of P·2 bytes.
+    sync = plan.sync
+    assert sync is not None and (sync.kind, sync.links, sync.receivers) == ("broadcast", 1, 32)
+    lines = {x.name: x for x in sync.lines}
+    assert lines["all-gather per rank"].bytes == 127 * P * 2 // 128
+    assert lines["bytes per push"].bytes == P * 2 == sync.per_link
+    assert sync.seconds == pytest.approx((127 * P * 2 / 128 + P * 2) / 25e9)
+    assert run_plan(cfg, "plan", gpu_mem="80GiB", host_mem="1800GiB") == 2
+    err = capsys.readouterr().err
+    assert "no setting of the memory keys fits (largest: actor update: activations (ckpt)" in err
+    # On 141 GiB GPUs (H200) the same layout fits.
+    assert not make_plan(cfg, gpu_mem=parse_bytes("141GiB"), host_mem=parse_bytes("1800GiB")).failures()
+    # bf16 mixed precision (the config's, verl's default) halves the passes: 80 GiB GPUs fit.
+    bf16 = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", DS)))
+    mixed = make_plan(bf16, gpu_mem=parse_bytes("80GiB"), host_mem=parse_bytes("1800GiB"))
+    half = {(r.phase, r.name): r.bytes for r in mixed.roles[0].rows}
+    assert half[("update", "activations (ckpt)")] * 2 == rows[("update", "activations (ckpt)")]
+    assert half[("", "weights")] == rows[("", "weights")]  # the shards stay float32
+    assert not mixed.failures()
+
+
+@pytest.mark.parametrize("name", BIG_32B)
+def test_32b_configs_state_the_recipe_layout(name, capsys):
+    cfg = typed(load_config(CONFIGS / name, []))
+    lay = make_plan(cfg, gpu_mem=parse_bytes("80GiB")).layout
+    assert (lay.nnodes, lay.per_node, lay.dp, lay.tp, lay.replicas, lay.colocated) == (
+        16,
+        8,
+        128,
+        4,
+        32,
+        True,
+    )
+    flags = ["--host-mem", "1800GiB"]
+    assert main(["plan", "--config", str(CONFIGS / name), "--gpu-mem", "80GiB", *flags]) == 0  # bf16
+    assert main(["plan", "--config", str(CONFIGS / name), "--gpu-mem", "80GiB", *flags, f"{MIXED}=fp32"]) == 2
+    assert "GPU shared by all roles needs" in capsys.readouterr().err
+    assert (
+        main(["plan", "--config", str(CONFIGS / name), "--gpu-mem", "141GiB", *flags, f"{MIXED}=fp32"]) == 0
+    )
+
+
+def test_fsdp2_advice_adds_nodes_and_lowers_a_budget_above_the_width():
+    short = ["data.max_response_length=4096", "reward_model.overlong_buffer.len=1024"]
+    fp32 = [f"{MIXED}=fp32"]
+    base = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", DS + short + fp32)), nnodes=1)
+    gpu = parse_bytes("80GiB")
+    plan = make_plan(base, gpu_mem=gpu)
+    assert plan.gpu is not None and [r.role for r in plan.failures()] == [plan.gpu.role]
+    knobs = advise(base, plan.gpu.role, gpu_mem=gpu, host_mem=None)
+    (knob,) = knobs  # no single change fits: one combined, trimmed change
+    changes = dict(item.split("=") for item in knob.split())
+    assert int(changes["trainer.nnodes"]) > 1
+    assert int(changes["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]) >= 2048 + 4096  # not below T
+    assert not make_plan(apply_overrides(base, knob.split()), gpu_mem=gpu).failures()
+    for key in changes:  # trimmed: without any one of its parts it does not fit
+        rest = [item for item in knob.split() if not item.startswith(key + "=")]
+        assert make_plan(apply_overrides(base, rest), gpu_mem=gpu).failures(), key
+
+
+def test_sizes_and_shapes_fail_with_the_fix():
+    assert parse_bytes("80GiB") == 80 << 30 and parse_bytes("141G") == 141 << 30
+    with pytest.raises(PlanError, match="--gpu-mem 'lots'"):
+        parse_bytes("lots")
+    cfg = typed(
+        load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", [*DS, "actor_rollout_ref.model.path=/no/Model-9B"])
+    )
+    with pytest.raises(PlanError, match="--model-config"):
+        resolve_shape(cfg)
+
+
+SMALL = [*DS, "actor_rollout_ref.model.path=Qwen2.5-0.5B"]
+ZERO1 = [
+    "actor_rollout_ref.actor.deepspeed.zero_stage=1",
+    "actor_rollout_ref.actor.deepspeed.offload_param=false",
+]
+SCENARIOS = {
+    # name: (overrides on the 32B config, GPU memory, the failing check)
+    "zero1, no offload, no checkpointing": (
+        SMALL
+        + ZERO1
+        + [
+            "actor_rollout_ref.actor.deepspeed.offload_optimizer=false",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        ],
+        "32GiB",
+        "actor",
+    ),
+    "token budget above the width": (
+        SMALL
+        + ZERO1
+        + [
+            "data.max_response_length=8192",
+            "reward_model.overlong_buffer.len=1024",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=81920",
+        ],
+        "24GiB",
+        "actor",
+    ),
+    "float32 reference, two rows per forward": (
+        [
+            *SMALL,
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=45056",
+        ],
+        "32GiB",
+        "ref",
+    ),
+    "vLLM without room for one sequence": (
+        [*SMALL, "actor_rollout_ref.rollout.gpu_memory_utilization=0.05"],
+        "32GiB",
+        "rollout",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_every_advice_applied_through_the_loader_makes_the_plan_fit(name):
+    overrides, gpu, failing = SCENARIOS[name]
+    cfg = typed(load_config(CONFIGS / BIG_32B[0], overrides))
+    plan = make_plan(cfg, gpu_mem=parse_bytes(gpu))
+    assert [r.role for r in plan.failures()] == [failing]
+    knobs = advise(cfg, failing, gpu_mem=parse_bytes(gpu), host_mem=None)
+    assert knobs, name
+    for knob in knobs:
+        fixed = make_plan(
+            typed(load_config(CONFIGS / BIG_32B[0], overrides + knob.split())), gpu_mem=parse_bytes(gpu)
+        )
+        assert not fixed.failures(), (name, knob)
+
+
+def test_a_token_budget_at_the_width_is_not_advised_with_packing():
+    # Packed and budget = T: a row longer than the budget goes alone, so lowering the budget changes nothing.
+    overrides = SMALL + ZERO1
+    cfg = typed(load_config(CONFIGS / BIG_32B[0], overrides))
+    gpu = parse_bytes("16GiB")
+    assert [r.role for r in make_plan(cfg, gpu_mem=gpu).failures()] == ["actor"]
+    knobs = advise(cfg, "actor", gpu_mem=gpu, host_mem=None)
+    assert not any("ppo_max_token_len_per_gpu" in k for k in knobs)
+    lowered = typed(
+        load_config(
+            CONFIGS / BIG_32B[0], [*overrides, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"]
+        )
+    )
+    assert make_plan(lowered, gpu_mem=gpu).roles[0].total == make_plan(cfg, gpu_mem=gpu).roles[0].total
+    # Above the width it does lower the plan, and the advice names the largest value that fits.
+    _, gpu_text, _ = SCENARIOS["token budget above the width"]
+    knobs = advise(
+        typed(load_config(CONFIGS / BIG_32B[0], SCENARIOS["token budget above the width"][0])),
+        "actor",
+        gpu_mem=parse_bytes(gpu_text),
+        host_mem=None,
+    )
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10240" in knobs
+
+
+def test_weights_are_counted_once_without_offload_param():
+    # ZeRO-3 without offload_param at dp=1: the whole bf16 model is on the GPU once; the load pass (DeepSpeed
+    # moving the module before partitioning) stands alone instead of adding a second copy.
+    cfg = typed(
+        load_config(CONFIGS / BIG_32B[0], [*SMALL, "actor_rollout_ref.actor.deepspeed.offload_param=false"])
+    )
+    actor = make_plan(cfg, gpu_mem=parse_bytes("80GiB")).roles[0]
+    P = actor_p = BUILTIN_SHAPES["Qwen2.5-0.5B"].num_params
+    weights = [r for r in actor.rows if r.name == "weights"]
+    assert [r.bytes for r in weights] == [P * 2] and actor_p
+    held = sum(r.bytes for r in actor.rows if not r.phase)
+    passes = {}
+    for r in actor.rows:
+        if r.phase and r.phase != "load":
+            passes[r.phase] = passes.get(r.phase, 0) + r.bytes
+    assert actor.total == held + max(passes.values())  # the load pass (P·2) is not added on top
+
+
+def test_the_reference_can_be_bf16_and_the_worker_honours_it(tmp_path):
+    import torch
+
+    from dapo_core.compute.models import build_tiny_model
+    from dapo_core.compute.workers.actor import RefWorker
+
+    fp32 = typed(load_config(CONFIGS / BIG_32B[0], [*SMALL, "actor_rollout_ref.actor.use_kl_loss=true"]))
+    bf16 = typed(
+        load_config(
+            CONFIGS / BIG_32B[0],
+            [*SMALL, "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.dtype=bfloat16"],
+        )
+    )
+    w32 = next(r for r in make_plan(fp32).roles if r.role == "ref").rows[0]
+    w16 = next(r for r in make_plan(bf16).roles if r.role == "ref").rows[0]
+    assert w32.bytes == 2 * w16.bytes
+    tiny = typed(load_config(CONFIGS / "tiny_cpu.yaml", []))
+    folder = build_tiny_model(str(tmp_path), dict(vars(tiny.actor_rollout_ref.model.tiny)), seed=0)
+    ref = RefWorker(str(folder), pad_token_id=0, temperature=1.0, dtype="bfloat16")
+    assert {p.dtype for p in ref.engine.model.parameters()} == {torch.bfloat16}
+
+
+def test_the_rollout_row_is_what_vllm_needs_not_its_reservation():
+    few = [
+        *SMALL,
+        "data.train_batch_size=2",
+        "data.gen_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+    ]
+    cfg = typed(load_config(CONFIGS / BIG_32B[0], few))
+    s = BUILTIN_SHAPES["Qwen2.5-0.5B"]
+    gpu = parse_bytes("80GiB")
+    rollout = make_plan(cfg, gpu_mem=gpu).roles[-1]
+    kv = {r.name: r.bytes for r in rollout.rows}["kv cache"]
+    # 4 rows over the 2 replicas of 8 GPUs / tp 4: 2 sequences of T = 22,528 tokens each; per token
+    # 2·layers·ceil(kv_heads/tp)·head_dim·2 B (2 kv heads, tp 4).
+    assert kv == 2 * 22528 * 2 * 24 * 1 * 64 * 2
+    assert rollout.total < rollout.budget == int(0.8 * gpu)
+    assert rollout.rows[0].bytes == s.num_params * 2 // 4
+    unknown = make_plan(cfg).roles[-1]  # no GPU size: the same need, no reservation
+    assert unknown.total == rollout.total and unknown.budget is None
+
+
+def test_unknown_gpu_budget_is_said_and_train_refuses(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["--config", str(CONFIGS / BIG_32B[0]), *DS]
+    assert main(["plan", *args]) == EXIT_UNKNOWN_BUDGET
+    assert "unknown budget" in capsys.readouterr().err
+    assert main(["train", *args]) == 2
+    assert "--gpu-mem 80GiB" in capsys.readouterr().err
+    cfg = typed(load_config(CONFIGS / BIG_32B[0], DS))
+    assert gpu_budget_problem(cfg, None) and gpu_budget_problem(cfg, "80GiB") is None
+    assert gpu_budget_problem(typed(load_config(CONFIGS / "tiny_cpu.yaml", [])), None) is None
+
+
+def test_cpu_plan_is_the_resident_memory_of_each_process():
+    from dapo_core.compute.plan import DRIVER_BYTES, PROCESS_BYTES, RAY_NODE_BYTES
+
+    plan = make_plan(typed(load_config(CONFIGS / "tiny_cpu.yaml", [])), host_mem=parse_bytes("24GiB"))
+    assert [r.role for r in plan.roles] == ["actor", "rollout"]
+    for role in plan.roles:
+        assert role.rows[0].name == "process" and role.rows[0].bytes == PROCESS_BYTES["cpu"]
+    (host,) = plan.hosts
+    assert host.total == RAY_NODE_BYTES + DRIVER_BYTES + sum(r.total for r in plan.roles)
+    assert host.fits() is True
+    # The push's pass: the actor packs into its bucket and the /dev/shm bucket the rollout maps; the rollout
+    # copies one bucket's tensors out. A bucket's resident pages are at most P·4 B (+ alignment) here.
+    s, sync = plan.shape, plan.sync
+    fill = s.num_params * 4 + 64 * s.num_tensors
+    assert sync is not None and sync.kind == "same_device" and fill < 512 << 20
+    actor, rollout = ({(r.phase, r.name): r.bytes for r in role.rows} for role in plan.roles)
+    assert actor[("sync", "bucket")] == actor[("sync", "shared bucket")] == fill
+    assert rollout[("sync", "receive bucket")] == fill
+    assert rollout[("sync", "tensors copied out")] == fill + 2 * s.largest_params * 4
+
+
+def test_host_ram_problem_refuses_a_cpu_run_that_cannot_fit_and_its_change_fits():
+    from dapo_core.compute.plan import host_ram_problem
+
+    big = [
+        "actor_rollout_ref.model.tiny.hidden_size=1024",
+        "actor_rollout_ref.model.tiny.intermediate_size=4096",
+        "actor_rollout_ref.model.tiny.num_hidden_layers=8",
+    ]
+    cfg = typed(load_config(CONFIGS / "tiny_cpu.yaml", big))
+    assert host_ram_problem(cfg, parse_bytes("64GiB")) is None
+    msg = host_ram_problem(cfg, parse_bytes("7GiB"))
+    assert msg is not None and "is available" in msg and "Change: " in msg
+    for change in msg.split("Change: ", 1)[1].split(" (`dapo plan")[0].split("; or "):
+        fixed = typed(load_config(CONFIGS / "tiny_cpu.yaml", big + change.split()))
+        assert host_ram_problem(fixed, parse_bytes("7GiB")) is None, change
+    assert host_ram_problem(typed(load_config(CONFIGS / BIG_32B[0], DS)), 1) is None  # a GPU run
+
+
+def test_plan_names_the_role_and_the_change_when_it_does_not_fit(capsys):
+    overrides, gpu, _ = SCENARIOS["zero1, no offload, no checkpointing"]
+    args = ["--config", str(CONFIGS / BIG_32B[0]), "--gpu-mem", gpu, *overrides]
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert "actor needs" in err and "enable_gradient_checkpointing=true" in err
+    # `dapo train` runs the plan first and refuses before any data, model or Prefect work.
+    assert main(["train", *args]) == 2
+    assert "refusing to start a run that cannot fit" in capsys.readouterr().err
+
+
+def test_model_config_flag_reads_a_config_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 896,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 14,
+                "num_key_value_heads": 2,
+                "vocab_size": 151936,
+                "intermediate_size": 4864,
+                "tie_word_embeddings": True,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
+    args = ["plan", "--config", str(CONFIGS / BIG_32B[0]), "--model-config", str(tmp_path / "config.json")]
+    args += ["--gpu-mem", "80GiB", *DS]
+    assert main(args) == 0
+    assert "P=494,032,768 parameters" in capsys.readouterr().out
+
+
+def _resident_weights(folder: str) -> dict:
+    """The tiny model's tensors, read from its safetensors file into resident memory (a model's weights as
+    the actor and the rollout hold them), without importing transformers (the child starts faster)."""
+    import torch
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    state = {k: v.clone() for k, v in load_file(str(Path(folder) / "model.safetensors")).items()}
+    return state
+
+
+def _push_send(folder: str, links: list, out) -> None:
+    import traceback
+
+    try:
+        from dapo_core.compute import weight_transport as wt
+        from dapo_core.compute.peak_memory import rss_bytes
+
+        state = _resident_weights(folder)
+        base = rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        st = wt.send_all(wt.distinct_tensors(state.items()), [wt.Link(**d) for d in links], 0)
+        out.put(("sender", st.bytes, st.max_message_bytes, st.seconds, rss_bytes("VmHWM") - base))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+
+
+def _push_receive(folder: str, link: dict, index: int, out) -> None:
+    import traceback
+
+    try:
+        from dapo_core.compute import weight_transport as wt
+        from dapo_core.compute.peak_memory import rss_bytes
+
+        state = _resident_weights(folder)
+        base = rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+        def load(named) -> None:  # what the HF engine's load_tensors does: a copy into each weight
+            for name, t in named:
+                state[name].copy_(t)
+
+        st = wt.receive_into(wt.Link(**link), index, load, list(state))
+        out.put(("receiver", st.bytes, st.max_message_bytes, st.seconds, rss_bytes("VmHWM") - base))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.slow  # real processes: in the full suite, not `make test`
+@pytest.mark.parametrize("kind", ["same_device", "broadcast"])
+def test_a_real_push_of_the_tiny_model_moves_the_planned_bytes(kind, tmp_path, monkeypatch):
+    """A push of a tiny model whose MLP tensors (512 × 8192 float32, 16 MiB) split over 8 MiB buckets, over
+    `weight_transport` between real processes, planned with the same link kind: the plan's bytes per link
+    are the transport's `bytes` on every end, no message exceeds the plan's bucket, and each end's resident
+    growth during the push stays within 1.5× the plan's rows of the push's pass + 8 MiB (allocator and page
+    timing add a few MiB on a busy machine, large beside the sender's 2 MiB of rows): below the model
+    (98 MiB), which an end holding the whole set would add. The figures are printed."""
+    import multiprocessing as mp
+    from dataclasses import asdict
+
+    from dapo_core.compute import weight_transport as wt
+    from dapo_core.compute.dist import free_port
+    from dapo_core.compute.models import build_tiny_model
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
+    shape = [
+        "actor_rollout_ref.model.tiny.hidden_size=512",
+        "actor_rollout_ref.model.tiny.intermediate_size=8192",
+        "actor_rollout_ref.model.tiny.num_hidden_layers=2",
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes=8",
+        f"actor_rollout_ref.rollout.weight_transport={kind}",
+    ]
+    cfg = typed(load_config(CONFIGS / "tiny_cpu.yaml", shape))
+    plan = make_plan(cfg, device="cpu")
+    sync = plan.sync
+    assert sync is not None and (sync.kind, sync.bucket) == (kind, 8 << 20)
+    assert plan.shape.largest_params * 4 == 16 << 20
+    folder = str(build_tiny_model(str(tmp_path), dict(vars(cfg.actor_rollout_ref.model.tiny)), seed=0))
+    n = 1 if kind == "same_device" else 2
+    link = wt.Link(
+        kind, 0, n, "127.0.0.1", free_port("127.0.0.1"), sync.bucket, "float32", tag=f"plan-{kind}"
+    )
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_push_send, args=(folder, [asdict(link)], out))]
+    procs += [ctx.Process(target=_push_receive, args=(folder, asdict(link), i, out)) for i in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        got = [out.get(timeout=300) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [g[1] for g in got if g[0] == "error"]
+    assert not errors, errors[0]
+    rows = {role.role: {r.name: r.bytes for r in role.rows if r.phase == "sync"} for role in plan.roles}
+    sender = next(g for g in got if g[0] == "sender")
+    receivers = [g for g in got if g[0] == "receiver"]
+    print(f"{kind}: plan {sync.per_link:,} B per link, rows {rows}; measured {got}")
+    for _, nbytes, max_msg, _, _ in [sender, *receivers]:
+        assert nbytes == sync.per_link
+        assert max_msg <= sync.bucket
+    # The resident growth of each end during the push against the plan's rows of its pass.
+    for g, role in [(sender, "actor"), *((r, "rollout") for r in receivers)]:
+        planned = sum(rows[role].values())
+        assert g[4] <= 1.5 * planned + (8 << 20) < sync.per_link, (g, role, rows)
