@@ -11,9 +11,8 @@ Two paths of `ActorWorker`, the production code:
   `ppo_max_token_len_per_gpu=--budget` + `use_remove_padding`.
 
 Reports valid tokens, tokens the forward processed, the share of padding, seconds (median of `--repeats`)
-and valid tokens/s. Packed attention here is SDPA with a block-diagonal mask over each packed micro-batch,
-O(N²) in the micro-batch's tokens, so the budget also bounds that cost on CPU (flash-attention's varlen
-kernel on a GPU costs Σ len² instead).
+and valid tokens/s. Packed attention runs one causal SDPA per row (`dapo_core.compute.varlen_attention`;
+torch's flash varlen kernel on a GPU): Σ len² per micro-batch, no (N, N) mask.
 
 Run: `OMP_NUM_THREADS=1 .venv/bin/python bench/bench_packing.py` (about 2-4 minutes on the 2-core machine).
 """

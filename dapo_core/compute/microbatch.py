@@ -5,8 +5,9 @@
   each group lists its rows in their original order. A row's cost is what the forward processes
   (`row_token_costs`: valid tokens when packed, the padded width when padded).
 - `pack_rows(input_ids, attention_mask, response_length)`: a padded batch's valid tokens as one sequence
-  (1, N), position ids restarting at 0 per row, so transformers builds a block-diagonal causal mask
-  (`masking_utils.find_packed_sequence_indices`); plus the indices that map logits back to (B, L).
+  (1, N), position ids restarting at 0 per row, the rows' boundaries (`cu_seqlens`, `max_seqlen`) for a
+  variable-length attention kernel (`dapo_core.compute.varlen_attention`), and the indices that map logits
+  back to (B, L).
 - `shared_prompts(...)` finds the rows of a micro-batch that share their prompt, so a forward runs each
   distinct prompt once (`TrainEngine.forward(share_prompt=True)`); `group_rows(...)` lays each group out as
   one row (prompt, then its responses) with a (G, 1, T, T) mask in which a response sees its prompt and its
@@ -79,6 +80,11 @@ class PackedRows:
     """(1, N) the valid tokens of every row, rows one after another."""
     position_ids: torch.Tensor
     """(1, N) 0..len-1 within each row (the padded batch's position ids at its valid tokens)."""
+    cu_seqlens: torch.Tensor
+    """(B+1,) int32: row b's tokens are packed positions [cu_seqlens[b], cu_seqlens[b+1]) (0 first, N last; a
+    row without valid tokens repeats the previous value)."""
+    max_seqlen: int
+    """The most valid tokens of any row (0 for a batch without any)."""
     logit_index: torch.Tensor
     """(M,) packed positions whose logits predict a response token (the token before it)."""
     label_index: torch.Tensor
@@ -115,6 +121,9 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_le
     if L < 1 or L >= T:
         raise ValueError(f"response_length={L} must be in [1, {T - 1}] for sequences of width {T}.")
     valid = attention_mask.bool()
+    lengths = valid.sum(dim=1)
+    cu_seqlens = torch.zeros(B + 1, dtype=torch.int32, device=attention_mask.device)
+    cu_seqlens[1:] = torch.cumsum(lengths, 0)
     flat_index = torch.cumsum(valid.reshape(-1).to(torch.long), 0).reshape(B, T) - 1
     positions = torch.cumsum(valid.to(torch.long), dim=1) - 1
     resp_valid = valid[:, T - L :]
@@ -131,6 +140,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_le
     return PackedRows(
         input_ids=input_ids[valid].unsqueeze(0),
         position_ids=positions[valid].unsqueeze(0),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(lengths.max()) if B else 0,
         logit_index=label_index - 1,
         label_index=label_index,
         rows=rows,

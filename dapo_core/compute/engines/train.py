@@ -42,6 +42,7 @@ from dapo_core.compute.microbatch import (
     shared_prompts,
     token_budget_split,
 )
+from dapo_core.compute.varlen_attention import VARLEN_ATTENTION, packed_attention
 from dapo_core.compute.weight_transport import distinct_tensors
 from dapo_core.config import OptimConfig, section
 
@@ -303,7 +304,8 @@ class TrainEngine(abc.ABC):
         None.
 
         Gradients flow when the engine is in train mode; in eval mode this runs under `torch.no_grad`.
-        `remove_padding` runs one packed forward over the valid tokens only (`microbatch.pack_rows`); its
+        `remove_padding` runs one packed forward over the valid tokens only (`microbatch.pack_rows`), its
+        attention over each row's own tokens without an (N, N) mask (`varlen_attention.packed_attention`); its
         outputs are 0 at padded response positions (the padded forward's values there are never used).
         `share_prompt` runs each distinct prompt of the batch once when some rows share a prompt and gradient
         checkpointing is off: one row per prompt group with its responses back to back
@@ -338,13 +340,15 @@ class TrainEngine(abc.ABC):
                 )
             if remove_padding:
                 packed = pack_rows(input_ids, attention_mask, response_length)
-                out = self._module()(
-                    input_ids=packed.input_ids.to(dev),
-                    position_ids=packed.position_ids.to(dev),
-                    attention_mask=None,
-                    use_cache=False,
-                    logits_to_keep=packed.logit_index.to(dev),  # the LM head runs on response positions only
-                )
+                with packed_attention(self.model, packed.cu_seqlens, packed.max_seqlen, dev) as varlen:
+                    out = self._module()(
+                        input_ids=packed.input_ids.to(dev),
+                        position_ids=packed.position_ids.to(dev),
+                        attention_mask=None,
+                        use_cache=False,
+                        logits_to_keep=packed.logit_index.to(dev),  # the LM head: response positions only
+                        **varlen,
+                    )
                 return packed_response_log_probs(out.logits[0], packed, temperature, calculate_entropy)
             out = self._module()(
                 input_ids=input_ids.to(dev),
@@ -455,9 +459,10 @@ class TrainEngine(abc.ABC):
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def _takes_4d_masks(self) -> bool:
-        """Whether the model's attention reads a boolean (B, 1, T, T) mask as given (SDPA does; eager adds
-        the mask as floats and flash-attention takes none)."""
-        return getattr(self.model.config, "_attn_implementation", None) == "sdpa"
+        """Whether the model's attention reads a boolean (B, 1, T, T) mask as given (SDPA does, and so does
+        `VARLEN_ATTENTION` outside packed forwards; eager adds the mask as floats and flash-attention takes
+        none)."""
+        return getattr(self.model.config, "_attn_implementation", None) in ("sdpa", VARLEN_ATTENTION)
 
     def _cache_kwarg(self) -> str:
         """transformers >= 5.20 names the KV-cache argument `cache` (`past_key_values` deprecated); 5.19 (what

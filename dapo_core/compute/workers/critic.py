@@ -36,6 +36,7 @@ from dapo_core.compute.engines.train import (
 )
 from dapo_core.compute.microbatch import pack_rows, row_token_costs, token_budget_split
 from dapo_core.compute.models import load_model
+from dapo_core.compute.varlen_attention import packed_attention
 from dapo_core.config import CriticConfig, section
 from dapo_core.data import batch as B
 from dapo_core.store.jobs import StageJob, run_job, stage_files
@@ -79,15 +80,18 @@ class _ValueModel(nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
     ) -> torch.Tensor:
         """The values of `forward` from one packed, padding-free pass over the valid tokens
-        (`microbatch.pack_rows`): (B, L), 0 at padded response positions."""
+        (`microbatch.pack_rows`, attention within each row by `varlen_attention.packed_attention`): (B, L), 0
+        at padded response positions."""
         packed = pack_rows(input_ids, attention_mask, response_length)
         dev = self.v_head.weight.device
-        h = self.backbone(
-            input_ids=packed.input_ids.to(dev),
-            position_ids=packed.position_ids.to(dev),
-            attention_mask=None,
-            use_cache=False,
-        ).last_hidden_state[0]
+        with packed_attention(self.backbone, packed.cu_seqlens, packed.max_seqlen, dev) as varlen:
+            h = self.backbone(
+                input_ids=packed.input_ids.to(dev),
+                position_ids=packed.position_ids.to(dev),
+                attention_mask=None,
+                use_cache=False,
+                **varlen,
+            ).last_hidden_state[0]
         v = self.v_head(h[packed.logit_index.to(dev)]).squeeze(-1)
         return packed.scatter(v)
 
