@@ -20,26 +20,39 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny_cpu.yaml"
 
 
-@pytest.fixture(scope="session")
-def prefect_home(tmp_path_factory):
-    """A fresh PREFECT_HOME for the session (ephemeral API, its own SQLite)."""
+@pytest.fixture(scope="session", autouse=True)
+def prefect_home(tmp_path_factory) -> Iterator[Path]:
+    """One real Prefect server for the whole test run (`prefect server start` on a free loopback port, its
+    own PREFECT_HOME and SQLite), shared by every flow the integration tests run: in this process and in
+    every `dapo` subprocess (PREFECT_API_URL in the environment they inherit), so no process starts its own
+    ephemeral API. Runs are told apart by their run names and ids. Tests whose subject is the server itself
+    (its crash, its UI, deployments) start their own with `prefect_server()`."""
+    from prefect.context import refresh_global_settings_context
+
+    from tests.integration.prefect_server import prefect_server
+
     home = tmp_path_factory.mktemp("prefect_home")
     env = {
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "RAY_USAGE_STATS_ENABLED": "0",
         "OMP_NUM_THREADS": "1",
     }
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield home
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with prefect_server(home, **env) as (api, _):
+        env["PREFECT_API_URL"] = api
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        refresh_global_settings_context()  # Prefect read its settings when a test module imported it
+        try:
+            yield home
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            refresh_global_settings_context()
 
 
 def kill_at(victim: subprocess.Popen, marker: Path, timeout_s: float = 600, log: Path | None = None) -> None:

@@ -45,14 +45,20 @@ def _metrics(run: Path) -> dict[int, dict]:
     return out
 
 
-@pytest.mark.timeout(1200)
-def test_async_order_bounds_staleness_corrects_it_and_resumes_bitwise(tiny_assets):
+@pytest.fixture(scope="module")
+def async_straight(tiny_assets) -> Path:
+    """The uninterrupted async run (`ASYNC`, 3 steps on a local Ray), trained once for this module's tests by
+    `dapo train`; its run folder. Read-only."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     straight = subprocess.run(
         _cmd(tiny_assets, "async_straight"), env=env, cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert straight.returncode == 0, straight.stderr[-3000:]
-    run = tiny_assets / "runs" / "async_straight"
+    return tiny_assets / "runs" / "async_straight"
+
+
+def test_async_order_bounds_staleness_and_corrects_it(async_straight):
+    run = async_straight
     metrics = _metrics(run)
     with RunStore(run) as store:
         for k in (1, 2, 3):
@@ -67,6 +73,9 @@ def test_async_order_bounds_staleness_corrects_it_and_resumes_bitwise(tiny_asset
         weights = store.read_stage(2, "advantage_p0").column("rollout_is_weights").to_pylist()
         assert any(abs(w - 1.0) > 1e-6 for row in weights for w in row)  # stale samples are reweighted
 
+
+@pytest.mark.timeout(900)
+def test_async_run_killed_with_a_batch_in_flight_resumes_bitwise(tiny_assets, async_straight):
     def killed_after_checkpoint_1(resumed: Path) -> None:
         assert (resumed / "ckpt" / "latest").read_text().strip() == "1"
 
@@ -74,9 +83,9 @@ def test_async_order_bounds_staleness_corrects_it_and_resumes_bitwise(tiny_asset
         _cmd(tiny_assets, "async_resumed"),
         tiny_assets / "runs" / "async_resumed",
         "step_000002/prompts_ga.manifest.json",  # step 3's batch is being made
-        env=env,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         after_kill=killed_after_checkpoint_1,
-        reference=run,
+        reference=async_straight,
         log=tiny_assets / "async_resumed.log",
     )
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from safetensors.torch import load_file
 
 from dapo_core.config import load_config, to_yaml
 from dapo_core.store import RunStore
-from tests.integration.conftest import CONFIG, SHORT_RUN, kill_at, tiny_overrides
+from tests.integration.conftest import CONFIG, ROOT, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -85,41 +84,43 @@ def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets):
             assert row2[key] == pytest.approx(row1[key], rel=1e-3, abs=1e-6), (row1["step"], key)
 
 
-@pytest.mark.timeout(900)
-def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets):
+def _dp2_cmd(assets: Path, name: str) -> list[str]:
+    """`dapo train` of a 2-step dp=2 run named `name` on a local Ray."""
+    steps = {"trainer.total_training_steps": 2}
+    return train_cmd(
+        tiny_overrides(assets, **{**SHORT_RUN, **SIGNAL, **DP2, **steps, "trainer.experiment_name": name})
+    )
+
+
+@pytest.fixture(scope="module")
+def dp2_straight(tiny_assets) -> Path:
+    """The uninterrupted 2-step dp=2 run, trained once for this module by `dapo train`; its run folder."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    root = Path(__file__).resolve().parents[2]
-
-    def cmd(name):
-        steps = {"trainer.total_training_steps": 2}
-        ov = tiny_overrides(
-            tiny_assets, **{**SHORT_RUN, **SIGNAL, **DP2, **steps, "trainer.experiment_name": name}
-        )
-        return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *ov]
-
-    subprocess.run(cmd("dp2_straight"), check=True, env=env, cwd=root, capture_output=True)
-    log = tiny_assets / "dp2_resumed.log"
-    with log.open("w") as out:
-        victim = subprocess.Popen(
-            cmd("dp2_resumed"),
-            env=env,
-            cwd=root,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    run = tiny_assets / "runs" / "dp2_resumed"
-    kill_at(victim, run / "step_000002" / "generate_g0.manifest.json", log=log)
-    assert (run / "ckpt" / "latest").read_text().strip() == "1"
-    assert sorted(p.name for p in (run / "ckpt" / "step_1" / "actor").glob("model.rank*.safetensors")) == [
-        "model.rank0.safetensors",
-        "model.rank1.safetensors",
-    ]
-    done = subprocess.run(cmd("dp2_resumed"), env=env, cwd=root, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        _dp2_cmd(tiny_assets, "dp2_straight"), env=env, cwd=ROOT, capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
+    return tiny_assets / "runs" / "dp2_straight"
+
+
+@pytest.mark.timeout(900)
+def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets, dp2_straight):
+    def checkpoint_1_has_both_ranks(run: Path) -> None:
+        assert (run / "ckpt" / "latest").read_text().strip() == "1"
+        ranks = sorted(p.name for p in (run / "ckpt" / "step_1" / "actor").glob("model.rank*.safetensors"))
+        assert ranks == ["model.rank0.safetensors", "model.rank1.safetensors"]
+
+    run = tiny_assets / "runs" / "dp2_resumed"
+    kill_and_resume(
+        _dp2_cmd(tiny_assets, "dp2_resumed"),
+        run,
+        "step_000002/generate_g0.manifest.json",
+        after_kill=checkpoint_1_has_both_ranks,
+        log=tiny_assets / "dp2_resumed.log",
+    )
     for rank in (0, 1):
         name = f"model.rank{rank}.safetensors"
-        a = load_file(str(tiny_assets / "runs" / "dp2_straight" / "ckpt" / "step_2" / "actor" / name))
+        a = load_file(str(dp2_straight / "ckpt" / "step_2" / "actor" / name))
         b = load_file(str(run / "ckpt" / "step_2" / "actor" / name))
         assert a.keys() == b.keys()
         for k in a:

@@ -1,4 +1,4 @@
-"""The replay-buffer step order end to end under real Prefect (ephemeral API, temporary PREFECT_HOME).
+"""The replay-buffer step order end to end under real Prefect (the test run's shared server).
 
 A tiny run (4 prompts × n=2 per step, a 1-layer model warmed up by 3 SFT steps) trains 3 global steps with
 `trainer.parameter_sync_step=2`, once with in-process workers and once on a local Ray, and checks:
@@ -13,24 +13,14 @@ A tiny run (4 prompts × n=2 per step, a 1-layer model warmed up by 3 SFT steps)
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
-_PREFECT_HOME = tempfile.mkdtemp(prefix="dapo-prefect-home-")
-os.environ["PREFECT_HOME"] = _PREFECT_HOME
-os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "90"
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.pop("PREFECT_API_URL", None)
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import pytest
+import torch
+from safetensors.torch import load_file
 
-# Prefect reads its settings at import: the environment above must be set first.
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from dapo_core.config import load_config, to_yaml  # noqa: E402
-from dapo_core.store import RunStore  # noqa: E402
+from dapo_core.config import load_config, to_yaml
+from dapo_core.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -78,28 +68,8 @@ def _overrides(tmp: Path, *, use_ray: bool, run: str) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _prefect_home():
-    """A throw-away Prefect home and ephemeral API, also when another test module imported prefect first."""
-    from prefect.settings import (
-        PREFECT_API_URL,
-        PREFECT_HOME,
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
-        temporary_settings,
-    )
-
-    with temporary_settings(
-        updates={
-            PREFECT_HOME: _PREFECT_HOME,
-            PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 90,
-            PREFECT_API_URL: None,
-        }
-    ):
-        yield
-
-
 @pytest.fixture(scope="module")
-def assets(_prefect_home, tmp_path_factory):
+def assets(prefect_home, tmp_path_factory):
     """Data and the tiny base model, built once by their Prefect flows."""
     from flows.base_model import base_model_flow
     from flows.prepare_data import prepare_data_flow
