@@ -639,10 +639,12 @@ def _micro_tokens(
     *, dynamic: bool, budget: int, micro_rows: int, width: int, packed: bool
 ) -> tuple[int, int, str]:
     """(tokens N of the largest micro-batch on one GPU, Σ T² of its attention blocks, how N was chosen). No
-    engine here has sequence parallelism (verl's Ulysses), so a micro-batch's tokens are on one GPU."""
+    engine here has sequence parallelism (verl's Ulysses), so a micro-batch's tokens are on one GPU. Packed
+    rows attend per row (`varlen_attention`): rows of at most `width` tokens summing to N give Σ T² ≤ N·width,
+    and no N×N mask exists."""
     if dynamic and packed:
         n = max(budget, width)
-        sq, how = n * n, f"token budget {budget} (packed; a longer row goes alone, width {width})"
+        sq, how = n * width, f"token budget {budget} (packed; a longer row goes alone, width {width})"
     elif dynamic:
         rows = max(1, budget // width)
         n, sq, how = (
@@ -652,7 +654,7 @@ def _micro_tokens(
         )
     elif packed:
         n = micro_rows * width
-        sq, how = n * n, f"{micro_rows} rows × width {width}, packed"
+        sq, how = n * width, f"{micro_rows} rows × width {width}, packed"
     else:
         n = micro_rows * width
         sq, how = micro_rows * width * width, f"{micro_rows} rows × padded width {width}"
@@ -970,7 +972,7 @@ def _pass_rows(
     entropy: bool,
     shared: tuple[int, int, bool] | None = None,
 ) -> None:
-    """Activation, mask and logits rows of one pass; `ckpt` None = a forward without gradients. `shared`
+    """Activation and logits rows of one pass; `ckpt` None = a forward without gradients. `shared`
     (`_shared_shape`): the forwards run each prompt of a micro-batch once (`use_shared_prompt`); under a
     token budget the micro-batches' rows are not known here, so the pass is planned without sharing (an
     upper bound)."""
@@ -997,8 +999,6 @@ def _pass_rows(
     else:
         act, f = activation_bytes(s, n, cb, ckpt, sq if scores else 0)
         role.rows.append(Row("activations" + (" (ckpt)" if ckpt else ""), act, f"{f}; N: {how}", phase))
-    if packed:
-        role.rows.append(Row("packed mask", n * n, f"N²·1 B (block-diagonal bool mask) = {n}²", phase))
     role.rows.append(
         _logits_row(s, n, cb, entropy=entropy, packed=packed, phase=phase, grad=ckpt is not None)
     )
@@ -1347,8 +1347,6 @@ def _critic_plan(
     )
     act, f = activation_bytes(s, n, 4, cckpt, sq if scores else 0)
     c.rows.append(Row("activations" + (" (ckpt)" if cckpt else ""), act, f"{f}; N: {how}", "update"))
-    if cpacked:
-        c.rows.append(Row("packed mask", n * n, f"N²·1 B (block-diagonal bool mask) = {n}²", "update"))
     c.rows.append(Row("values", n * s.hidden_size * 4, "N·h·4 B (value head input)", "update"))
     vt, vsq, vhow = _micro_tokens(
         dynamic=cdyn,
@@ -1358,8 +1356,6 @@ def _critic_plan(
         packed=cpacked,
     )
     c.rows.append(_no_grad_row(s, vt, 4, vsq if scores else 0, vhow, "values"))
-    if cpacked:
-        c.rows.append(Row("packed mask", vt * vt, f"N²·1 B = {vt}²", "values"))
     return c
 
 

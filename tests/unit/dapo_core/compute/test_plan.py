@@ -309,7 +309,7 @@ SCENARIOS = {
             "actor_rollout_ref.actor.use_kl_loss=true",
             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=45056",
         ],
-        "32GiB",
+        "30GiB",
         "ref",
     ),
     "vLLM without room for one sequence": (

@@ -265,7 +265,8 @@ def test_plan_critic_row_follows_the_critics_keys():
 
     assert planned(feat) < planned(off) / 2
     rows = {(r.phase, r.name): r for r in feat.rows}
-    assert ("update", "activations (ckpt)") in rows and ("update", "packed mask") in rows
+    assert ("update", "activations (ckpt)") in rows
+    assert not any(name == "packed mask" for _, name in rows)  # packed rows attend per row: no N×N mask
     assert "token budget 1024" in rows[("update", "activations (ckpt)")].formula
     assert "token budget 2048" in rows[("values", "activations (no grad)")].formula
     # a budget between the two: the advice for the plain critic names the critic's own switches
