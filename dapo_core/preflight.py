@@ -5,8 +5,8 @@
 verl column types, clean rows, a scorer per `data_source` that parses every ground truth); the **model
 folder** (`config.json`, safetensors header and size, a tokenizer); the **checkpoint to resume**
 (`CheckpointDir.verify`; a run resumed where it was written); writable **folders**; **free disk**; **the model
-fits the run** (positions, tokenizer vs embedding, chat template, the CPU memory plan). docs/INTERNALS.md
-(dapo_core/preflight.py) lists each check in full.
+fits the run** (positions, tokenizer vs embedding, chat template, the CPU memory plan). docs/ARCHITECTURE.md
+(Preflight) lists each check.
 
 Files that a prior stage of the same job writes (the prepared data and the tiny base model of `dapo train`)
 are skipped in phase "pipeline" and checked in phase "train", which the training flow runs at its start

@@ -5,7 +5,7 @@ artifact each per flow run, updated in place (a Retry of the flow run updates th
 
 - `dapo-<run>-progress` — a progress artifact, steps done / total, updated with the table;
 - `dapo-<run>-steps` — a table with a row per step, newest first (the run's history from `metrics.jsonl`,
-  the last `STEP_TABLE_ROWS`; docs/INTERNALS.md lists the columns); steps shorter than
+  the last `STEP_TABLE_ROWS`; docs/ARCHITECTURE.md lists the columns); steps shorter than
   `STEP_PUBLISH_INTERVAL_S` share an update (a validated step and the run's end publish at once);
 - `dapo-<run>-summary` — markdown, updated after each validation and at the end.
 

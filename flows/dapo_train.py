@@ -11,7 +11,7 @@ flow again with the same run id (`trainer.resume_mode=auto`). Parameters (a depl
 Prefect UI): `config` (a name in `configs/`, a path, or resolved YAML text), `overrides` (dotted
 `key=value`), `run_id` (empty for a new run named after the flow run, or a run to resume). `gen_step`
 counts generation batches (it seeds sampling), `train_step` policy updates (the lr schedule and
-`total_training_steps` follow it, unlike the reference). docs/INTERNALS.md has the details.
+`total_training_steps` follow it, unlike the reference). docs/ARCHITECTURE.md has the details.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
   `run_reported`, `train_checks`: shared by `dapo train` and `python -m flows.pipeline dvc-train`.
 - `UserErrorConsoleFilter`: keeps Prefect's traceback of a `DapoUserError` off the console (not off the API).
 
-docs/INTERNALS.md (flows/preflight.py) has the details of each.
+docs/ARCHITECTURE.md (Preflight) has the details.
 """
 
 from __future__ import annotations

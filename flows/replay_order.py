@@ -11,7 +11,7 @@
 
 `async`: one local update per step, groups older than `trainer.max_staleness` weight versions dropped, stale
 samples corrected by the rollout IS weights. Trajectories carry their weight version (`training/off_policy/*`,
-docs/INTERNALS.md); `replay_train_step` has the contract of `flows.dapo_train.train_step`.
+docs/ARCHITECTURE.md); `replay_train_step` has the contract of `flows.dapo_train.train_step`.
 """
 
 from __future__ import annotations

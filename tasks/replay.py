@@ -11,7 +11,8 @@ has the reward worker commit `reward_<tag>` and adds the groups to the buffer (`
 commits the step's `advantage` selection.
 
 Every stage commits through `tasks.stage_commit`, so a committed (step, stage) is skipped on retry or resume;
-ledger writes follow the stage they describe and are idempotent. More in docs/INTERNALS.md.
+ledger writes follow the stage they describe and are idempotent. More in
+docs/ARCHITECTURE.md (The step orders).
 """
 
 from __future__ import annotations

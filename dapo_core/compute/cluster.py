@@ -11,7 +11,8 @@ only if it started it.
 On CPU each actor asks for `num_cpus=1` and runs torch with one thread; on GPU the model-holding roles ask
 for `num_gpus` each. `trainer.ray_resources.<role>` places a worker on nodes advertising a custom resource
 (a request no live node can satisfy is a `DapoUserError`); `Cluster.placement` and `Cluster.workers` record
-where each landed. Workers are quiet unless `DAPO_WORKER_LOGS=1`. More in docs/INTERNALS.md.
+where each landed. Workers are quiet unless `DAPO_WORKER_LOGS=1`. More in
+docs/ARCHITECTURE.md (Workers and Ray).
 """
 
 from __future__ import annotations

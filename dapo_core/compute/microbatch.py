@@ -12,7 +12,7 @@
   distinct prompt once (`TrainEngine.forward(share_prompt=True)`); `group_rows(...)` lays each group out as
   one row (prompt, then its responses) with a (G, 1, T, T) mask in which a response sees its prompt and its
   own tokens only. Where that layout would not save positions, or its mask would be too large, the engine
-  runs the prompts once with a KV cache instead. docs/INTERNALS.md has the reasoning.
+  runs the prompts once with a KV cache instead. docs/ARCHITECTURE.md has the reasoning.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ switch it on. A field whose default differs from verl's on purpose says so in it
 `reward_model.overlong_buffer` is the reward manager's own `OverlongBufferConfig`;
 `algorithm.rollout_correction` is validated by the algo layer into
 `dapo_core.algo.rollout_correction.RolloutCorrection`. Keys that no code reads are listed, with their
-reasons, in `dapo_core.config.unused`. More in docs/INTERNALS.md.
+reasons, in `dapo_core.config.unused`. More in docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations

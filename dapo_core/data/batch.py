@@ -1,7 +1,7 @@
 """The batch contract: Arrow tables (one row per trajectory, no padding) and the tensors workers need.
 
 Between stages a batch is a ``pyarrow.Table`` with one row per trajectory and list columns for
-per-token data (see ``docs/INTERFACES.md`` § The batch contract). Workers turn rows into tensors
+per-token data (see ``docs/ARCHITECTURE.md``, The batch contract). Workers turn rows into tensors
 themselves with the helpers here:
 
 - :func:`to_padded` — left-padded prompts, right-padded responses, ``input_ids``, masks, positions

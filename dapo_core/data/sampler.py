@@ -11,7 +11,7 @@ stage's manifest), so a resumed run draws exactly what the uninterrupted one dre
 
 Off in the schema and the DAPO reproduction configs (verl's sampler); on in the CPU default
 (`configs/tiny_cpu.yaml`; bench/README.md, "Against TRL"). Sync step order only: the replay order ignores the
-switch (`flows.run_inputs.train_sampler`). docs/INTERNALS.md explains the compact state.
+switch (`flows.run_inputs.train_sampler`). docs/ARCHITECTURE.md explains the compact state.
 """
 
 from __future__ import annotations

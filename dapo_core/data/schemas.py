@@ -10,7 +10,7 @@ numpy; pandera (``pandera.pyarrow``) then validates the compact per-row frame of
 (``row_ok``: one bool per trajectory) with the stage's named schema, not the batch itself.
 
 :func:`validate_stage` validates lazily (all checks run) and raises one :class:`SchemaError` whose
-message names the stage, each failing column, up to 5 offending uids and what to fix. docs/INTERNALS.md
+message names the stage, each failing column, up to 5 offending uids and what to fix. docs/ARCHITECTURE.md
 lists every predicate and why pandera sees only the compact frame.
 """
 
@@ -94,7 +94,7 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "response_mask": pa.list_(pa.int8()),
     "rollout_is_weights": LF32,
 }
-"""Arrow type of every contract column (docs/INTERFACES.md)."""
+"""Arrow type of every contract column (docs/ARCHITECTURE.md, The batch contract)."""
 
 NULLABLE = frozenset({"pred"})
 
@@ -604,7 +604,7 @@ def _collect(errs: pa_errors.SchemaErrors, table: pa.Table) -> list[dict]:
             hint = f"cast '{column}' to {COLUMN_TYPES.get(column)} when building the table"
         else:
             what = str(err).splitlines()[0]
-            hint = "see the batch contract in docs/INTERFACES.md"
+            hint = "see the batch contract in docs/ARCHITECTURE.md"
         failures.append({"column": column, "what": what, "hint": hint, "rows": None, "uids": []})
     return failures
 

@@ -10,7 +10,7 @@ enforced from the calling thread by polling the pipes (no signals, so ``score`` 
 a hung or dead worker is killed and replaced. A timeout or an exception is a counted, logged failure carrying
 the row's ``uid``, scored ``failure_score`` (default −1.0), never a silent 0. Batches of at most
 ``inline_max_rows`` rows (default 0: always the pool) may be scored in a helper thread instead; a hang there
-cannot be killed, so after one inline timeout the manager uses only the pool. More in docs/INTERNALS.md.
+cannot be killed, so after one inline timeout the manager uses only the pool. More in docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations

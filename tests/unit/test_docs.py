@@ -145,7 +145,7 @@ def test_files_that_cite_sections_name_the_reference():
         ("(§7.1–7.2 key names)", ["7.1", "7.2"]),
         ("(§§1, 2)", ["1", "2"]),
         ("(§ 3)", ["3"]),
-        ("`docs/INTERFACES.md` § The batch contract", []),
+        ("`docs/ARCHITECTURE.md` § The batch contract", []),
     ],
 )
 def test_citation_parser(text, expected):

@@ -11,7 +11,8 @@ The DAPO objective is the clipped-surrogate `vanilla` loss with decoupled clip r
 Every policy loss is registered by name (`register_policy_loss`) with one signature:
 `fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, params, rollout_is_weights,
 global_batch_info) -> (loss, metrics)` on (B, L) tensors, `loss` 0-dim, `metrics` `actor/...` floats; the
-others live in `dapo_core.algo.losses.variants`, imported by the package. More in docs/INTERNALS.md.
+others live in `dapo_core.algo.losses.variants`, imported by the package. More in
+docs/ARCHITECTURE.md (Engines).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ attention and mask interfaces; the mask is SDPA's).
 Shared prompts (`SharedPrefixCache`, passed to the forward as `shared_prefix=`): the cache keeps each
 distinct prompt's keys and values once and only the generated positions per row; a decode step reads a
 prompt's keys once for all of its rows and each row's own generated keys, the two score blocks meeting in
-one softmax. A row alone and in a batch agree to float rounding (tested). docs/INTERNALS.md has the details.
+one softmax. A row alone and in a batch agree to float rounding (tested).
+docs/ARCHITECTURE.md (Engines) says why.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Checkpoint written by `save(dir)`: per rank `model.rank<r>.safetensors` (its par
 `optim.rank<r>.{json,tensors}` and `extra_state.rank<r>.{json,tensors}` (scheduler, counters, RNG), plus
 `fsdp2.json` (world size, each parameter's global shape and each rank's rows) and a full HF export written
 by rank 0 (`model.safetensors`, config, tokenizer) for evaluation. Resuming needs the same world size.
-docs/INTERNALS.md says why FSDP2 rather than ZeRO-3.
+docs/ARCHITECTURE.md (Engines) says why FSDP2 rather than ZeRO-3.
 """
 
 from __future__ import annotations

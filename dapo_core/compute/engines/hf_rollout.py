@@ -11,7 +11,7 @@ left-padded (`position_ids = cumsum(mask) - 1`); each distinct prompt is prefill
 last position only), and with decode attention (the default) its KV cache is kept once for all its rows
 (`decode_attention.SharedPrefixCache`), else copied to every row. Finished rows leave the KV cache together
 once they are `compact_fraction` of the batch (until then they stay in the forward, outputs ignored); long
-request lists are split into micro-batches of `max_batch_size` rows. docs/INTERNALS.md (hf_rollout) gives the
+request lists are split into micro-batches of `max_batch_size` rows. docs/ARCHITECTURE.md (Engines) gives the
 reasons.
 """
 

