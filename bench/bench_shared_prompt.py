@@ -5,12 +5,12 @@ every prompt n times. The shared forward runs each distinct prompt of a micro-ba
 layouts: `grouped` (the default where it saves positions: one row per prompt group, the responses back to back
 under a 4-D mask) or `cache` (the prompts with a KV cache, the responses on copies of it; forced here with a
 zero mask budget); `grouped_first` is `grouped` with the prompt groups of a mini-batch in the order of their
-first row (as before 2026-12-01, session 10; now they go longest first, so a micro-batch pads less). The
+first row (the default orders them longest first, so a micro-batch pads less). The
 batch mimics the CPU default's training batch in the side-by-side benchmark's shape
 (`--prompts` × `--n`, prompts of `--prompt-min`..`--prompt-max` tokens, responses lognormal around
 `--response-median`, capped at `--response-max`). With `--order balanced` its rows come in
 `trainer.balance_batch`'s length order, as the flow hands them to the actor; `--no-group-micro` then leaves
-the micro-batches in that order (what the update did before it took whole prompt groups). Every path runs the
+the micro-batches in that order (not grouped by prompt). Every path runs the
 production code (`ActorWorker.compute_log_prob` without grad, `ActorWorker.update_actor`: forward, backward,
 AdamW over one mini-batch of the whole batch), interleaved, medians of `--repeats`.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU memory check (issue 25 item 6): the passes of a 1-GPU, dp=1 run of a randomly initialised model of
+# GPU memory check: the passes of a 1-GPU, dp=1 run of a randomly initialised model of
 # Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14/2 heads, i 4864, vocab 151,936), each measured on cuda
 # (torch.cuda.max_memory_allocated above the loaded weights) next to `dapo plan`'s estimate of the same bytes:
 #   - actor update, torch engine: checkpointing + packed + token budget, and packed + budget without checkpointing;

@@ -161,7 +161,7 @@ def test_every_optional_stage_runs_gae_critic_kl_and_rollout_correction(tiny_ass
             "algorithm.rollout_correction.rollout_is": "token",
             "algorithm.rollout_correction.rollout_rs": "token_k1",
             "algorithm.rollout_correction.rollout_rs_threshold": "0.5_2.0",
-            # the memory features (issue 9), wired through flows/run_setup.py to actor, ref and critic
+            # the memory features, wired through flows/run_setup.py to actor, ref and critic
             "actor_rollout_ref.model.enable_gradient_checkpointing": "true",
             "actor_rollout_ref.model.use_remove_padding": "true",
             "actor_rollout_ref.actor.use_dynamic_bsz": "true",

@@ -8,10 +8,6 @@ byte-for-byte unchanged afterwards. The flows are replaced by recorders, so a ca
 shows up as a recorded call instead of a training run: everything here is caught before Prefect or Ray start,
 which is the point of the preflight. The rest of the table (reward scores, the failure-rate limit) calls the
 reward code directly; SIGTERM to a real run is in tests/integration/test_faults_cli.py.
-
-`before` records what the commit before the preflight (a09042c) did with the case, for the README summary:
-"clear" (exit 2, one message), "ugly" (a traceback), "silent" (accepted: trained on, or ignored), "loss"
-(the run's record damaged). It is data, not asserted.
 """
 
 from __future__ import annotations
@@ -340,7 +336,7 @@ def _dangling_data(ws: Ws) -> None:
 # -------------------------------------------------------------------------------------------- table
 @dataclass
 class Case:
-    """One bad input: how to build it, what the CLI must say, and what the old code did."""
+    """One bad input: how to build it and what the CLI must say."""
 
     id: str
     category: str
@@ -351,7 +347,6 @@ class Case:
     """Name of the error class (the class or one of its bases)."""
     setup: Callable[[Ws], None] | None = None
     code: int = 2
-    before: str = "clear"
     env: dict[str, str] = field(default_factory=dict)
     patch: Callable[[pytest.MonkeyPatch, Ws], None] | None = None
     """A condition of the machine that cannot be built in a folder (a full disk), set with monkeypatch."""
@@ -368,7 +363,6 @@ CASES: list[Case] = [
         _with_file("empty.yaml", ""),
         ("empty.yaml", "is empty", "configs/"),
         "ConfigError",
-        before="silent",
     ),
     Case(
         "comments-only config file",
@@ -376,7 +370,6 @@ CASES: list[Case] = [
         _with_file("c.yaml", "# nothing\n\n"),
         ("c.yaml", "is empty"),
         "ConfigError",
-        before="silent",
     ),
     Case(
         "malformed YAML",
@@ -384,7 +377,6 @@ CASES: list[Case] = [
         _with_file("m.yaml", "data:\n  train_batch_size: [1,\n"),
         ("m.yaml", "line 3", "fix the YAML"),
         "ConfigError",
-        before="ugly",
     ),
     Case(
         "bad indentation",
@@ -392,7 +384,6 @@ CASES: list[Case] = [
         _with_file("i.yaml", "data:\n  seed: 1\n   max: 2\n  x: [\n"),
         ("i.yaml", "line", "fix the YAML"),
         "ConfigError",
-        before="ugly",
     ),
     Case(
         "random bytes as config",
@@ -400,7 +391,6 @@ CASES: list[Case] = [
         _with_file("r.yaml", bytes(range(128, 256)) * 3),
         ("r.yaml", "not UTF-8", "--config"),
         "ConfigError",
-        before="ugly",
     ),
     Case(
         "config is a list", "config", _with_file("l.yaml", "- a\n- b\n"), ("l.yaml", "mapping"), "ConfigError"
@@ -465,7 +455,6 @@ CASES: list[Case] = [
         _config("reward_model.timeout_s=0"),
         ("reward_model.timeout_s", "> 0"),
         "ConfigError",
-        before="ugly",
     ),
     Case(
         "reward timeout negative",
@@ -473,7 +462,6 @@ CASES: list[Case] = [
         _config("reward_model.timeout_s=-5"),
         ("reward_model.timeout_s", "> 0"),
         "ConfigError",
-        before="ugly",
     ),
     Case(
         "reward timeout NaN",
@@ -481,7 +469,6 @@ CASES: list[Case] = [
         _config("reward_model.timeout_s=.nan"),
         ("reward_model.timeout_s", "finite"),
         "ConfigError",
-        before="ugly",
     ),
     Case(
         "failure rate above 1",
@@ -496,7 +483,6 @@ CASES: list[Case] = [
         _config("actor_rollout_ref.rollout.gpu_memory_utilization=0"),
         ("gpu_memory_utilization", "(0, 1]"),
         "ConfigError",
-        before="silent",
     ),
     Case(
         "train_batch_size 0",
@@ -518,7 +504,6 @@ CASES: list[Case] = [
         _config("data.prompt_key=question"),
         ("data.prompt_key", "not implemented", "remove the key"),
         "ConfigError",
-        before="clear",
     ),
     Case(
         "data.reward_fn_key set",
@@ -526,7 +511,6 @@ CASES: list[Case] = [
         _config("data.reward_fn_key=src"),
         ("data.reward_fn_key", "not implemented"),
         "ConfigError",
-        before="clear",
     ),
     Case(
         "reward_manager set",
@@ -534,7 +518,6 @@ CASES: list[Case] = [
         _config("reward_model.reward_manager=naive"),
         ("reward_model.reward_manager", "not implemented"),
         "ConfigError",
-        before="clear",
     ),
     Case(
         "nnodes 2 with a one-process engine",
@@ -542,7 +525,6 @@ CASES: list[Case] = [
         _config("trainer.nnodes=2"),
         ("trainer.nnodes", "strategy=fsdp2"),
         "ConfigError",
-        before="clear",
     ),
     Case(
         "val_batch_size set (no-op)",
@@ -551,7 +533,6 @@ CASES: list[Case] = [
         ("data.val_batch_size", "no effect"),
         code=0,
         error="",
-        before="silent",
     ),
     Case(
         "rollout TP does not divide the devices",
@@ -559,7 +540,6 @@ CASES: list[Case] = [
         _config("trainer.n_gpus_per_node=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
         ("tensor_model_parallel_size", "does not divide", "trainer.n_gpus_per_node"),
         "ConfigError",
-        before="silent",
     ),
     # --- data files (read by training: checked before any worker starts)
     Case(
@@ -569,14 +549,12 @@ CASES: list[Case] = [
         ("train.parquet", "does not exist", "dapo prepare"),
         "PreflightError",
         setup=lambda ws: ws.train.unlink(),
-        before="ugly",
     ),
     Case(
         "train file is a folder",
         "data",
         lambda ws: [*_train()(ws), f"data.train_files=[{ws.root}]"],
         ("is a folder", "data.train_files"),
-        before="ugly",
     ),
     Case(
         "random bytes .parquet",
@@ -584,7 +562,6 @@ CASES: list[Case] = [
         _train(),
         ("train.parquet", "not a readable parquet", "dapo prepare"),
         setup=_write(lambda ws: ws.train, bytes(range(256)) * 4),
-        before="ugly",
     ),
     Case(
         "CSV named .parquet",
@@ -592,7 +569,6 @@ CASES: list[Case] = [
         _train(),
         ("train.parquet", "not a readable parquet"),
         setup=_write(lambda ws: ws.train, b"data_source,prompt\nx,y\n"),
-        before="ugly",
     ),
     Case(
         "empty .parquet",
@@ -600,7 +576,6 @@ CASES: list[Case] = [
         _train(),
         ("train.parquet", "not a readable parquet"),
         setup=_write(lambda ws: ws.train, b""),
-        before="ugly",
     ),
     Case(
         "truncated .parquet",
@@ -608,7 +583,6 @@ CASES: list[Case] = [
         _train(),
         ("train.parquet", "not a readable parquet"),
         setup=_truncate(lambda ws: ws.train, 0.5),
-        before="ugly",
     ),
     Case(
         "column prompt missing",
@@ -616,7 +590,6 @@ CASES: list[Case] = [
         _train(),
         ("train.parquet", "prompt"),
         setup=_drop_column("prompt"),
-        before="ugly",
     ),
     Case(
         "column reward_model missing",
@@ -624,7 +597,6 @@ CASES: list[Case] = [
         _train(),
         ("train.parquet", "reward_model"),
         setup=_drop_column("reward_model"),
-        before="ugly",
     ),
     Case(
         "prompt is a string column",
@@ -632,7 +604,6 @@ CASES: list[Case] = [
         _train(),
         ("train.parquet", "prompt has type string", "dapo prepare"),
         setup=_column("prompt", lambda n: ["2+2=?"] * n),
-        before="ugly",
     ),
     Case(
         "reward_model is a string column",
@@ -640,7 +611,6 @@ CASES: list[Case] = [
         _train(),
         ("train.parquet", "reward_model has type"),
         setup=_column("reward_model", lambda n: ["4"] * n),
-        before="ugly",
     ),
     Case(
         "ground_truth is an int",
@@ -648,7 +618,6 @@ CASES: list[Case] = [
         _train(),
         ("reward_model.ground_truth has type int64", "as text"),
         setup=_column("reward_model", lambda n: [{"ground_truth": 4, "style": "rule"}] * n),
-        before="ugly",
     ),
     Case(
         "data_source is an int",
@@ -656,7 +625,6 @@ CASES: list[Case] = [
         _train(),
         ("data_source has type int64",),
         setup=_column("data_source", lambda n: [1] * n),
-        before="ugly",
     ),
     Case(
         "empty prompt list",
@@ -664,7 +632,6 @@ CASES: list[Case] = [
         _train(),
         ("train.parquet", "prompt is empty", "rows [3]", "repair or drop"),
         setup=_rows(_set(3, "prompt", [])),
-        before="silent",
     ),
     Case(
         "blank prompt text",
@@ -672,7 +639,6 @@ CASES: list[Case] = [
         _train(),
         ("prompt is empty", "rows [5]"),
         setup=_rows(_set(5, "prompt", [{"role": "user", "content": "   "}])),
-        before="silent",
     ),
     Case(
         "ground truth null",
@@ -680,7 +646,6 @@ CASES: list[Case] = [
         _train(),
         ("ground truth is missing", "rows [2]"),
         setup=_rows(_set_gt(2, None)),
-        before="silent",
     ),
     Case(
         "ground truth 'nan'",
@@ -688,7 +653,6 @@ CASES: list[Case] = [
         _train(),
         ("ground truth is missing, empty or NaN", "rows [4]"),
         setup=_rows(_set_gt(4, "nan")),
-        before="silent",
     ),
     Case(
         "ground truth empty",
@@ -696,7 +660,6 @@ CASES: list[Case] = [
         _train(),
         ("ground truth", "rows [0]"),
         setup=_rows(_set_gt(0, "")),
-        before="silent",
     ),
     Case(
         "non-UTF-8 prompt bytes",
@@ -704,7 +667,6 @@ CASES: list[Case] = [
         _train(),
         ("train.parquet", "not UTF-8"),
         setup=_non_utf8_prompt,
-        before="silent",
     ),
     Case(
         "unknown data_source",
@@ -712,7 +674,6 @@ CASES: list[Case] = [
         _train(),
         ("row 6", "data_source 'gsm8k'", "no reward function"),
         setup=_rows(_set(6, "data_source", "gsm8k")),
-        before="silent",
     ),
     Case(
         "data_source empty",
@@ -720,7 +681,6 @@ CASES: list[Case] = [
         _train(),
         ("data_source is missing", "rows [1]"),
         setup=_rows(_set(1, "data_source", "")),
-        before="silent",
     ),
     Case(
         "bad row in the val file",
@@ -728,7 +688,6 @@ CASES: list[Case] = [
         _train(),
         ("val.parquet", "data.val_files", "rows [0]"),
         setup=_rows(_set_gt(0, None), which="val"),
-        before="silent",
     ),
     # --- model folder
     Case(
@@ -737,14 +696,12 @@ CASES: list[Case] = [
         _train(),
         ("model folder", "does not exist", "model.path"),
         setup=lambda ws: shutil.rmtree(ws.model),
-        before="ugly",
     ),
     Case(
         "model path is a file",
         "model",
         lambda ws: [*_train()(ws), f"actor_rollout_ref.model.path={ws.train}"],
         ("is a file", "model.path"),
-        before="ugly",
     ),
     Case(
         "no config.json",
@@ -752,7 +709,6 @@ CASES: list[Case] = [
         _train(),
         ("config.json", "model.path"),
         setup=_model(_rm("config.json")),
-        before="ugly",
     ),
     Case(
         "config.json not JSON",
@@ -760,7 +716,6 @@ CASES: list[Case] = [
         _train(),
         ("config.json", "not readable JSON"),
         setup=_model(lambda m: (m / "config.json").write_text("{oops")),
-        before="ugly",
     ),
     Case(
         "pickled weights only",
@@ -768,7 +723,6 @@ CASES: list[Case] = [
         _train(),
         ("no *.safetensors", "safetensors"),
         setup=_model(_bin_weights),
-        before="silent",
     ),
     Case(
         "truncated model.safetensors",
@@ -776,7 +730,6 @@ CASES: list[Case] = [
         _train(),
         ("model.safetensors", "truncated", "copy or download"),
         setup=_truncate(_M, 0.6),
-        before="ugly",
     ),
     Case(
         "garbage safetensors header",
@@ -784,7 +737,6 @@ CASES: list[Case] = [
         _train(),
         ("model.safetensors", "header"),
         setup=_model(_bad_header),
-        before="ugly",
     ),
     Case(
         "no tokenizer.json",
@@ -792,14 +744,12 @@ CASES: list[Case] = [
         _train(),
         ("tokenizer.json", "tokenizer_path"),
         setup=_model(lambda m: ((m / "tokenizer.json").unlink(), shutil.rmtree(m / "tokenizer"))),
-        before="ugly",
     ),
     Case(
         "tokenizer_path missing",
         "model",
         _train("actor_rollout_ref.model.tokenizer_path=/nonexistent/tok"),
         ("tokenizer.json", "tokenizer_path"),
-        before="ugly",
     ),
     # --- checkpoints, evaluation, store, services
     Case(
@@ -807,21 +757,18 @@ CASES: list[Case] = [
         "checkpoint",
         lambda ws: ["eval", "--config", TINY, *_good(ws), "--checkpoint", str(ws.runs / "gone")],
         ("gone", "does not exist", "--checkpoint"),
-        before="ugly",
     ),
     Case(
         "eval without --checkpoint, no run",
         "checkpoint",
         lambda ws: ["eval", "--config", TINY, *_good(ws)],
         ("no checkpoint to evaluate", "--checkpoint"),
-        before="ugly",
     ),
     Case(
         "eval checkpoint not a model",
         "checkpoint",
         lambda ws: ["eval", "--config", TINY, *_good(ws), "--checkpoint", str(ws.root / "in")],
         ("neither a model folder", "--checkpoint"),
-        before="ugly",
     ),
     Case(
         "eval run without checkpoint",
@@ -829,14 +776,12 @@ CASES: list[Case] = [
         lambda ws: ["eval", "--config", TINY, *_good(ws), "--checkpoint", str(ws.runs / "r1")],
         ("has no checkpoint yet", "eval.checkpoint"),
         setup=_ckpt_without_latest,
-        before="ugly",
     ),
     Case(
         "resume_from_path missing",
         "checkpoint",
         _train("trainer.resume_mode=resume_path", "trainer.resume_from_path=/nonexistent/ckpt/step_3"),
         ("checkpoint", "does not exist", "resume_from_path"),
-        before="ugly",
     ),
     Case(
         "runs_dir under a file",
@@ -844,7 +789,6 @@ CASES: list[Case] = [
         lambda ws: [*_train()(ws), f"trainer.runs_dir={ws.root}/afile/runs"],
         ("cannot write", "trainer.runs_dir"),
         setup=_runs_file,
-        before="ugly",
     ),
     Case(
         "dead Prefect URL",
@@ -852,16 +796,14 @@ CASES: list[Case] = [
         _train(),
         ("Prefect API", "127.0.0.1:9", "PREFECT_API_URL"),
         env={"PREFECT_API_URL": "http://127.0.0.1:9/api"},
-        before="ugly",
     ),
-    # --- what the model can serve (issue 30: these failed after Prefect and Ray started)
+    # --- what the model can serve (checked before Prefect and Ray start)
     Case(
         "response beyond the model's positions",
         "model fit",
         _train("data.max_prompt_length=64", "data.max_response_length=300"),
         ("64 + 300 = 364", "256 positions", "data.max_response_length", "lower data.max_prompt_length"),
         "PreflightError",
-        before="ugly",
     ),
     Case(
         "prompt alone beyond the model's positions",
@@ -869,7 +811,6 @@ CASES: list[Case] = [
         _train("data.max_prompt_length=300", "data.max_response_length=16"),
         ("300 + 16 = 316", "256 positions", "max_position_embeddings"),
         "PreflightError",
-        before="ugly",
     ),
     Case(
         "tiny model with too few positions",
@@ -883,7 +824,6 @@ CASES: list[Case] = [
         ],
         ("has 64 positions", "actor_rollout_ref.model.tiny.max_position_embeddings", "at least"),
         "PreflightError",
-        before="ugly",
     ),
     Case(
         "tokenizer larger than the embedding",
@@ -892,7 +832,6 @@ CASES: list[Case] = [
         ("100 tokens", "40 embedding rows", "vocab_size", "resize the model's embeddings"),
         "PreflightError",
         setup=_model(_model_json("config.json", vocab_size=40)),
-        before="ugly",
     ),
     Case(
         "tokenizer_path with a bigger vocabulary",
@@ -901,7 +840,6 @@ CASES: list[Case] = [
         ("160 tokens", "100 embedding rows", "actor_rollout_ref.model.tokenizer_path"),
         "PreflightError",
         setup=_bigger_tokenizer,
-        before="ugly",
     ),
     Case(
         "no chat template",
@@ -910,7 +848,6 @@ CASES: list[Case] = [
         ("no chat template", "chat messages", "chat_template"),
         "PreflightError",
         setup=_model(_rm("chat_template.jinja")),
-        before="ugly",
     ),
     Case(
         "half-written tokenizer.json",
@@ -919,7 +856,6 @@ CASES: list[Case] = [
         ("tokenizer.json is not readable JSON", "half-written", "copy the tokenizer files again"),
         "PreflightError",
         setup=_truncate(lambda ws: ws.model / "tokenizer.json", 0.5),
-        before="ugly",
     ),
     Case(
         "half-written tokenizer_config.json",
@@ -928,7 +864,6 @@ CASES: list[Case] = [
         ("tokenizer_config.json is not readable JSON", "copy the tokenizer files again"),
         "PreflightError",
         setup=_truncate(lambda ws: ws.model / "tokenizer_config.json", 0.5),
-        before="ugly",
     ),
     Case(
         "sharded model, a shard not downloaded",
@@ -937,7 +872,6 @@ CASES: list[Case] = [
         ("model-00002-of-00002.safetensors is missing", "actor_rollout_ref.model.path"),
         "PreflightError",
         setup=_model(_shard_missing),
-        before="ugly",
     ),
     Case(
         "CPU memory plan beyond this machine",
@@ -956,7 +890,6 @@ CASES: list[Case] = [
                 head_dim=128,
             )
         ),
-        before="ugly",
     ),
     # --- data that is there but empty or gone
     Case(
@@ -966,7 +899,6 @@ CASES: list[Case] = [
         ("train.parquet has the right columns but no rows", "data.train_files"),
         "PreflightError",
         setup=_no_rows("train"),
-        before="ugly",
     ),
     Case(
         "val file with zero rows",
@@ -975,7 +907,6 @@ CASES: list[Case] = [
         ("val.parquet has the right columns but no rows", "data.val_files"),
         "PreflightError",
         setup=_no_rows("val"),
-        before="ugly",
     ),
     Case(
         "train file a dangling symlink (data moved)",
@@ -993,7 +924,6 @@ CASES: list[Case] = [
         ("being written by another process", "gpu-node-7 pid 4242", "f-1", "trainer.lease_timeout_s"),
         "LeaseHeld",
         setup=_lease("gpu-node-7", -5),
-        before="loss",
     ),
     Case(
         "lease from a host whose clock runs ahead",
@@ -1002,7 +932,6 @@ CASES: list[Case] = [
         ("being written by another process", "gpu-node-8", "last heartbeat 0 s ago"),
         "LeaseHeld",
         setup=_lease("gpu-node-8", 3600),
-        before="loss",
     ),
     Case(
         "lease_timeout_s 0",
@@ -1010,14 +939,12 @@ CASES: list[Case] = [
         _train("trainer.lease_timeout_s=0"),
         ("trainer.lease_timeout_s=0", "must be > 0", "e.g. 120"),
         "PreflightError",
-        before="ugly",
     ),
     Case(
         "num_threads negative",
         "config",
         _train("trainer.num_threads=-1"),
         ("trainer.num_threads=-1", "Fix: set it to 1"),
-        before="ugly",
     ),
     # --- the operator's machine: disks, folders that take no files, runs moved or half copied
     Case(
@@ -1027,7 +954,6 @@ CASES: list[Case] = [
         ("only 100 MiB free", "need 256 MiB", "trainer.runs_dir", "free some disk space"),
         "PreflightError",
         patch=_disk_free(100 * 2**20),
-        before="silent",
     ),
     Case(
         "runs_dir on a file system that takes no files (/proc)",
@@ -1035,7 +961,6 @@ CASES: list[Case] = [
         lambda ws: [*_train()(ws), "trainer.runs_dir=/proc/dapo-runs"],
         ("cannot write in /proc", "does not take new files", "trainer.runs_dir", "writable disk"),
         "PreflightError",
-        before="ugly",
     ),
     Case(
         "data folder under a file (dapo train writes the data)",
@@ -1050,7 +975,6 @@ CASES: list[Case] = [
         ("cannot write in", "afile", "a path under a file", "data.synthetic.out_dir"),
         "PreflightError",
         setup=_runs_file,
-        before="ugly",
     ),
     Case(
         "models_dir under a file (dapo train writes the models)",
@@ -1065,7 +989,6 @@ CASES: list[Case] = [
         ("cannot write in", "afile", "trainer.models_dir"),
         "PreflightError",
         setup=_runs_file,
-        before="ugly",
     ),
     Case(
         "eval --output in a folder that takes no files",
@@ -1082,7 +1005,6 @@ CASES: list[Case] = [
         ],
         ("cannot write in /proc", "/proc/dapo", "eval.output"),
         "PreflightError",
-        before="ugly",
     ),
     Case(
         "experiment_name given as a path",
@@ -1090,7 +1012,6 @@ CASES: list[Case] = [
         _train("trainer.experiment_name=runs/r1"),
         ("trainer.experiment_name='runs/r1' is not a run id", "not a path", "'r1'", "trainer.runs_dir"),
         "PreflightError",
-        before="silent",
     ),
     Case(
         "run folder moved (replay-buffer run)",
@@ -1105,7 +1026,6 @@ CASES: list[Case] = [
         ),
         "PreflightError",
         setup=_moved_replay_run,
-        before="ugly",
     ),
     Case(
         "latest names a half-copied checkpoint",
@@ -1121,7 +1041,6 @@ CASES: list[Case] = [
         ),
         "PreflightError",
         setup=_checkpoints(1, half=2, latest=2),
-        before="ugly",
     ),
     Case(
         "no latest, the only checkpoint half-copied",
@@ -1130,7 +1049,6 @@ CASES: list[Case] = [
         ("latest is missing", "none of the checkpoints", "verifies", "restore a checkpoint from a backup"),
         "CheckpointError",
         setup=_checkpoints(half=1),
-        before="ugly",
     ),
     Case(
         "no latest, newest checkpoint half-copied, an older one complete",
@@ -1154,7 +1072,6 @@ CASES: list[Case] = [
         ("has no *.safetensors weights", "actor_rollout_ref.model.path", "save the model with safetensors"),
         "PreflightError",
         setup=_model(_only_config_json),
-        before="ugly",
     ),
 ]
 

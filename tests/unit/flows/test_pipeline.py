@@ -1,5 +1,5 @@
 """DVC's train stage (`python -m flows.pipeline dvc-train`, `flows.pipeline.main`) checks what `dapo train`
-checks before it starts a Prefect server, and ends every way in one paragraph (issue 30).
+checks before it starts a Prefect server, and ends every way in one paragraph.
 
 The Prefect server start and the training are replaced by recorders: a case that got past the checks shows
 up as a recorded call.

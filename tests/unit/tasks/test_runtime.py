@@ -1,4 +1,4 @@
-"""The driver-side shortcuts of a training step (issue 11, item 6) give exactly what the slower paths gave:
+"""The driver-side shortcuts of a training step give exactly what the slower paths gave:
 prompts drawn as one table and tokenised once per row, and the one-partition sequence balance."""
 
 from __future__ import annotations

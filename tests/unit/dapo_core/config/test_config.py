@@ -455,7 +455,7 @@ COMMON_32B = {
     "eval.n": 32,
     "eval.temperature": 1.0,
     "eval.top_p": 0.7,
-    # the memory features (issue 9): the reference values, honoured
+    # the memory features: the reference values, honoured
     "actor_rollout_ref.model.enable_gradient_checkpointing": True,
     "actor_rollout_ref.model.use_remove_padding": True,
     "actor_rollout_ref.actor.use_dynamic_bsz": True,

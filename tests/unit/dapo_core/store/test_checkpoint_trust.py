@@ -1,4 +1,4 @@
-"""Trust in the run store and checkpoints (issue 12): nothing read from disk executes, every checkpoint load
+"""Trust in the run store and checkpoints: nothing read from disk executes, every checkpoint load
 path verifies, a lost `latest` pointer or ledger is never a silent restart, and a full disk leaves the store
 consistent with a message naming the path."""
 

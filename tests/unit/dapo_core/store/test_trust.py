@@ -1,4 +1,4 @@
-"""Trust records across processes (issue 9 item 6, `dapo_core/store/trust.py`): a stage file hashed once — by
+"""Trust records across processes (`dapo_core/store/trust.py`): a stage file hashed once — by
 its writer while writing, or by one reader — is taken on trust by the verified reads of other processes while
 its stat identity is unchanged; a byte flipped or a file rewritten through the filesystem after that is still
 hashed and refused by another process; a torn or forged record is ignored; `DAPO_STORE_VERIFY=always` hashes

@@ -1,4 +1,4 @@
-"""Worker-side checks about the user's input raise the project's user error (issue 30).
+"""Worker-side checks about the user's input raise the project's user error.
 
 A prompt + response longer than the model's positions is refused by the preflight; if it still reaches a
 rollout engine (a prompt longer than `data.max_prompt_length` was let through, an engine built with a
