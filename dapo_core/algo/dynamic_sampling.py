@@ -6,10 +6,10 @@
   fixed ``gen_batch_size`` prompts per refill (the reference), ask for about as many prompts as the running
   keep rate says are needed to fill the deficit, so fewer kept groups are generated only to be discarded as
   surplus. With ``keep_rate=None`` the first batch uses ``base`` (= the configured ``gen_batch_size``), which
-  is the reference behaviour. ``bench/bench_refill.py`` measures the effect.
+  is the reference behaviour.
 * :func:`surplus_bounded_size` sizes a batch by its expected surplus instead: the largest batch whose
   expected number of kept groups beyond the deficit (each prompt kept independently with the keep rate, so
-  kept ~ Binomial) stays within a budget. ``bench/bench_refill.py budget`` measures surplus and rounds.
+  kept ~ Binomial) stays within a budget.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def test_keep_rate_estimator():
 
 
 def test_adaptive_refill_reduces_simulated_surplus():
-    """The refill simulation that `bench/bench_refill.py simulate` runs, at keep rate 0.7 and DAPO's
+    """The refill simulation (`tests.helpers.simulate_refill`), at keep rate 0.7 and DAPO's
     512 / 1536 shape: adaptive sizing keeps under half the fixed batches' surplus with fewer prompts."""
     kw = {
         "steps": 40,
