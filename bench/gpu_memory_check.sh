@@ -35,7 +35,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dapo_core.compute.models import build_char_tokenizer, save_model
 from dapo_core.compute.engines.train import TRAIN_ENGINES
-from dapo_core.compute.plan import BUILTIN_SHAPES, measure_actor_update, measure_rollout, run_plan
+from dapo_core.compute.plan import BUILTIN_SHAPES, run_plan
+from tests.helpers import measure_actor_update, measure_rollout
 from dapo_core.config import load_config, typed
 
 device, shape_name, steps, out = os.environ["DEVICE"], os.environ["SHAPE"], int(os.environ["STEPS"]), os.environ["OUT"]

@@ -287,3 +287,133 @@ def step_anatomy(rows: list[dict]) -> dict[str, float]:
     if timed:
         out["driver_cpu"] = statistics.median(timed)
     return out
+
+
+# Peak-memory measurements next to `dapo plan`'s estimates (tests/unit/dapo_core/compute/test_plan.py,
+# bench/bench_plan.py and bench/gpu_memory_check.sh); dapo_core is imported inside them.
+
+
+def measure_actor_update(
+    cfg: Any, model_path: str, *, device: str = "cpu", seed: int = 0, steps: int = 1
+) -> dict[str, int]:
+    """Measure the peak memory of actor updates above the loaded weights, next to the plan's estimate.
+
+    Builds the `ActorWorker` as flows/roles.py does and runs `update_actor` `steps` times on one
+    mini-batch of rows at full width (max_prompt_length + max_response_length, the plan's worst case); with
+    `use_shared_prompt` the n rows of each group share their prompt, as generated rows do.
+    On CPU the peak is the process's resident high-water mark (VmHWM, reset through
+    /proc/self/clear_refs after the weights are loaded) minus the resident size then; on CUDA it is
+    `torch.cuda.max_memory_allocated` minus the allocation after loading. Returns `measured` and
+    `estimated` bytes (the plan's actor rows except the weights, with the update pass) and `weights`
+    (the plan's weight row).
+    """
+
+    import dataclasses
+
+    import pyarrow as pa
+    import torch
+
+    from dapo_core.compute.peak_memory import rss_bytes
+    from dapo_core.compute.plan import make_plan
+    from dapo_core.compute.workers.actor import ActorWorker
+
+    arr = cfg.actor_rollout_ref
+    rows = int(arr.actor.ppo_mini_batch_size) * int(arr.rollout.n)
+    P, R = int(cfg.data.max_prompt_length), int(cfg.data.max_response_length)
+    worker = ActorWorker(
+        model_path,
+        dataclasses.asdict(arr.actor),
+        pad_token_id=0,
+        temperature=1.0,
+        rollout_n=int(arr.rollout.n),
+        total_steps=10,
+        device=device,
+        seed=seed,
+        gradient_checkpointing=bool(arr.model.enable_gradient_checkpointing),
+        use_remove_padding=bool(arr.model.use_remove_padding),
+        use_shared_prompt=bool(arr.model.use_shared_prompt),
+    )
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 99, (rows, P + R), generator=g)
+    if arr.model.use_shared_prompt:  # as generated: the n rows of a group share their prompt
+        n = int(arr.rollout.n)
+        ids[:, :P] = ids[::n, :P].repeat_interleave(n, dim=0)[:rows]
+    table = pa.table(
+        {
+            "prompt_ids": pa.array(ids[:, :P].tolist(), type=pa.list_(pa.int32())),
+            "response_ids": pa.array(ids[:, P:].tolist(), type=pa.list_(pa.int32())),
+            "old_log_probs": pa.array((-4.6 * torch.ones(rows, R)).tolist(), type=pa.list_(pa.float32())),
+            "advantages": pa.array(torch.randn(rows, R, generator=g).tolist(), type=pa.list_(pa.float32())),
+        }
+    )
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for step in range(steps):
+            worker.update_actor(table, step)
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - base
+    else:
+        base = rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        for step in range(steps):
+            worker.update_actor(table, step)
+        measured = rss_bytes("VmHWM") - base
+    plan = make_plan(cfg, device=device)
+    actor = next(r for r in plan.roles if r.role == "actor")
+    weights = sum(r.bytes for r in actor.rows if r.name == "weights")
+    estimated = sum(
+        r.bytes for r in actor.rows if r.phase in ("", "update") and r.name not in ("weights", "process")
+    )
+    return {"measured": int(measured), "estimated": int(estimated), "weights": int(weights)}
+
+
+def measure_rollout(cfg: Any, model_path: str, *, device: str = "cpu", seed: int = 0) -> dict[str, int]:
+    """Measure the peak memory of one HF-engine generation above the loaded weights, next to the plan's.
+
+    One batch of `min(gen batch × n, max_num_seqs)` rows: `n` samples of each of `rows / n` random prompts of
+    `max_prompt_length` tokens, `max_response_length` new tokens (EOS is an id the model almost never draws,
+    so rows run to full length: the plan's worst case). Measured as in `measure_actor_update`; `estimated` is
+    the plan's rollout rows except the weights, the process and the push's pass, `weights` its weight row.
+    """
+    import torch
+
+    from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
+    from dapo_core.compute.engines.rollout import SamplingParams
+    from dapo_core.compute.peak_memory import rss_bytes
+    from dapo_core.compute.plan import make_plan, resolve_shape
+    from dapo_core.compute.plan.tables import _peak
+
+    ro = cfg.actor_rollout_ref.rollout
+    n, P, R = int(ro.n), int(cfg.data.max_prompt_length), int(cfg.data.max_response_length)
+    rows = min(int(cfg.data.gen_batch_size or cfg.data.train_batch_size) * n, int(ro.max_num_seqs))
+    dtype = "float32" if str(ro.dtype) == "auto" else str(ro.dtype)
+    vocab = resolve_shape(cfg).vocab_size
+    if device == "cuda":
+        torch.cuda.synchronize()
+    engine = HFRolloutEngine(
+        model_path, device=device, seed=seed, dtype=dtype, max_batch_size=rows, eos_token_id=vocab - 1
+    )
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, vocab - 1, (P,), generator=g).tolist() for _ in range(-(-rows // n))]
+    batch = [prompts[i // n] for i in range(rows)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=R)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        engine.generate(batch, params, list(range(rows)))
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - base
+    else:
+        base = rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        engine.generate(batch, params, list(range(rows)))
+        measured = rss_bytes("VmHWM") - base
+    rollout = next(r for r in make_plan(cfg, device=device).roles if r.role == "rollout")
+    estimated = _peak([r for r in rollout.rows if r.name not in ("weights", "process") and r.phase != "sync"])
+    weights = sum(r.bytes for r in rollout.rows if r.name == "weights")
+    return {"measured": int(measured), "estimated": int(estimated), "weights": int(weights), "rows": rows}

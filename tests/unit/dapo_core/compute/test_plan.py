@@ -53,7 +53,7 @@ import json, sys, tempfile, torch
 torch.set_num_threads(1)
 from dapo_core.config import load_config, typed
 from dapo_core.compute.models import build_tiny_model
-from dapo_core.compute.plan import measure_actor_update
+from tests.helpers import measure_actor_update
 cfg = typed(load_config("configs/tiny_cpu.yaml", sys.argv[1:]))
 tiny = {k: v for k, v in vars(cfg.actor_rollout_ref.model.tiny).items()}
 folder = build_tiny_model(tempfile.mkdtemp(), tiny, seed=0)
