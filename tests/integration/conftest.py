@@ -1,5 +1,5 @@
 """Shared fixtures for integration tests: an isolated Prefect home, small data and a tiny base model, the
-3-step reference run (trained once per test session, read-only: a test that changes a run works on
+3-step reference run (trained once per test run, read-only: a test that changes a run works on
 `copy_run`'s copy), and the crash tests' `kill_at` / `kill_and_resume`."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import build_once, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny_cpu.yaml"
@@ -190,16 +190,17 @@ def tiny_overrides(root: Path, **extra) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory, prefect_home):
-    """Synthetic data and a briefly warmed-up tiny base model, built once per session by the real flows."""
+    """Synthetic data and a briefly warmed-up tiny base model, built once per test run by the real flows."""
     from dapo_core.config import load_config, to_yaml
     from flows.base_model import base_model_flow
     from flows.prepare_data import prepare_data_flow
 
-    root = tmp_path_factory.mktemp("tiny")
-    cfg = load_config(CONFIG, tiny_overrides(root))
-    prepare_data_flow(to_yaml(cfg))
-    base_model_flow(to_yaml(cfg))
-    return root
+    def build(root: Path) -> None:
+        cfg = load_config(CONFIG, tiny_overrides(root))
+        prepare_data_flow(to_yaml(cfg))
+        base_model_flow(to_yaml(cfg))
+
+    return build_once(tmp_path_factory, "tiny", build)
 
 
 SECRET = "s3cr3t-value-never-on-disk"
@@ -234,19 +235,21 @@ def _contents(run: Path) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def short_reference(tiny_assets, tmp_path_factory) -> Iterator[Path]:
     """The uninterrupted 3-step reference run (`REFERENCE_RUN`, in-process workers, every step folder kept),
-    trained once per test session by the real dapo-train flow; yields its run folder. Read it only: a test
+    trained once per test run by the real dapo-train flow; yields its run folder. Read it only: a test
     that changes a run (resumes, corrupts, moves it) works on `copy_run(short_reference, ...)`; at the end of
     the session its files must be as trained."""
     from dapo_core.config import load_config, to_yaml
     from flows.dapo_train import dapo_train
 
-    runs = tmp_path_factory.mktemp("reference") / "runs"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DAPO_TEST_API_KEY", SECRET)
-        cfg = load_config(CONFIG, reference_overrides(tiny_assets, runs))
-        out = dapo_train(to_yaml(cfg), REFERENCE_RUN["trainer.experiment_name"])
-    assert out["train_step"] == 3
-    run = Path(out["run_dir"])
+    def build(folder: Path) -> None:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("DAPO_TEST_API_KEY", SECRET)
+            cfg = load_config(CONFIG, reference_overrides(tiny_assets, folder / "runs"))
+            out = dapo_train(to_yaml(cfg), REFERENCE_RUN["trainer.experiment_name"])
+        assert out["train_step"] == 3
+        (folder / "run_dir.txt").write_text(out["run_dir"])
+
+    run = Path((build_once(tmp_path_factory, "reference", build) / "run_dir.txt").read_text())
     trained = _contents(run)
     yield run
     now = _contents(run)

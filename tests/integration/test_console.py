@@ -1,7 +1,8 @@
-"""The console of the `dapo` CLI as CI and `dvc repro` see it (stdout/stderr are not a terminal), with a real
-temporary Prefect server each time: every wait says what it does (the server's start-up, the SFT warm-up,
-evaluation, each generation batch of a training step) in rate-limited lines, with no Prefect usage-data
-notice or telemetry traceback and no transformers progress bars; a start-up timeout is one paragraph."""
+"""The console of the `dapo` CLI as CI and `dvc repro` see it (stdout/stderr are not a terminal): every wait
+says what it does (the server's start-up, the SFT warm-up, evaluation, each generation batch of a training
+step) in rate-limited lines, with no Prefect usage-data notice or telemetry traceback and no transformers
+progress bars; a start-up timeout is one paragraph. The start-up tests start a real temporary Prefect server;
+the others report to the test run's server."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import CONFIG, tiny_overrides
-from tests.integration.prefect_server import prefect_server
 
 DAPO = Path(sys.executable).parent / "dapo"
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,50 +66,50 @@ def test_prepare_says_what_it_waits_for(root, tmp_path):
     assert "train: 400 rows" in out
 
 
-def test_base_eval_and_train_print_rate_limited_progress(root, tmp_path):
+def test_base_eval_and_train_print_rate_limited_progress(root, tmp_path, prefect_home):
     home = tmp_path / "h"
     ov = tiny_overrides(root, **{"actor_rollout_ref.model.sft.steps": 20, "trainer.use_ray": "false"})
-    with prefect_server(tmp_path / "server") as (api, _):  # one server for the three commands
-        r = _dapo(
-            ["base", "--config", str(CONFIG), *ov], home, PREFECT_API_URL=api, DAPO_PROGRESS_INTERVAL_S="3600"
-        )
-        out = r.stdout + r.stderr
-        assert r.returncode == 0, out
-        _clean(out)
-        sft = re.findall(r"SFT warm-up: (\d+)/20 steps \(\d+%, \d+s\) loss", out)
-        assert sft == ["1", "20"], out  # an hour between lines: only the first and the last
+    api = os.environ["PREFECT_API_URL"]  # the test run's server (conftest), for the three commands
+    r = _dapo(
+        ["base", "--config", str(CONFIG), *ov], home, PREFECT_API_URL=api, DAPO_PROGRESS_INTERVAL_S="3600"
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    _clean(out)
+    sft = re.findall(r"SFT warm-up: (\d+)/20 steps \(\d+%, \d+s\) loss", out)
+    assert sft == ["1", "20"], out  # an hour between lines: only the first and the last
 
-        ckpt = str(root / "models" / "tiny_base")
-        r = _dapo(
-            [
-                "eval",
-                "--config",
-                str(CONFIG),
-                *ov,
-                "--checkpoint",
-                ckpt,
-                "--output",
-                str(tmp_path / "eval.json"),
-            ],
-            home,
-            PREFECT_API_URL=api,
-            DAPO_PROGRESS_INTERVAL_S="0",
-        )
-        out = r.stdout + r.stderr
-        assert r.returncode == 0, out
-        _clean(out)
-        done = [int(x) for x in re.findall(r"evaluate: generate: (\d+)/32 responses", out)]
-        assert done and done[-1] == 32 and done == sorted(done), out  # 16 prompts x eval.n 2
+    ckpt = str(root / "models" / "tiny_base")
+    r = _dapo(
+        [
+            "eval",
+            "--config",
+            str(CONFIG),
+            *ov,
+            "--checkpoint",
+            ckpt,
+            "--output",
+            str(tmp_path / "eval.json"),
+        ],
+        home,
+        PREFECT_API_URL=api,
+        DAPO_PROGRESS_INTERVAL_S="0",
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    _clean(out)
+    done = [int(x) for x in re.findall(r"evaluate: generate: (\d+)/32 responses", out)]
+    assert done and done[-1] == 32 and done == sorted(done), out  # 16 prompts x eval.n 2
 
-        train = [
-            "trainer.total_training_steps=1",
-            "trainer.experiment_name=console",
-            "trainer.save_freq=0",
-            "algorithm.filter_groups.max_num_gen_batches=2",
-            "algorithm.filter_groups.refill=fixed",  # every batch 8 prompts (the CPU default sizes refills)
-        ]
-        args = ["train", "--flow-only", "--config", str(CONFIG), *ov, *train]
-        r = _dapo(args, home, PREFECT_API_URL=api, DAPO_PROGRESS_INTERVAL_S="0")
+    train = [
+        "trainer.total_training_steps=1",
+        "trainer.experiment_name=console",
+        "trainer.save_freq=0",
+        "algorithm.filter_groups.max_num_gen_batches=2",
+        "algorithm.filter_groups.refill=fixed",  # every batch 8 prompts (the CPU default sizes refills)
+    ]
+    args = ["train", "--flow-only", "--config", str(CONFIG), *ov, *train]
+    r = _dapo(args, home, PREFECT_API_URL=api, DAPO_PROGRESS_INTERVAL_S="0")
     out = r.stdout + r.stderr
     _clean(out)
     # one line per generation batch: its prompts and the kept groups against the 4 the step needs; this

