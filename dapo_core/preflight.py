@@ -31,8 +31,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dapo_core.config.schema import DapoConfig
+from dapo_core.data.dataset_checks import DatasetError, validate_dataset
 from dapo_core.data.datasets import DataError, read_parquet
-from dapo_core.data.schemas import DatasetError, validate_dataset
 from dapo_core.errors import DapoUserError
 from dapo_core.rewards.scoring import MATH_DAPO_SOURCES, ground_truth_problem, has_scorer
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from dapo_core.config import load_config_text, typed
+from dapo_core.data.dataset_checks import validate_dataset
 from dapo_core.data.datasets import load_dapo_math, make_synthetic_splits, read_parquet, write_parquet
-from dapo_core.data.schemas import validate_dataset
 from dapo_core.data.word_problems import make_word_problem_splits
 from flows.progress import say
 

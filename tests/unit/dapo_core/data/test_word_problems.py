@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from dapo_core.data.dataset_checks import validate_dataset
 from dapo_core.data.datasets import DataError, read_parquet, write_parquet
-from dapo_core.data.schemas import validate_dataset
 from dapo_core.data.word_problems import (
     WORD_DATA_SOURCE,
     WORD_EXAMPLES,
