@@ -73,7 +73,7 @@ def driver(args) -> dict:
     tree = _tree(args)
     import numpy as np
 
-    from dapo_core.compute import cluster
+    from dapo_core.compute import rpc
     from dapo_core.config import load_config, to_yaml
     from dapo_core.store import RunStore
 
@@ -100,8 +100,8 @@ def driver(args) -> dict:
         lambda a, k, out: _nbytes(a[2] if len(a) > 2 else k["table"]),
     )
     wrap(RunStore, "write_selection", "store_written", lambda a, k, out: 16 * len(np.asarray(a[2])))
-    wrap(cluster.Handle, "submit", "to_workers", lambda a, k, out: _nbytes(a[1:]) + _nbytes(k))
-    wrap(cluster.Handle, "wait", "from_workers", lambda a, k, out: _nbytes(out))
+    wrap(rpc.Handle, "submit", "to_workers", lambda a, k, out: _nbytes(a[1:]) + _nbytes(k))
+    wrap(rpc.Handle, "wait", "from_workers", lambda a, k, out: _nbytes(out))
     runs = Path(tempfile.mkdtemp(prefix="bench_scale_runs_"))
     main = Path(__file__).resolve().parents[1]
     cfg = load_config(

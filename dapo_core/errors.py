@@ -11,11 +11,15 @@ still be raised with one finished message (`DataError("...")`); `where`/`fix` ar
 
 Nothing here imports prefect, ray or torch: `find_user_error` walks wrapper exceptions by their attributes
 (`cause` as on Ray's `RayTaskError`, `__cause__`, `__context__`, exception arguments).
+
+`StopRequested` is the one exception for "the user or the scheduler asked the run to stop" (SIGTERM/SIGINT).
 """
 
 from __future__ import annotations
 
-__all__ = ["EXIT_USER_ERROR", "DapoUserError", "find_user_error", "one_paragraph"]
+import signal
+
+__all__ = ["EXIT_USER_ERROR", "DapoUserError", "StopRequested", "find_user_error", "one_paragraph"]
 
 EXIT_USER_ERROR = 2
 """Process exit code for a problem the user can fix (bad config, data, model folder, checkpoint, store)."""
@@ -68,3 +72,17 @@ def find_user_error(exc: BaseException | None, _depth: int = 0) -> DapoUserError
             if found is not None:
                 return found
     return None
+
+
+class StopRequested(KeyboardInterrupt):
+    """SIGTERM or SIGINT arrived: the user or the scheduler asked the run to stop, so it unwinds at the next
+    safe point; `signum` is the signal.
+
+    Raised by the `dapo` CLI's signal handler (`flows.preflight.stop_on_signals`) and by a wait on a Ray
+    worker (`dapo_core.compute.signals`): Ray's blocking wait loses exceptions that signal handlers raise in
+    it, so there the handler only records the signal and the wait loop raises this. A `KeyboardInterrupt`, so
+    Prefect marks the flow run Crashed and `except Exception` blocks let it through."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum

@@ -5,7 +5,7 @@
 - `check_prefect_api`: with `PREFECT_API_URL` set, the server must answer `/health` within a few seconds.
 - `prefect_startup_timeout`: the ephemeral Prefect server's start-up timeout, raised unless the user set one.
 - `resolve_eval_checkpoint`: `eval.checkpoint: ""` means the run's latest checkpoint.
-- `StopRequested` / `stop_on_signals`: SIGTERM / SIGINT become an exception in the main thread, so the flow
+- `stop_on_signals`: SIGTERM / SIGINT become `dapo_core.errors.StopRequested` in the main thread, so the flow
   unwinds through its `finally` blocks and the CLI prints how to resume.
 - `report_crash` / `report_error` / `report_stop`: one paragraph on stderr (the traceback in a log file);
   `run_reported`, `train_checks`: shared by `dapo train` and `python -m flows.pipeline dvc-train`.
@@ -31,7 +31,7 @@ from types import FrameType
 from typing import Any
 
 from dapo_core.config import ConfigWarning, DapoConfig, load_config
-from dapo_core.errors import EXIT_USER_ERROR, DapoUserError, find_user_error
+from dapo_core.errors import EXIT_USER_ERROR, DapoUserError, StopRequested, find_user_error
 from dapo_core.preflight import (
     SKIP_ENV,
     Phase,
@@ -44,7 +44,6 @@ from dapo_core.store.lease import LeaseLost, check_free, forget_lost, lost_lease
 
 __all__ = [
     "PREFECT_STARTUP_TIMEOUT_S",
-    "StopRequested",
     "UserErrorConsoleFilter",
     "check_prefect_api",
     "cli_preflight",
@@ -192,15 +191,6 @@ def train_checks(
 
 
 # --------------------------------------------------------------------------------------------- signals
-class StopRequested(KeyboardInterrupt):
-    """SIGTERM or SIGINT arrived: unwind the run (a KeyboardInterrupt, so Prefect marks the flow run Crashed
-    and `except Exception` blocks do not swallow it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
     """Turn the first SIGTERM/SIGINT into `StopRequested` in the main thread; later ones are ignored while the
@@ -318,7 +308,7 @@ def run_reported(
     try:
         with stop_on_signals():
             return body()
-    except KeyboardInterrupt as stop:  # StopRequested (our handler), StopSignal (a wait on Ray), LeaseLost
+    except KeyboardInterrupt as stop:  # StopRequested (our handler or a wait on Ray), LeaseLost
         hint = resume() if resume is not None and state.get("run_id") else ""
         return report_stop(stop, command, resume=hint)
     except Exception as exc:

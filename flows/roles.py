@@ -12,10 +12,12 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from dapo_core.compute.cluster import Cluster, PlacementError, proxy
+from dapo_core.compute.cluster import Cluster
 from dapo_core.compute.groups import create_role
+from dapo_core.compute.placement import PlacementError
 from dapo_core.compute.pools import DevicePool, pool_layout, same_nodes
 from dapo_core.compute.replicas import RolloutReplicas, create_replicas, replica_layout
+from dapo_core.compute.rpc import proxy
 from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker
 from dapo_core.config import (
     DapoConfig,

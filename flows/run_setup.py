@@ -17,7 +17,8 @@ from typing import Any
 
 from dapo_core.algo.dynamic_sampling import KeepRateEstimator
 from dapo_core.algo.kl import get_kl_controller
-from dapo_core.compute.cluster import Cluster, worker_threads
+from dapo_core.compute.cluster import Cluster
+from dapo_core.compute.host import worker_threads
 from dapo_core.compute.models import load_tokenizer
 from dapo_core.config import (
     DapoConfig,

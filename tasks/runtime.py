@@ -1,7 +1,7 @@
 """The per-run objects tasks need (store, workers, sampler, config), registered by the flow under the run id.
 
 Tasks receive the run id (a small, hashable value) and look the rest up here, so no batch or actor handle ever
-becomes a Prefect task input. Every field is typed: the workers are `dapo_core.compute.cluster.proxy` objects
+becomes a Prefect task input. Every field is typed: the workers are `dapo_core.compute.rpc.proxy` objects
 typed as their worker class, so `rt.actor.update_actor(table, step)` is checked against
 `ActorWorker.update_actor`.
 """

@@ -21,17 +21,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dapo_core.compute import cluster as C
-from dapo_core.compute.cluster import Handle, PlacementError
+from dapo_core.compute import signals as S
+from dapo_core.compute.host import HostOptions, _init_worker_process, _RayHost
+from dapo_core.compute.placement import PlacementError, _node_summary, checked_resources
 from dapo_core.compute.pools import DevicePool
+from dapo_core.compute.rpc import Handle
 
 __all__ = ["GroupHandle", "GroupLayout", "create_group", "create_role"]
 
 
-class _RankHost(C._RayHost):
+class _RankHost(_RayHost):
     """A rank of a group: joins the group's process group, then builds its worker object."""
 
-    def __init__(self, opts: C.HostOptions) -> None:
-        C._init_worker_process(opts)
+    def __init__(self, opts: HostOptions) -> None:
+        _init_worker_process(opts)
         self._free_cuda_cache = opts.free_cuda_cache
         self._obj = None
 
@@ -95,16 +98,16 @@ def _wait_all(refs: list[Any], fetch_first: bool = True) -> list[Any]:
     pending = list(refs)
     out: dict[int, Any] = {}
     index = {id(r): i for i, r in enumerate(refs)}
-    C._IN_RAY_WAIT.append(1)
+    S._IN_RAY_WAIT.append(1)
     try:
         while pending:
-            C._check_stop()
-            ready, pending = ray.wait(pending, num_returns=1, timeout=C._WAIT_POLL_S, fetch_local=False)
+            S._check_stop()
+            ready, pending = ray.wait(pending, num_returns=1, timeout=S._WAIT_POLL_S, fetch_local=False)
             for r in ready:
                 i = index[id(r)]
                 out[i] = ray.get(r) if (i or fetch_first) else None
     finally:
-        C._IN_RAY_WAIT.pop()
+        S._IN_RAY_WAIT.pop()
     return [out[i] for i in range(len(refs))]
 
 
@@ -125,7 +128,7 @@ def _check_nodes(role: str, bundle: Mapping[str, float], layout: GroupLayout, no
     fit = [n for n in alive if all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in bundle.items())]
     if len(fit) >= layout.nnodes:
         return
-    have = "; ".join(C._node_summary(n) for n in alive) or "no live node"
+    have = "; ".join(_node_summary(n) for n in alive) or "no live node"
     raise PlacementError(
         f"the {role} group needs {layout.nnodes} node(s) each offering {dict(bundle)} "
         f"(trainer.nnodes={layout.nnodes} × trainer.n_gpus_per_node={layout.per_node} ranks), but only "
@@ -159,7 +162,7 @@ def create_group(
     per_rank_cpu = 1.0
     pg: Any = None
     if pool is None:
-        custom = C.checked_resources(role, resources)
+        custom = checked_resources(role, resources)
         bundle = {
             "CPU": per_rank_cpu * layout.per_node,
             **({"GPU": num_gpus * layout.per_node} if num_gpus else {}),
@@ -168,7 +171,7 @@ def create_group(
         _check_nodes(role, bundle, layout, ray.nodes())
         pg = placement_group([dict(bundle) for _ in range(layout.nnodes)], strategy="STRICT_SPREAD")
         try:
-            C._ray_get(pg.ready(), timeout=cluster.start_timeout_s)
+            S._ray_get(pg.ready(), timeout=cluster.start_timeout_s)
         except TimeoutError:
             ray.util.remove_placement_group(pg)
             raise PlacementError(
@@ -205,7 +208,7 @@ def create_group(
         )
     handle = GroupHandle(role=role, ranks=ranks, placement_group=pg, ray_actor=ranks[0])
     try:
-        address, port = C._ray_get(ranks[0].rendezvous.remote(), timeout=cluster.start_timeout_s)
+        address, port = S._ray_get(ranks[0].rendezvous.remote(), timeout=cluster.start_timeout_s)
         _wait_all(
             [
                 r.build.remote(factory, rank, layout.size, address, port, cluster.device)
@@ -213,7 +216,7 @@ def create_group(
             ]
         )
         for rank, r in enumerate(ranks):
-            where = C._ray_get(r.where.remote(), timeout=cluster.start_timeout_s)
+            where = S._ray_get(r.where.remote(), timeout=cluster.start_timeout_s)
             cluster.workers.append({"role": role, "rank": rank, **where})
     except BaseException:
         handle.kill()

@@ -71,7 +71,7 @@ def pool_layout(nnodes: int, per_node: int, training_roles: int, tp: int) -> Poo
 def same_nodes(resources: Mapping[str, Mapping[str, Any] | None]) -> dict[str, float]:
     """The custom Ray resources of the pool's bundles: colocated roles share nodes, so every role's
     `trainer.ray_resources.<role>` must be empty or the same; returns that one request."""
-    from dapo_core.compute.cluster import checked_resources
+    from dapo_core.compute.placement import checked_resources
 
     asked = {role: checked_resources(role, res) for role, res in resources.items()}
     distinct = {tuple(sorted(v.items())) for v in asked.values() if v}
@@ -106,7 +106,8 @@ class DevicePool:
         import ray
         from ray.util.placement_group import placement_group
 
-        from dapo_core.compute import cluster as C
+        from dapo_core.compute.placement import PlacementError
+        from dapo_core.compute.signals import _ray_get
 
         bundle = {"GPU": 1.0, "CPU": float(layout.shares)}
         first = {**bundle, **dict(resources or {})}  # a node's custom resource is asked once per node
@@ -116,10 +117,10 @@ class DevicePool:
             pool.groups.append(placement_group(bundles, "STRICT_PACK"))
         try:
             for pg in pool.groups:
-                C._ray_get(pg.ready(), timeout=timeout_s)
+                _ray_get(pg.ready(), timeout=timeout_s)
         except TimeoutError:
             pool.kill()
-            raise C.PlacementError(
+            raise PlacementError(
                 f"the colocated pool of {layout.nnodes} node(s) × {layout.per_node} GPU bundles of {first} "
                 f"was not granted within {timeout_s:.0f}s; the cluster has {ray.available_resources()} free "
                 f"(each node must offer trainer.n_gpus_per_node GPUs)",
@@ -144,13 +145,13 @@ class DevicePool:
         if self._devices is None:
             import ray
 
-            from dapo_core.compute import cluster as C
+            from dapo_core.compute.signals import _ray_get
 
             probe = ray.remote(num_cpus=0, num_gpus=1e-4)(_gpu_ids)
             refs = [
                 probe.options(scheduling_strategy=self.strategy(i)).remote() for i in range(self.layout.world)
             ]
-            self._devices = [",".join(C._ray_get(r)) for r in refs]
+            self._devices = [",".join(_ray_get(r)) for r in refs]
         return self._devices
 
     def visible_devices(self, replica: int) -> str:

@@ -31,17 +31,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dapo_core.compute.cluster import (
-    Cluster,
-    Future,
-    WorkerSpec,
-    checked_resources,
-    group_size,
-    handle_of,
-    proxy,
-    submit,
-)
+from dapo_core.compute.cluster import Cluster, WorkerSpec
+from dapo_core.compute.placement import checked_resources
 from dapo_core.compute.pools import DevicePool
+from dapo_core.compute.rpc import Future, group_size, handle_of, proxy, submit
 from dapo_core.compute.weight_transport import plan_links
 from dapo_core.compute.workers.rollout import RolloutWorker, StaleWeights
 from dapo_core.errors import DapoUserError

@@ -58,8 +58,9 @@ class LeaseHeld(DapoUserError):
 class LeaseLost(KeyboardInterrupt):
     """This process's lease was taken over by another one (its heartbeat had gone stale): stop writing.
 
-    A `KeyboardInterrupt` (as the CLI's `StopRequested`), so that no `except Exception` block and no task
-    retry goes on writing the run after it; `str()` is one paragraph naming the new holder and the fix."""
+    A `KeyboardInterrupt` (as `dapo_core.errors.StopRequested`), so that no `except Exception` block and no
+    task retry goes on writing the run after it; `str()` is one paragraph naming the new holder and the
+    fix."""
 
     def __init__(self, run_dir: Path, now_holder: Holder | None, timeout_s: float) -> None:
         self.run_dir = Path(run_dir)

@@ -6,17 +6,10 @@ import functools
 
 import pytest
 
-from dapo_core.compute.cluster import (
-    QUIET_WORKER_ENV,
-    Cluster,
-    PlacementError,
-    WorkerSpec,
-    actor_name,
-    check_feasible,
-    checked_resources,
-    proxy,
-    submit,
-)
+from dapo_core.compute.cluster import Cluster, WorkerSpec, actor_name
+from dapo_core.compute.host import QUIET_WORKER_ENV
+from dapo_core.compute.placement import PlacementError, check_feasible, checked_resources
+from dapo_core.compute.rpc import proxy, submit
 
 
 class Counter:

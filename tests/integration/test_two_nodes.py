@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_core.compute.cluster import QUIET_WORKER_ENV
+from dapo_core.compute.host import QUIET_WORKER_ENV
 from tests.helpers import wait_for
 from tests.integration.conftest import kill_and_resume, tiny_overrides, train_cmd
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_core.compute.cluster import PlacementError
+from dapo_core.compute.placement import PlacementError
 from dapo_core.compute.pools import pool_layout, same_nodes
 from dapo_core.config import load_config, typed
 from dapo_core.errors import DapoUserError

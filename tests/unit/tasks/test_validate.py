@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo_core.compute import cluster
+from dapo_core.compute import rpc
 from dapo_core.config import load_config, typed
 from dapo_core.data import batch as B
 from dapo_core.metrics.validation import validation_summary
@@ -52,8 +52,8 @@ def driver_bytes(monkeypatch):
     count(RunStore, "read_uri", lambda a, k, out: _nbytes(out))
     count(RunStore, "read_lengths", lambda a, k, out: _nbytes(out))
     count(RunStore, "write_stage", lambda a, k, out: _nbytes(a[2] if len(a) > 2 else k["table"]))
-    count(cluster.Handle, "submit", lambda a, k, out: _nbytes(a[1:]) + _nbytes(k))
-    count(cluster.Handle, "wait", lambda a, k, out: _nbytes(out))
+    count(rpc.Handle, "submit", lambda a, k, out: _nbytes(a[1:]) + _nbytes(k))
+    count(rpc.Handle, "wait", lambda a, k, out: _nbytes(out))
     return counts
 
 

@@ -3,7 +3,7 @@ compute at once; never the environment."""
 
 import pytest
 
-from dapo_core.compute.cluster import worker_threads
+from dapo_core.compute.host import worker_threads
 from dapo_core.errors import DapoUserError
 
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo_core.compute.cluster import Cluster, proxy
+from dapo_core.compute.cluster import Cluster
 from dapo_core.compute.replicas import (
     RolloutReplicas,
     StaleWeights,
@@ -21,6 +21,7 @@ from dapo_core.compute.replicas import (
     replica_role,
     split_groups,
 )
+from dapo_core.compute.rpc import proxy
 from dapo_core.compute.workers.rollout import RolloutWorker
 from dapo_core.data import batch as B
 from dapo_core.errors import DapoUserError
