@@ -49,7 +49,7 @@ import pyarrow as pa
 import torch
 
 from dapo_core.compute import microbatch
-from dapo_core.compute.engines import train as train_engines
+from dapo_core.compute.engines import ppo as ppo_loop
 from dapo_core.compute.microbatch import pack_rows, token_budget_split
 from dapo_core.compute.models import build_tiny_model, load_model
 from dapo_core.compute.varlen_attention import packed_attention
@@ -232,7 +232,7 @@ def layout(path: str, group_micro: bool) -> Iterator[None]:
     """Run the shared forwards in `path`'s layout ("cache": a zero mask budget declines every grouping;
     "grouped_first": prompt groups in the order of their first row, not longest first) and, without
     `group_micro`, leave fixed-size micro-batches in the batch's own order."""
-    saved = (microbatch.MAX_GROUP_MASK_ELEMENTS, train_engines.grouped_order, actor_worker.grouped_order)
+    saved = (microbatch.MAX_GROUP_MASK_ELEMENTS, ppo_loop.grouped_order, actor_worker.grouped_order)
     if path == "cache":
         microbatch.MAX_GROUP_MASK_ELEMENTS = 0
     if path == "grouped_first":
@@ -240,17 +240,17 @@ def layout(path: str, group_micro: bool) -> Iterator[None]:
         def first_row_order(keys: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
             return microbatch.grouped_order(keys)
 
-        train_engines.grouped_order = actor_worker.grouped_order = first_row_order
+        ppo_loop.grouped_order = actor_worker.grouped_order = first_row_order
     if not group_micro:
 
         def batch_order(keys: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
             return torch.arange(keys.numel())
 
-        train_engines.grouped_order = actor_worker.grouped_order = batch_order
+        ppo_loop.grouped_order = actor_worker.grouped_order = batch_order
     try:
         yield
     finally:
-        microbatch.MAX_GROUP_MASK_ELEMENTS, train_engines.grouped_order, actor_worker.grouped_order = saved
+        microbatch.MAX_GROUP_MASK_ELEMENTS, ppo_loop.grouped_order, actor_worker.grouped_order = saved
 
 
 def run_shared_prompt(args: argparse.Namespace) -> None:

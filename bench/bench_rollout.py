@@ -197,7 +197,8 @@ def _loss(log_probs, entropy, micro, info):
 
 def run_engines(args: argparse.Namespace) -> None:
     """HF generation tokens/s, then one update's tokens/s per training engine; one JSON line each."""
-    from dapo_core.compute.engines.train import make_train_engine, ppo_update
+    from dapo_core.compute.engines.ppo import ppo_update
+    from dapo_core.compute.engines.train import make_train_engine
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

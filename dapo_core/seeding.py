@@ -1,4 +1,4 @@
-"""Seeds: one stable seed per sampled row, and process-wide seeding.
+"""Seeds: one stable seed per sampled row, process-wide seeding, and the RNG states checkpoints keep.
 
 `request_seed` derives the seed of one generation request from (run seed, generation step, uid, sample
 index) with blake2b, so it is the same in every process and on every machine (Python's `hash` is salted
@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["request_seed", "seed_everything", "torch_generator"]
+__all__ = ["get_rng_state", "request_seed", "seed_everything", "set_rng_state", "torch_generator"]
 
 _MASK_63 = (1 << 63) - 1
 
@@ -68,3 +69,24 @@ def uid_factory(*namespace: object) -> Callable[[], str]:
         return hashlib.blake2b(f"{prefix}#{next(counter)}".encode(), digest_size=16).hexdigest()
 
     return make
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU (and CUDA when available) RNG states, for checkpoints."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore states saved by `get_rng_state`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

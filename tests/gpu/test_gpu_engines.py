@@ -51,8 +51,9 @@ import torch
 
 from dapo_core.algo.losses import PolicyLossParams, actor_objective
 from dapo_core.compute.engines.hf_rollout import HFRolloutEngine
+from dapo_core.compute.engines.ppo import ppo_update
 from dapo_core.compute.engines.rollout import SamplingParams
-from dapo_core.compute.engines.train import make_train_engine, ppo_update
+from dapo_core.compute.engines.train import make_train_engine
 from dapo_core.compute.models import load_tokenizer
 from dapo_core.data import batch as B
 

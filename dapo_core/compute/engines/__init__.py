@@ -6,8 +6,9 @@
   → `deepspeed_train`, imported only when asked for), `ppo_update`, shared log-prob / entropy / LR code.
 """
 
+from dapo_core.compute.engines.ppo import ppo_update
 from dapo_core.compute.engines.rollout import Completion, RolloutEngine, SamplingParams, make_rollout_engine
-from dapo_core.compute.engines.train import TrainEngine, make_train_engine, ppo_update
+from dapo_core.compute.engines.train import TrainEngine, make_train_engine
 
 __all__ = [
     "Completion",

@@ -29,12 +29,11 @@ from dapo_core.compute.engines.train import (
     TrainEngine,
     adamw_kwargs,
     enable_gradient_checkpointing,
-    get_rng_state,
     lr_lambda_for,
-    set_rng_state,
 )
 from dapo_core.compute.models import load_model
 from dapo_core.config import DeepSpeedConfig, OptimConfig, section
+from dapo_core.seeding import get_rng_state, set_rng_state
 
 __all__ = ["DeepSpeedTrainEngine", "build_deepspeed_config", "ensure_single_process_env"]
 

@@ -36,14 +36,13 @@ from dapo_core.compute.engines.train import (
     TrainEngine,
     adamw_kwargs,
     enable_gradient_checkpointing,
-    get_rng_state,
     lr_lambda_for,
-    set_rng_state,
 )
 from dapo_core.compute.safetensors_stream import StreamedSafetensors
 from dapo_core.compute.weight_transport import distinct_tensors
 from dapo_core.config import OptimConfig
 from dapo_core.errors import DapoUserError
+from dapo_core.seeding import get_rng_state, set_rng_state
 
 __all__ = [
     "FSDP2TrainEngine",

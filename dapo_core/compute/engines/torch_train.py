@@ -19,12 +19,11 @@ from dapo_core.compute.engines.train import (
     TrainEngine,
     adamw_kwargs,
     enable_gradient_checkpointing,
-    get_rng_state,
     lr_lambda_for,
-    set_rng_state,
 )
 from dapo_core.compute.models import load_model
 from dapo_core.config import OptimConfig
+from dapo_core.seeding import get_rng_state, set_rng_state
 
 __all__ = ["TorchTrainEngine", "load_hf_weights_into"]
 

@@ -19,7 +19,8 @@ import torch
 
 from dapo_core.algo.losses import ActorLoss, PolicyLossParams, agg_loss
 from dapo_core.compute import dist as dpd
-from dapo_core.compute.engines.train import TrainEngine, make_train_engine, ppo_update
+from dapo_core.compute.engines.ppo import ppo_update
+from dapo_core.compute.engines.train import TrainEngine, make_train_engine
 from dapo_core.compute.microbatch import grouped_order, token_budget_split
 from dapo_core.config import ActorConfig, RolloutCorrectionConfig, section
 from dapo_core.config.checks import train_dtype

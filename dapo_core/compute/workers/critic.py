@@ -28,11 +28,11 @@ from torch import nn
 from dapo_core.algo.losses import compute_value_loss
 from dapo_core.compute import dist as dpd
 from dapo_core.compute.engines.fsdp2_train import load_hf_shards, materialize, parameters_on_meta
+from dapo_core.compute.engines.ppo import minibatch_update
 from dapo_core.compute.engines.train import (
     adamw_kwargs,
     enable_gradient_checkpointing,
     lr_lambda_for,
-    minibatch_update,
 )
 from dapo_core.compute.microbatch import pack_rows, row_token_costs, token_budget_split
 from dapo_core.compute.models import load_model

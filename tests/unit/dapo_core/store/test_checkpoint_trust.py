@@ -14,9 +14,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo_core.compute.engines.train import get_rng_state, make_train_engine, set_rng_state
+from dapo_core.compute.engines.train import make_train_engine
 from dapo_core.compute.models import build_tiny_model
 from dapo_core.errors import DapoUserError
+from dapo_core.seeding import get_rng_state, set_rng_state
 from dapo_core.store import RunStore, StoreError
 from dapo_core.store import files as store_files
 from dapo_core.store.checkpoint import CheckpointDir, CheckpointError, enclosing_checkpoint, verify_folder

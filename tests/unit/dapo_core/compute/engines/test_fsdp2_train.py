@@ -32,7 +32,7 @@ def test_dp_split_balances_tokens_keeps_groups_and_loses_no_row():
 
 
 def _update(engine, batch, dp):
-    from dapo_core.compute.engines.train import ppo_update
+    from dapo_core.compute.engines.ppo import ppo_update
 
     return ppo_update(
         engine, batch, loss_fn=token_mean_pg_loss, mini_batch_size=4, micro_batch_size=3, epochs=1, dp=dp

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from dapo_core.algo.losses import PolicyLossParams, actor_objective
+from dapo_core.compute.engines.ppo import ppo_update
 from dapo_core.compute.engines.train import (
     OptimConfigError,
     entropy_from_logits,
     lr_lambda_for,
     make_train_engine,
-    ppo_update,
     response_log_probs,
 )
 from dapo_core.compute.models import build_tiny_model, load_model, load_tokenizer

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from dapo_core.algo.losses import PolicyLossParams, actor_objective
-from dapo_core.compute.engines.train import _checkpointing, make_train_engine, minibatch_update, ppo_update
+from dapo_core.compute.engines.ppo import minibatch_update, ppo_update
+from dapo_core.compute.engines.train import _checkpointing, make_train_engine
 from dapo_core.compute.microbatch import pack_rows, row_token_costs, token_budget_split
 from dapo_core.compute.models import build_tiny_model
 from dapo_core.compute.workers.actor import ActorWorker
