@@ -13,9 +13,9 @@ export OMP_NUM_THREADS ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export RAY_USAGE_STATS_ENABLED := 0
-# pytest-xdist: TEST_WORKERS processes run the tests; tests/conftest.py groups and orders them
+# pytest-xdist: TEST_WORKERS processes run the tests; tests/conftest.py schedules them (units, longest first)
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+XDIST := -n $(TEST_WORKERS)
 
 .PHONY: train test test-all check lint format setup setup-gpu gpu-pins gpu-check-cpu test-vllm-cpu repro train-real
 

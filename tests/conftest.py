@@ -1,10 +1,10 @@
 """How the suite is spread over pytest-xdist workers (`make test` and `make check` run `pytest -n 2`).
 
-- **Units of work.** A test module whose tests share a module- or class-scoped fixture (a trained reference
-  run, a browser, an imported model) is one unit, marked `xdist_group`, so that fixture is built once, on
-  one worker. Unit-test modules are one unit each too (their tests take milliseconds). Every other test is
-  its own unit: the integration tests, which read session-wide runs built once per test run
-  (`tests.helpers.build_once`), spread over the workers one by one.
+- **Units of work.** A test module that holds a module- or class-scoped fixture (a trained reference run, a
+  browser, an imported model) is one unit, so that fixture is built once, on one worker; so is every
+  unit-test module (its tests take milliseconds). Every other test is its own unit: the integration tests,
+  which read session-wide runs built once per test run (`tests.helpers.build_once`), spread over the workers
+  one by one. `pytest_xdist_make_scheduler` hands xdist a load-scope scheduler with these units.
 - **Longest first.** Units go out in order of their recorded duration, longest first (`tests/durations.json`,
   seconds per test id; a test not listed counts as short), so no worker is left with one long test at the
   end. The order only changes which worker runs what, never whether a test passes.
@@ -14,10 +14,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,31 +31,47 @@ RECORD_ENV = "DAPO_RECORD_DURATIONS"
 _recorded: dict[str, float] = defaultdict(float)
 
 
-def _module(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
+ROOT = Path(__file__).resolve().parents[1]
+_SHARED_FIXTURE = re.compile(r"""scope\s*=\s*["'](module|class)["']""")
 
 
-def _shares_a_fixture(item: pytest.Item) -> bool:
-    """Whether `item` uses a fixture wider than a test and narrower than the session (module or class)."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
+@functools.cache
+def _one_unit(module: str) -> bool:
+    """Whether the test module `module` (a path from the root) runs as one unit of work: a unit-test module,
+    or one that defines a module- or class-scoped fixture."""
+    if module.startswith("tests/unit/"):
+        return True
+    try:
+        return bool(_SHARED_FIXTURE.search((ROOT / module).read_text()))
+    except OSError:
         return False
-    return any(d.scope in ("module", "class") for defs in info.name2fixturedefs.values() for d in defs)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist appends each group's name to the test ids
+def unit_of(nodeid: str) -> str:
+    """The unit of work of the test `nodeid`: its module when that runs as one unit, else the test itself."""
+    module = nodeid.split("::", 1)[0]
+    return module if _one_unit(module) else nodeid
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's load-scope scheduler with `unit_of` as the scope, in the order of the collection."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep the longest-first order of pytest_collection_modifyitems
+    return UnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group the items into units of work and order the units longest first (see the module docstring)."""
+    """Order the items unit by unit, the longest unit first (see the module docstring)."""
     known: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    grouped = {_module(i) for i in items if i.nodeid.startswith("tests/unit/") or _shares_a_fixture(i)}
     units: dict[str, list[pytest.Item]] = {}
     for item in items:
-        module = _module(item)
-        if module in grouped:
-            item.add_marker(pytest.mark.xdist_group(module))
-            units.setdefault(module, []).append(item)
-        else:
-            units.setdefault(item.nodeid, []).append(item)
+        units.setdefault(unit_of(item.nodeid), []).append(item)
     weight = {key: sum(known.get(i.nodeid, 0.0) for i in unit) for key, unit in units.items()}
     order = sorted(units, key=lambda key: -weight[key])  # stable: ties keep the collection order
     items[:] = [item for key in order for item in units[key]]
@@ -61,10 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Add up each test's setup, call and teardown seconds when `DAPO_RECORD_DURATIONS` is set."""
     if os.environ.get(RECORD_ENV):
-        nodeid = report.nodeid
-        if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's `@group` suffix
-            nodeid = nodeid.rsplit("@", 1)[0]
-        _recorded[nodeid] += report.duration
+        _recorded[report.nodeid] += report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
