@@ -8,7 +8,7 @@
 - **Longest first.** Units go out in order of their recorded duration, longest first (`tests/durations.json`,
   seconds per test id; a test not listed counts as short), so no worker is left with one long test at the
   end. The order only changes which worker runs what, never whether a test passes.
-- **Recording.** `DAPO_RECORD_DURATIONS=<file> make check` writes every test's setup + call + teardown
+- **Recording.** `DAPO_RECORD_DURATIONS=<file> make check` adds every test's setup + call + teardown
   seconds to `<file>` in the same format (copy it over tests/durations.json when the suite has changed).
 """
 
@@ -84,11 +84,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Write the recorded durations (0.1 s steps, tests under 1 s left out) to `DAPO_RECORD_DURATIONS`."""
+    """Add the recorded durations (0.1 s steps, tests under 1 s left out) to `DAPO_RECORD_DURATIONS`."""
     path = os.environ.get(RECORD_ENV)
     if path and _recorded and not hasattr(session.config, "workerinput"):
-        slow = {k: round(v, 1) for k, v in sorted(_recorded.items()) if v >= 1.0}
-        Path(path).write_text(json.dumps(slow, indent=0, sort_keys=True) + "\n")
+        out = Path(path)
+        known = json.loads(out.read_text()) if out.exists() else {}  # `make check` runs pytest three times
+        known.update({k: round(v, 1) for k, v in _recorded.items() if v >= 1.0})
+        out.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
 
 
 @pytest.fixture(scope="session")

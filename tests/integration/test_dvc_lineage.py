@@ -1,6 +1,7 @@
-"""DVC lineage in a fresh clone: `dvc repro` runs prepare → base model → train → evaluate on tiny parameters,
-a second repro is a no-op, an evaluation parameter re-runs only evaluation, metrics and plots show, and
-`dvc push` / `dvc pull` restore data, models and metrics in another fresh clone."""
+"""DVC lineage in a fresh clone: `dvc repro` runs prepare → base model → train → evaluate on tiny
+parameters (the module's `lineage` fixture, checked by the first test); a second repro is a no-op, an
+evaluation parameter re-runs only evaluation, metrics and plots show; `dvc push` / `dvc pull` restore data,
+models and metrics in another fresh clone. All tests work on the one clone, in this order."""
 
 from __future__ import annotations
 
@@ -67,28 +68,32 @@ def _ran(out: str) -> set[str]:
     return {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage '")}
 
 
-@pytest.mark.timeout(1500)
-def test_fresh_clone_repro_noop_eval_only_push_pull(tmp_path, prefect_home):
-    # The ~10 stage commands report to the test run's Prefect server (PREFECT_API_URL, set by conftest).
-    _lineage(tmp_path, {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "RAY_USAGE_STATS_ENABLED": "0"})
+def _dvc(env: dict, cwd: Path, *args: str) -> str:
+    p = subprocess.run([str(DVC), *args], cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    assert p.returncode == 0, f"dvc {' '.join(args)}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
 
 
-def _lineage(tmp_path: Path, env: dict) -> None:
-    repo = _clone(tmp_path / "clone", env)
-
-    def dvc(*args: str, cwd: Path = repo) -> str:
-        p = subprocess.run([str(DVC), *args], cwd=cwd, env=env, capture_output=True, text=True, check=False)
-        assert p.returncode == 0, f"dvc {' '.join(args)}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-        return p.stdout
-
+@pytest.fixture(scope="module")
+def lineage(tmp_path_factory, prefect_home) -> tuple[Path, dict, str]:
+    """A fresh clone on tiny parameters after its first `dvc repro`: (the clone, the environment its stage
+    commands run in, what the repro printed). The ~10 stage commands of this module report to the test run's
+    Prefect server (PREFECT_API_URL, set by conftest)."""
+    env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "RAY_USAGE_STATS_ENABLED": "0"}
+    repo = _clone(tmp_path_factory.mktemp("lineage") / "clone", env)
     params = yaml.safe_load((repo / "params.yaml").read_text())
     assert params["base"] == "configs/tiny_cpu.yaml" and params["eval"]["checkpoint"] == "models/dapo_final"
     (repo / "params.yaml").write_text(yaml.safe_dump(_merge(params, TINY)))
     dvc_yaml = (repo / "dvc.yaml").read_text()
     assert "milestones: 10,30" in dvc_yaml
     (repo / "dvc.yaml").write_text(dvc_yaml.replace("milestones: 10,30", "milestones: 1,2"))
+    # never the real-data stage (pipelines/dapo_math/dvc.yaml): it would download
+    return repo, env, _dvc(env, repo, "repro")
 
-    first = dvc("repro")  # never the real-data stage (pipelines/dapo_math/dvc.yaml): it would download
+
+@pytest.mark.timeout(1500)
+def test_fresh_clone_repro_runs_every_stage_and_records_the_lineage(lineage):
+    repo, _, first = lineage
     assert _ran(first) == {"prepare", "base_model", "train", "evaluate_base", "evaluate"}, first
     for rel in OUTPUTS:
         assert (repo / rel).stat().st_size > 0, rel
@@ -100,33 +105,43 @@ def _lineage(tmp_path: Path, env: dict) -> None:
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     assert set(lock["stages"]) == {"prepare", "base_model", "train", "evaluate_base", "evaluate"}
 
-    assert _ran(dvc("repro")) == set()  # nothing changed: a no-op
+
+@pytest.mark.timeout(900)
+def test_repro_again_is_a_noop_and_an_eval_parameter_reruns_only_evaluation(lineage, tmp_path):
+    repo, env, _ = lineage
+    assert _ran(_dvc(env, repo, "repro")) == set()  # nothing changed: a no-op
 
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["eval"]["top_p"] = 0.9  # an evaluation parameter: only the evaluation stages re-run
     (repo / "params.yaml").write_text(yaml.safe_dump(params))
     final_md5 = _md5(repo / "models" / "dapo_final" / "model.safetensors")
-    assert _ran(dvc("repro")) == {"evaluate_base", "evaluate"}
+    assert _ran(_dvc(env, repo, "repro")) == {"evaluate_base", "evaluate"}
     assert _md5(repo / "models" / "dapo_final" / "model.safetensors") == final_md5
 
-    shown = dvc("metrics", "show", "--json")
+    shown = _dvc(env, repo, "metrics", "show", "--json")
     assert "metrics/eval.json" in shown and "metrics/train.json" in shown and "data/stats.json" in shown
-    dvc("plots", "show", "-o", str(tmp_path / "plots"))
+    _dvc(env, repo, "plots", "show", "-o", str(tmp_path / "plots"))
     assert (tmp_path / "plots" / "index.html").stat().st_size > 0
 
+
+@pytest.mark.timeout(900)
+def test_push_then_pull_in_another_fresh_clone_restores_every_output(lineage, tmp_path):
+    repo, env, _ = lineage
     remote = tmp_path / "remote"
-    dvc("remote", "add", "--local", "-d", "ci", str(remote))
-    dvc("push")
+    _dvc(env, repo, "remote", "add", "--local", "-d", "ci", str(remote))
+    _dvc(env, repo, "push")
     other = _clone(tmp_path / "other", env)
     for name in ("params.yaml", "dvc.yaml", "dvc.lock"):  # the state the first clone would commit
         (other / name).write_text((repo / name).read_text())
-    dvc("remote", "add", "--local", "-d", "ci", str(remote), cwd=other)
-    dvc("pull", "dvc.yaml", cwd=other)  # the default lineage (pipelines/ hold lineages nobody ran here)
+    _dvc(env, other, "remote", "add", "--local", "-d", "ci", str(remote))
+    _dvc(env, other, "pull", "dvc.yaml")  # the default lineage (pipelines/ hold lineages nobody ran here)
     for rel in OUTPUTS:
         assert _md5(other / rel) == _md5(repo / rel), rel
-    status = dvc("status", "dvc.yaml", cwd=other)  # the default lineage: everything restored
+    status = _dvc(env, other, "status", "dvc.yaml")  # the default lineage: everything restored
     assert "up to date" in status.lower() or status.strip() == "", status
     # the whole project: only the stages of pipelines/ (real data, the real model), which nobody ran here
-    listed = {line.rstrip(":") for line in dvc("status", cwd=other).splitlines() if line and line[0] != "\t"}
+    listed = {
+        line.rstrip(":") for line in _dvc(env, other, "status").splitlines() if line and line[0] != "\t"
+    }
     assert "pipelines/dapo_math/dvc.yaml:prepare_dapo_math" in listed, listed
     assert all(s.startswith(("pipelines/dapo_math/", "pipelines/smollm2/")) for s in listed), listed
