@@ -78,7 +78,7 @@ class StopRequested(KeyboardInterrupt):
     """SIGTERM or SIGINT arrived: the user or the scheduler asked the run to stop, so it unwinds at the next
     safe point; `signum` is the signal.
 
-    Raised by the `dapo` CLI's signal handler (`flows.preflight.stop_on_signals`) and by a wait on a Ray
+    Raised by the `dapo` CLI's signal handler (`flows.run_guard.stop_on_signals`) and by a wait on a Ray
     worker (`dapo_core.compute.signals`): Ray's blocking wait loses exceptions that signal handlers raise in
     it, so there the handler only records the signal and the wait loop raises this. A `KeyboardInterrupt`, so
     Prefect marks the flow run Crashed and `except Exception` blocks let it through."""

@@ -6,7 +6,7 @@
     dapo train --flow-only   (only the dapo-train flow: resume a run; data and base model must exist)
 
 Every subcommand loads and validates the config first; `train` and `eval` then run the preflight
-(`flows/preflight.py`) before any flow, task or Ray worker starts. A problem the user can fix
+(`flows/run_guard.py`) before any flow, task or Ray worker starts. A problem the user can fix
 (`DapoUserError`, also from a Ray worker or a Prefect task) prints one paragraph (what, where, the fix) and
 exits 2, with no traceback unless `--debug` or `DAPO_DEBUG=1`; SIGTERM / Ctrl-C stop the run, print how to
 resume and exit 143 / 130; any other failure names the log file with the traceback (exit 1). Each flow
@@ -28,7 +28,8 @@ from omegaconf import OmegaConf
 
 from dapo_core.config import ConfigError, to_safe_yaml, typed
 from dapo_core.config.checks import no_op_warnings
-from flows.preflight import (
+from flows.progress import prefect_console_env, quiet_worker_noise, start_local_prefect
+from flows.run_guard import (
     cli_preflight,
     debug_enabled,
     load_config_reported,
@@ -38,7 +39,6 @@ from flows.preflight import (
     run_reported,
     train_checks,
 )
-from flows.progress import prefect_console_env, quiet_worker_noise, start_local_prefect
 
 __all__ = ["build_parser", "main", "make_run_id"]
 

@@ -32,15 +32,15 @@ from dapo_core.preflight import check_writable
 from flows.base_model import base_model_flow
 from flows.dapo_train import dapo_train
 from flows.evaluate import evaluate_flow
-from flows.preflight import (
+from flows.prepare_data import prepare_data_flow
+from flows.progress import prefect_console_env, quiet_worker_noise, start_local_prefect
+from flows.run_guard import (
     debug_enabled,
     load_config_reported,
     quiet_user_error_tracebacks,
     run_reported,
     train_checks,
 )
-from flows.prepare_data import prepare_data_flow
-from flows.progress import prefect_console_env, quiet_worker_noise, start_local_prefect
 
 
 def headline_accuracy(metrics: dict) -> float | None:
@@ -250,7 +250,7 @@ def dvc_train(
 def main(argv: list[str] | None = None) -> int:
     """`python -m flows.pipeline dvc-train --config params.yaml --milestones 50,100` (dvc.yaml's train):
     the checks of `dapo train --flow-only` (config, memory plan, preflight, the run's lease) before the
-    temporary Prefect server starts, and every ending as one paragraph (`flows.preflight.run_reported`)."""
+    temporary Prefect server starts, and every ending as one paragraph (`flows.run_guard.run_reported`)."""
     parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.split("\n\n")[2])
     parser.add_argument("command", choices=["dvc-train"])
     parser.add_argument("--config", default="params.yaml")

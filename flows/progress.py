@@ -304,7 +304,7 @@ def start_local_prefect(
     `DAPO_PROGRESS_INTERVAL_S`, 15) while it waits.
     Returns its API URL (None when `PREFECT_API_URL` names a server). A server that does not answer in time
     is a `PreflightError` naming the timeout variable and the alternatives."""
-    from flows.preflight import prefect_startup_timeout
+    from flows.run_guard import prefect_startup_timeout
 
     if os.environ.get("PREFECT_API_URL", "").strip():
         return None

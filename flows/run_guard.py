@@ -1,4 +1,4 @@
-"""What the `dapo` CLI (and the training flow) do around a run so that bad input gets one paragraph.
+"""The guard around each `dapo` command and training flow: bad input and every ending get one paragraph.
 
 - `cli_preflight`: `dapo_core.preflight` for a subcommand, the Prefect API check and (for `train`) the run's
   lease, before any flow starts (no Prefect task, no Ray worker, no write to the run store).

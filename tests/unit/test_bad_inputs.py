@@ -2,7 +2,7 @@
 (`flows.cli.main`), and asserts what the user gets.
 
 Each case asserts: exit code 2 (or, for the few deliberate behaviours, 0 with a note on stderr); the class of
-the error (`flows.preflight.last_user_error`); that the message names the field or file and the fix (the
+the error (`flows.run_guard.last_user_error`); that the message names the field or file and the fix (the
 `expect` substrings); that no traceback reaches stderr; and that the run store (`trainer.runs_dir`) is
 byte-for-byte unchanged afterwards. The flows are replaced by recorders, so a case that got past the checks
 shows up as a recorded call instead of a training run: everything here is caught before Prefect or Ray start,
@@ -1106,7 +1106,7 @@ def test_the_table_has_at_least_90_bad_inputs():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, ws: Ws, no_flows: list, monkeypatch, capsys):
-    import flows.preflight
+    import flows.run_guard
     from flows.cli import main
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
@@ -1116,7 +1116,7 @@ def test_bad_input(case: Case, ws: Ws, no_flows: list, monkeypatch, capsys):
         monkeypatch.setenv(k, v)
     if case.patch is not None:
         case.patch(monkeypatch, ws)
-    monkeypatch.setattr(flows.preflight, "last_user_error", None)
+    monkeypatch.setattr(flows.run_guard, "last_user_error", None)
     if case.setup is not None:
         case.setup(ws)
     argv = case.argv(ws)
@@ -1130,7 +1130,7 @@ def test_bad_input(case: Case, ws: Ws, no_flows: list, monkeypatch, capsys):
     assert _snapshot(ws.runs) == before, "the run store changed"
     if case.code == 2:
         assert no_flows == [], "a flow started"
-        got = flows.preflight.last_user_error
+        got = flows.run_guard.last_user_error
         assert got is not None and case.error in [c.__name__ for c in type(got).__mro__], type(got)
         message = [ln for ln in err.splitlines() if ln.startswith(f"dapo {argv[0]}:")]
         assert message, err

@@ -281,7 +281,7 @@ def test_preflight_and_dapo_eval_follow_a_lost_latest_pointer(tmp_path):
     # Before: both resolved a run folder through the pointer alone and reported "no checkpoint" here.
     from dapo_core.config import DapoConfig
     from dapo_core.preflight import model_folder_of
-    from flows.preflight import resolve_eval_checkpoint
+    from flows.run_guard import resolve_eval_checkpoint
 
     ck = CheckpointDir(tmp_path / "r1")
     for s in (1, 2):

@@ -325,7 +325,7 @@ def test_check_raises_lease_lost_and_the_cli_ends_with_its_paragraph(tmp_path, c
     becomes that `LeaseLost` under the CLI's signal handler, and the CLI prints its paragraph (exit 2)."""
     import _thread
 
-    from flows.preflight import report_stop, stop_on_signals
+    from flows.run_guard import report_stop, stop_on_signals
 
     run = tmp_path / "r1"
     lease = L.acquire(run, timeout_s=0.8, on_lost=_thread.interrupt_main)  # beats every 0.2 s
