@@ -4,6 +4,8 @@
     dapo prepare | base | eval [--checkpoint DIR] [--output JSON] | deploy --name NAME | config
     dapo import-model [--gguf FILE] [--out DIR]   (GGUF -> HF folder; default SmolLM2-135M-Instruct)
     dapo train --flow-only   (only the dapo-train flow: resume a run; data and base model must exist)
+    dapo submit [--address URL] [--resume RUN_ID] [--installed] [--env K=V] [train's options and overrides]
+                             (the same training as a Ray job on a cluster: flows/submit.py)
 
 Every subcommand loads and validates the config first; `train` and `eval` then run the preflight
 (`flows/run_guard.py`) before any flow, task or Ray worker starts. A problem the user can fix
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare": "build or fetch the datasets (flows.prepare_data)",
         "base": "build the embedded tiny base model and its SFT warm-up (flows.base_model)",
         "train": "prepare -> base model -> DAPO training -> evaluation (flows.dapo_train)",
+        "submit": "send `dapo train` to a Ray cluster's job server; the driver runs there (flows.submit)",
         "eval": "evaluate a checkpoint: avg@k, pass@k, maj@k (flows.evaluate)",
         "deploy": "register the training pipeline as a Prefect deployment (flows.deploy)",
         "config": "print the resolved, validated config as YAML",
@@ -82,11 +85,31 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "eval":
             p.add_argument("--checkpoint", default=None, help="checkpoint to evaluate (sets eval.checkpoint)")
             p.add_argument("--output", default=None, help="metrics JSON to write (sets eval.output)")
-        if name == "train":
+        if name in ("train", "submit"):
             p.add_argument(
                 "--flow-only",
                 action="store_true",
                 help="run only the dapo-train flow (data and base model must exist), e.g. to resume",
+            )
+        if name == "submit":
+            p.add_argument(
+                "--address",
+                default=None,
+                help="the job server: the head's dashboard URL, http://<head>:8265 (default "
+                "RAY_API_SERVER_ADDRESS, then RAY_ADDRESS)",
+            )
+            p.add_argument("--resume", default=None, metavar="RUN_ID", help="resume this run (same id)")
+            p.add_argument(
+                "--installed",
+                action="store_true",
+                help="upload nothing: the package and the config are installed at the same paths on every "
+                "node (default: upload this checkout as the job's working_dir)",
+            )
+            p.add_argument(
+                "--env", action="append", default=[], metavar="K=V", help="a variable for driver and workers"
+            )
+            p.add_argument(
+                "--python", default="python", help="the cluster's Python (default: python on PATH)"
             )
         if name == "deploy":
             p.add_argument("--name", default=None, help="deployment name (default: the config file's stem)")
@@ -132,6 +155,11 @@ def _resume_command(args: argparse.Namespace, run_id: str) -> str:
     """The command that resumes run `run_id` after a stop (the same config and overrides)."""
     extra = " ".join(a for a in args.overrides if not a.startswith("trainer.experiment_name="))
     flow_only = " --flow-only" if getattr(args, "flow_only", False) else ""
+    if args.command == "submit":
+        opts = flow_only + (" --installed" if args.installed else "")
+        opts += "".join(f" --env {e}" for e in args.env)
+        opts += f" --address {args.address}" if args.address else ""
+        return f"dapo submit --resume {run_id}{opts} --config {args.config} {extra}".rstrip()
     return f"dapo train{flow_only} --config {args.config} {extra} trainer.experiment_name={run_id}"
 
 
@@ -142,9 +170,13 @@ def _main(args: argparse.Namespace, state: dict) -> int:
         overrides.append(f"eval.checkpoint={args.checkpoint}")
     if args.command == "eval" and args.output is not None:
         overrides.append(f"eval.output={args.output}")
+    if args.command == "submit" and args.resume:
+        overrides.append(f"trainer.experiment_name={args.resume}")
     try:
         cfg = load_config_reported(args.config, overrides, args.command)
         run_id = ""
+        if args.command == "submit":
+            return _submit(args, overrides, cfg)
         if args.command == "train":
             run_id = cfg.trainer.experiment_name or make_run_id()
             if not cfg.trainer.experiment_name:
@@ -224,6 +256,35 @@ def _main(args: argparse.Namespace, state: dict) -> int:
 
         name = args.name or Path(args.config).stem.replace("_", "-").replace(".", "-")
         deploy(cfg_yaml, name, args.config, list(args.overrides))  # PREFECT_API_URL: no temporary server
+    return 0
+
+
+def _submit(args: argparse.Namespace, overrides: list[str], cfg: Any) -> int:
+    """`dapo submit`: the validated config's run as a Ray job (`flows.submit`)."""
+    from flows.submit import submit
+
+    named = cfg.trainer.experiment_name
+    if args.resume and named != args.resume:
+        raise ConfigError(
+            f"--resume {args.resume} and trainer.experiment_name={named} name different runs",
+            where="dapo submit",
+            fix="give one of them",
+        )
+    run_id = named or make_run_id()
+    submit(
+        address=args.address,
+        config=args.config,
+        overrides=overrides,
+        cfg=cfg,
+        run_id=run_id,
+        resuming=bool(args.resume),
+        flow_only=bool(args.flow_only),
+        installed=bool(args.installed),
+        working_dir=Path(__file__).resolve().parents[1],
+        env_pairs=args.env,
+        python=args.python,
+        resume_command=_resume_command(args, run_id),
+    )
     return 0
 
 

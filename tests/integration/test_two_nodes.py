@@ -4,142 +4,34 @@ advertising one custom resource; a tiny training joins them through `RAY_ADDRESS
 gloo, `trainer.nnodes=2`, one rank per node) spanning both nodes. The run is SIGKILLed after its first
 checkpoint and resumed with the same run id on the same cluster.
 
-The nodes are `ray start --block` processes in their own sessions, with their own temp dirs and free ports,
-and are stopped by killing exactly their sessions (every Ray process they started inherits the session, Ray's
-worker processes included): `ray stop` would kill every Ray of this user on the machine, other tests' too.
+The nodes are `tests.integration.ray_nodes.RayNode`s: `ray start --block` processes in their own sessions,
+temp dirs and free ports, stopped by killing exactly their sessions.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import secrets
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from dapo_core.compute.host import QUIET_WORKER_ENV
-from tests.helpers import wait_for
 from tests.integration.conftest import kill_and_resume, tiny_overrides, train_cmd
+from tests.integration.ray_nodes import RayNode, free_port, kill_sessions, node_env, ray_nodes
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-RAY = str(Path(sys.executable).with_name("ray"))
 WORKER_LINE = re.compile(r"^(?:\x1b\[[0-9;]*m)?\(\S+ pid=\d+", re.M)
 """A line Ray forwarded from a worker process: `(_RayHost pid=123, ip=…)`, after colour codes if any."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _session_pids(sid: int) -> list[int]:
-    """Processes whose session id is `sid` (field 6 of /proc/<pid>/stat)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-        if int(fields[3]) == sid:
-            out.append(int(entry.name))
-    return out
-
-
-def _kill_sessions(sids: list[int], grace_s: float = 5.0) -> None:
-    """SIGTERM every process of the sessions `sids`, then SIGKILL what is left after `grace_s`."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        for sid in sids:
-            for pid in _session_pids(sid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-        deadline = time.time() + wait_s
-        while time.time() < deadline and any(_session_pids(sid) for sid in sids):
-            time.sleep(0.2)
-
-
-class RayNode:
-    """One `ray start --block` node in its own session, temp dir and ports."""
-
-    def __init__(self, tmp: Path, name: str, env: dict, args: list[str]):
-        self.log = tmp / f"{name}.log"
-        node_args = [
-            f"--temp-dir={tmp / name}",
-            "--object-store-memory=200000000",
-            "--min-worker-port=0",
-            "--max-worker-port=0",
-            f"--node-manager-port={_free_port()}",
-            f"--object-manager-port={_free_port()}",
-            f"--dashboard-agent-listen-port={_free_port()}",
-            f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--runtime-env-agent-port={_free_port()}",
-            f"--metrics-export-port={_free_port()}",
-        ]
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [RAY, "start", "--block", *args, *node_args],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def wait_started(self, timeout_s: float = 180.0) -> None:
-        def started() -> bool:
-            if "Ray runtime started" in self.log.read_text(errors="replace"):
-                return True
-            if self.proc.poll() is not None:
-                raise AssertionError(f"ray node exited:\n{self.log.read_text(errors='replace')[-3000:]}")
-            return False
-
-        try:
-            wait_for(started, f"ray node {self.log.stem} to log 'Ray runtime started'", timeout_s, 0.5)
-        except AssertionError as e:
-            raise AssertionError(f"{e}\n{self.log.read_text(errors='replace')[-3000:]}") from None
-
-    @staticmethod
-    def stop_all(nodes: list[RayNode]) -> None:
-        _kill_sessions([node.proc.pid for node in nodes])
-        for node in nodes:
-            node.proc.wait(timeout=10)
 
 
 @pytest.fixture
 def two_nodes():
     """(RAY_ADDRESS, env) of a two-node cluster: the head offers `gen_node`, the second node `train_node`."""
-    tmp = Path(
-        tempfile.mkdtemp(prefix="dapo2n-", dir="/tmp")
-    )  # short: Ray's socket paths have a length limit
-    port = _free_port()
-    env = {
-        **os.environ,
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_AUTH_MODE": "token",  # Ray 2.60 default for clusters; one token shared by nodes and driver
-        "RAY_AUTH_TOKEN": secrets.token_hex(32),
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("RAY_ADDRESS", None)
-    # a local Ray started earlier in this process set this to 0 (loopback only), which refuses a second node
-    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-    for key in QUIET_WORKER_ENV:  # nodes as on a fresh machine: the driver cannot quiet them by its env
-        env.pop(key, None)
-    nodes: list[RayNode] = []
-    try:
+    env = node_env()
+    with ray_nodes("dapo2n-") as (tmp, nodes):
+        port = free_port()
         head = RayNode(
             tmp,
             "head",
@@ -147,7 +39,7 @@ def two_nodes():
             [
                 "--head",
                 f"--port={port}",
-                f"--ray-client-server-port={_free_port()}",
+                f"--ray-client-server-port={free_port()}",
                 "--include-dashboard=false",
                 "--disable-usage-stats",
                 "--num-cpus=3",
@@ -163,9 +55,6 @@ def two_nodes():
         nodes.append(second)
         second.wait_started()
         yield address, env
-    finally:
-        RayNode.stop_all(nodes)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _placement(run: Path) -> dict[tuple[str, int], str]:
@@ -199,7 +88,7 @@ def test_rollout_on_its_node_and_an_actor_group_across_both_and_the_run_resumes(
 
     def kill_driver_and_all(victim: subprocess.Popen) -> None:
         placed.update(_placement(run))  # where the first attempt's workers were
-        _kill_sessions([victim.pid], grace_s=0.0)
+        kill_sessions([victim.pid], grace_s=0.0)
         victim.wait()
 
     def killed_after_checkpoint_1(run: Path) -> None:
