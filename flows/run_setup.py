@@ -20,6 +20,7 @@ from dapo_core.algo.kl import get_kl_controller
 from dapo_core.compute.cluster import Cluster
 from dapo_core.compute.host import worker_threads
 from dapo_core.compute.models import load_tokenizer
+from dapo_core.compute.storage_probe import probe_storage
 from dapo_core.config import (
     DapoConfig,
     gen_batch_size,
@@ -155,6 +156,8 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             num_threads=worker_threads(cfg.trainer.num_threads, 2 if runs_ahead(cfg) else 1, device),
             deterministic=cfg.trainer.deterministic,
         )
+        if cfg.trainer.use_ray:  # every node sees the run folder, the model and the data before any loads
+            probe_storage(root, [model_path, tokenizer_path, *cfg.data.train_files, *cfg.data.val_files])
         if device == "cuda" and cfg.trainer.use_ray:
             import ray
 
