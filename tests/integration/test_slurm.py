@@ -114,23 +114,8 @@ def check_run(out: str, runs: Path, tmp: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_sbatch_script_with_slurm_variables_set_by_hand(tiny_assets, tmp_path, ray_tmp):
-    shims = tmp_path / "shims"
-    shims.mkdir()
-    for name, body in SHIMS.items():
-        (shims / name).write_text(f"#!/usr/bin/env bash\n{body}")
-        (shims / name).chmod(stat.S_IRWXU)
-    env = script_env(ray_tmp, SLURM_JOB_NODELIST="node1", DAPO_HEAD_IP="127.0.0.1")
-    env["PATH"] = f"{shims}:{env['PATH']}"
     runs = tmp_path / "runs"
-    done = subprocess.run(
-        ["bash", str(SCRIPT), *train_args(tiny_assets, runs)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        start_new_session=True,
-    )
+    done = by_hand(ray_tmp, tmp_path, train_args(tiny_assets, runs))
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     check_run(out, runs, ray_tmp)
@@ -178,3 +163,42 @@ def test_sbatch_script_under_real_slurm(tiny_assets, tmp_path, ray_tmp):
     out = log.read_text(errors="replace") if log.exists() else ""
     assert state == "COMPLETED", f"{state}\n{out[-4000:]}"
     check_run(out, runs, ray_tmp)
+
+
+def by_hand(ray_tmp: Path, shims: Path, args: list[str], **extra: str) -> subprocess.CompletedProcess:
+    """The script run with the Slurm variables set by hand and the shims first on PATH."""
+    for name, body in SHIMS.items():
+        (shims / name).write_text(f"#!/usr/bin/env bash\n{body}")
+        (shims / name).chmod(stat.S_IRWXU)
+    env = script_env(ray_tmp, SLURM_JOB_NODELIST="node1", DAPO_HEAD_IP="127.0.0.1", **extra)
+    env["PATH"] = f"{shims}:{env['PATH']}"
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_a_ray_node_that_cannot_start_ends_the_wait_at_once(tmp_path, ray_tmp):
+    """A `ray start` that fails (here: an argument it does not know) stops the job before `dapo train`, with
+    the step named, well before the join deadline."""
+    done = by_hand(
+        ray_tmp, tmp_path, ["--flow-only"], DAPO_RAY_ARGS="--no-such-flag", DAPO_JOIN_TIMEOUT_S="90"
+    )
+    err = done.stdout + done.stderr
+    assert done.returncode == 1, err[-3000:]
+    assert "ended before the cluster was complete" in err, err[-3000:]
+    assert "dapo.sbatch: Ray stopped" in err and "joined" not in err
+    assert left_behind(ray_tmp) == []
+
+
+def test_a_missing_environment_is_one_paragraph(tmp_path, ray_tmp):
+    done = by_hand(ray_tmp, tmp_path, [], DAPO_VENV=str(tmp_path / "no-venv"))
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"dapo.sbatch: {tmp_path / 'no-venv'}/bin/ray is missing: set DAPO_VENV")
+    assert done.stderr.count("\n") == 1 and done.stdout == ""
