@@ -263,14 +263,14 @@ def _submit(args: argparse.Namespace, overrides: list[str], cfg: Any) -> int:
     """`dapo submit`: the validated config's run as a Ray job (`flows.submit`)."""
     from flows.submit import submit
 
-    named = cfg.trainer.experiment_name
-    if args.resume and named != args.resume:
+    named = [a.partition("=")[2] for a in args.overrides if a.startswith("trainer.experiment_name=")]
+    if args.resume and any(n != args.resume for n in named):
         raise ConfigError(
-            f"--resume {args.resume} and trainer.experiment_name={named} name different runs",
+            f"--resume {args.resume} and trainer.experiment_name={named[-1]} name different runs",
             where="dapo submit",
             fix="give one of them",
         )
-    run_id = named or make_run_id()
+    run_id = cfg.trainer.experiment_name or make_run_id()
     submit(
         address=args.address,
         config=args.config,

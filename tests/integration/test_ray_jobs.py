@@ -3,7 +3,7 @@ second raylet (`tests.integration.ray_nodes`). A tiny run is submitted with the 
 working_dir, its rollout worker placed on the second raylet; it is stopped (`ray job stop`'s call) once step 2
 has started, a second submission of the same run is refused while the first is active, and `dapo submit
 --resume <run_id>` finishes it under the same run id from the last checkpoint. Bad input (no job server, an
-unknown key) is refused with one paragraph before anything is submitted.
+unknown key, two run ids) is refused with one paragraph before anything is submitted.
 """
 
 from __future__ import annotations
@@ -156,6 +156,10 @@ def test_submit_refuses_bad_input_before_submitting(tmp_path):
         (["--address", f"http://127.0.0.1:{free_port()}"], "no Ray job server answers at http://127.0.0.1:"),
         ([], "needs the address of a Ray cluster's job server"),
         (["--address", "http://127.0.0.1:9", "trainer.bogus=1"], "trainer.bogus: unknown key"),
+        (
+            ["--address", "http://127.0.0.1:9", "--resume", "a", "trainer.experiment_name=b"],
+            "--resume a and trainer.experiment_name=b name different runs",
+        ),
     ]
     for args, expected in cases:
         done = subprocess.run([*DAPO, "submit", *args], env=env, cwd=ROOT, capture_output=True, text=True)

@@ -11,15 +11,16 @@ import pytest
 
 from dapo_core.config import load_config
 from dapo_core.errors import DapoUserError
-from flows.submit import build_submission, job_server_address, path_overrides
+from flows.submit import FORWARDED_ENV, build_submission, job_server_address, path_overrides
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIG = "configs/tiny_cpu.yaml"
 
 
 def test_the_job_carries_the_checkout_the_run_id_and_absolute_paths(monkeypatch, tmp_path):
+    for key in FORWARDED_ENV:
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth7")
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     overrides = ["trainer.total_training_steps=2", "trainer.experiment_name=old", "eval.n=2"]
     cfg = load_config(ROOT / CONFIG, overrides)
     sub = build_submission(
