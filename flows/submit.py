@@ -207,8 +207,7 @@ def build_submission(
 ) -> Submission:
     """The job for run `run_id`: `cfg` is the validated config of `config` + `overrides`; `working_dir` the
     checkout uploaded unless `installed`; `cwd` the directory relative paths resolve against (default the
-    current one); `attempt` how many jobs of this run the cluster already knows (0: the id is
-    `dapo-<run_id>`, else `dapo-<run_id>-<attempt>`)."""
+    current one); `attempt` numbers the job id (0: `dapo-<run_id>`, else `dapo-<run_id>-<attempt>`)."""
     cwd = (cwd or Path.cwd()).resolve()
     cfg_path = (cwd / config).resolve()
     if installed or not cfg_path.is_relative_to(working_dir.resolve()):
@@ -240,6 +239,14 @@ def build_submission(
 
 def _jobs_of_run(client: Any, run_id: str) -> list[Any]:
     return [j for j in client.list_jobs() if (j.metadata or {}).get("dapo_run_id") == run_id]
+
+
+def _next_attempt(run_id: str, taken: set[str]) -> int:
+    """The first attempt number whose job id (`build_submission`'s) the cluster does not have yet."""
+    attempt = 0
+    while (f"dapo-{run_id}" if attempt == 0 else f"dapo-{run_id}-{attempt}") in taken:
+        attempt += 1
+    return attempt
 
 
 def submit(
@@ -286,7 +293,7 @@ def submit(
         working_dir=working_dir,
         env_pairs=[f"{k}={v}" for k, v in env.items()],
         python=python,
-        attempt=len(previous),
+        attempt=_next_attempt(run_id, {j.submission_id for j in previous}),
     )
     try:
         with _without_address_env():
@@ -296,7 +303,7 @@ def submit(
                 runtime_env=sub.runtime_env,
                 metadata=sub.metadata,
             )
-    except ValueError as exc:  # the working dir is over Ray's upload limit, or the runtime env is refused
+    except (ValueError, RuntimeError) as exc:  # over Ray's upload limit, a refused runtime env, an id taken
         raise DapoUserError(
             f"the Ray job server refused the job: {' '.join(str(exc).split())[:400]}",
             where=f"working_dir {sub.runtime_env.get('working_dir', '(none)')}",

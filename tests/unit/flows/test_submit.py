@@ -11,7 +11,7 @@ import pytest
 
 from dapo_core.config import load_config
 from dapo_core.errors import DapoUserError
-from flows.submit import FORWARDED_ENV, build_submission, job_server_address, path_overrides
+from flows.submit import FORWARDED_ENV, _next_attempt, build_submission, job_server_address, path_overrides
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIG = "configs/tiny_cpu.yaml"
@@ -93,3 +93,10 @@ def test_an_env_pair_without_a_name_and_a_missing_address_are_refused(monkeypatc
     monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://head:8265")
     assert job_server_address(None) == "http://head:8265"
     assert job_server_address("http://other:8265") == "http://other:8265"
+
+
+def test_a_resubmission_takes_the_first_free_job_id():
+    assert _next_attempt("r", set()) == 0
+    assert _next_attempt("r", {"dapo-r"}) == 1
+    assert _next_attempt("r", {"dapo-r", "dapo-r-2"}) == 1  # a deleted job leaves a gap
+    assert _next_attempt("r", {"dapo-r", "dapo-r-1", "dapo-r-2"}) == 3
