@@ -139,6 +139,7 @@ class Cluster:
 
             address = address or os.environ.get("RAY_ADDRESS")
             if not ray.is_initialized():
+                sigterm = _main_thread_sigterm_handler()  # `ray.init` replaces it, joining or starting
                 if address:
                     ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
                 else:
@@ -147,7 +148,6 @@ class Cluster:
                     # another.
                     ncpu = num_cpus or max(8, os.cpu_count() or 2)
                     kwargs = local_ray_options()
-                    sigterm = _main_thread_sigterm_handler()
                     ray.init(
                         num_cpus=ncpu,
                         include_dashboard=False,
@@ -156,8 +156,8 @@ class Cluster:
                         configure_logging=False,
                         **kwargs,
                     )
-                    _restore_sigterm_handler(sigterm)
                     self._started_ray = True
+                _restore_sigterm_handler(sigterm)
 
     def create(
         self,

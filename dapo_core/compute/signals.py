@@ -16,7 +16,7 @@ from typing import Any
 from dapo_core.errors import StopRequested
 
 _STOP_SIGNALS: list[int] = []
-"""Signals recorded by the handler `Cluster` installs around a local Ray (first one wins)."""
+"""Signals recorded by the handler `Cluster` installs after `ray.init`, local or joined (first one wins)."""
 
 _IN_RAY_WAIT: list[int] = []
 """Non-empty while the main thread blocks in `_ray_get` (a handler must not raise inside Ray's C++ wait:

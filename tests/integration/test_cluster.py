@@ -172,3 +172,58 @@ def test_replicas_left_by_a_crashed_driver_make_room_and_a_cluster_too_small_is_
             R.create_replicas(cluster, lambda threads, devices: Counter, three, max_new_tokens=4)
     finally:
         cluster.shutdown()
+
+
+JOINED_DRIVER = """
+import os, signal, sys, threading, time
+from dapo_core.compute.cluster import Cluster
+from dapo_core.errors import StopRequested
+
+class Sleeper:
+    def nap(self, s):
+        time.sleep(s)
+        return s
+
+cluster = Cluster("joined", address=sys.argv[1])
+try:
+    handle = cluster.create("sleeper", Sleeper)
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    t0 = time.monotonic()
+    try:
+        handle.wait(handle.submit("nap", 60))
+    except StopRequested:
+        print(f"stopped after {time.monotonic() - t0:.1f} s")
+finally:
+    cluster.shutdown()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_driver_that_joined_a_cluster_stops_at_sigterm_with_stop_requested(tmp_path):
+    """`ray.init(address=...)` installs a SIGTERM handler that calls `sys.exit` wherever the driver is; the
+    Cluster replaces it when joining as when starting Ray, so a stop signal ends the wait on a worker with
+    `StopRequested` (the run then stops cleanly) instead of exiting mid-stage."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.integration.ray_nodes import RayNode, free_port, node_env, ray_nodes
+
+    env = node_env()
+    with ray_nodes("dapojoin-") as (tmp, nodes):
+        port = free_port()
+        args = ["--head", f"--port={port}", f"--ray-client-server-port={free_port()}", "--num-cpus=1"]
+        head = RayNode(tmp, "head", env, [*args, "--include-dashboard=false", "--disable-usage-stats"])
+        nodes.append(head)
+        head.wait_started()
+        script = tmp_path / "driver.py"
+        script.write_text(JOINED_DRIVER)
+        done = subprocess.run(
+            [sys.executable, str(script), f"127.0.0.1:{port}"],
+            env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    assert done.returncode == 0 and "stopped after" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    assert float(done.stdout.split("stopped after ")[1].split()[0]) < 30  # at a poll, not after the nap
