@@ -1,6 +1,7 @@
 """The run's workers: where they go (the colocated GPU pool of an fsdp2 run, else devices per role, refused up
 front when the cluster is too small) and how each role is built from the typed config: the rollout replicas,
-the actor, reward, reference and critic workers (`flows.run_setup.open_run` starts them in that order).
+the actor, reward, reference and critic workers (`flows.run_setup.open_run` starts them in that order; with
+LoRA the actor serves the reference and no reference worker starts).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from dapo_core.compute.cluster import Cluster
 from dapo_core.compute.groups import create_role
+from dapo_core.compute.lora import LoraSpec
 from dapo_core.compute.placement import PlacementError
 from dapo_core.compute.pools import DevicePool, pool_layout, same_nodes
 from dapo_core.compute.replicas import RolloutReplicas, create_replicas, replica_layout
@@ -23,7 +25,7 @@ from dapo_core.config import (
     DapoConfig,
     RolloutConfig,
     ValKwargsConfig,
-    need_reference_policy,
+    need_ref_worker,
     runs_ahead,
     sync_parts,
     use_critic,
@@ -76,7 +78,7 @@ def gpu_demand(cfg: DapoConfig) -> dict[str, int]:
     if colocated(cfg, "cuda"):
         return {"pool": tr.nnodes * tr.n_gpus_per_node}
     need = {"rollout": max(tr.nnodes * tr.n_gpus_per_node // tp, 1) * tp, "actor": 1}
-    if need_reference_policy(cfg):
+    if need_ref_worker(cfg):
         need["ref"] = 1
     if use_critic(cfg):
         need["critic"] = 1
@@ -132,7 +134,7 @@ def device_pool(cfg: DapoConfig, cluster: Cluster) -> DevicePool:
     """Reserve the colocated pool (`colocated`) the roles share: one GPU bundle per GPU, shared by a rank of
     each training role and the rollout shard."""
     tr = cfg.trainer
-    roles = 1 + int(need_reference_policy(cfg)) + int(use_critic(cfg))
+    roles = 1 + int(need_ref_worker(cfg)) + int(use_critic(cfg))
     tp = max(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, 1)
     layout = pool_layout(tr.nnodes, tr.n_gpus_per_node, roles, tp)
     res = tr.ray_resources
@@ -149,7 +151,7 @@ def local_ray_cpus(cfg: DapoConfig, device: str = "cpu") -> int:
     replicas = max(world // max(ro.tensor_model_parallel_size, 1), 1)
     layout = dp_layout(cfg)
     ranks = layout["nnodes"] * layout["per_node"]
-    roles = 1 + int(need_reference_policy(cfg)) + int(use_critic(cfg))
+    roles = 1 + int(need_ref_worker(cfg)) + int(use_critic(cfg))
     need = (roles + 1) * world + 1 if colocated(cfg, device) else replicas + 1 + roles * ranks
     return max(need, 8, os.cpu_count() or 2)
 
@@ -230,6 +232,7 @@ def actor_worker(cfg: DapoConfig, cluster: Cluster, model_path: str, pad: int, d
         gradient_checkpointing=arr.model.enable_gradient_checkpointing,
         use_remove_padding=arr.model.use_remove_padding,
         use_shared_prompt=arr.model.use_shared_prompt,
+        lora=LoraSpec.from_model_config(arr.model),
     )
     where = cfg.trainer.ray_resources.actor
     group = create_role(

@@ -24,6 +24,7 @@ from dapo_core.compute.storage_probe import probe_storage
 from dapo_core.config import (
     DapoConfig,
     gen_batch_size,
+    need_ref_worker,
     need_reference_policy,
     resolve_device,
     runs_ahead,
@@ -173,9 +174,14 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             vocab_size=len(tokenizer),
             # created in this order: rollout, actor, reward, [ref], [critic]
             rollout=rollout_replicas(cfg, cluster, model_path, device),
-            actor=actor_worker(cfg, cluster, model_path, pad, device),
+            actor=(actor := actor_worker(cfg, cluster, model_path, pad, device)),
             reward=reward_worker(cfg, cluster, tokenizer_path),
-            ref=ref_worker(cfg, cluster, model_path, pad, device) if need_reference_policy(cfg) else None,
+            # with LoRA the actor is the reference (its adapters off): no second model
+            ref=(
+                ref_worker(cfg, cluster, model_path, pad, device)
+                if need_ref_worker(cfg)
+                else (actor if need_reference_policy(cfg) else None)
+            ),
             critic=critic_worker(cfg, cluster, model_path, pad, device) if use_critic(cfg) else None,
             sampler=sampler,
             val_prompts=val_table,

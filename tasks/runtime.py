@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -18,10 +18,11 @@ import pyarrow as pa
 from dapo_core.algo.kl import AdaptiveKLController, FixedKLController
 from dapo_core.compute.cluster import Cluster
 from dapo_core.compute.replicas import PendingStage, RolloutReplicas
-from dapo_core.compute.workers import ActorWorker, CriticWorker, RefWorker, RewardWorker
+from dapo_core.compute.workers import ActorWorker, CriticWorker, RewardWorker
 from dapo_core.config import DapoConfig
 from dapo_core.data.datasets import PromptSampler
 from dapo_core.store import RunStore
+from dapo_core.store.jobs import StageJob
 from dapo_core.store.replay import ReplayBuffer
 
 _RUNTIMES: dict[str, Runtime] = {}
@@ -58,6 +59,15 @@ class ChunkSampler:
         self.sampler.load_state_dict(state)
 
 
+class ReferencePolicy(Protocol):
+    """What serves the ref stage: a `RefWorker` (a model of its own), or with LoRA the `ActorWorker` (its
+    adapters off)."""
+
+    def ref_log_prob_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
+        """Commit the `ref_log_probs` of the view at `job.input_uri`; returns (URI, metrics)."""
+        ...
+
+
 @dataclass
 class Launch:
     """A generation submitted to the rollout worker and not collected yet (replay-buffer order)."""
@@ -90,8 +100,9 @@ class Runtime:
     """The trained policy: old log-probs and the DAPO update."""
     reward: RewardWorker
     """Scores responses (math_dapo + overlong shaping)."""
-    ref: RefWorker | None = None
-    """The frozen reference policy: only when a KL term needs it (`need_reference_policy`)."""
+    ref: ReferencePolicy | None = None
+    """The frozen reference policy: only when a KL term needs it (`need_reference_policy`); with LoRA the
+    actor itself, its adapters off (`need_ref_worker`)."""
     critic: CriticWorker | None = None
     """The value model: only for GAE-style estimators (`use_critic`)."""
     sampler: ChunkSampler

@@ -130,13 +130,19 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
 
 
 def save_model(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast | None, out_dir: str | Path
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast | None,
+    out_dir: str | Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save `model` as HF safetensors (and `tokenizer`, also in `tokenizer/`) into `out_dir`; return the
-    path."""
+    path. `state_dict` replaces the model's own weights in the file (same names: e.g. merged LoRA weights)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
+    if state_dict is None:
+        model.save_pretrained(str(out), safe_serialization=True)
+    else:
+        model.save_pretrained(str(out), safe_serialization=True, state_dict=state_dict)
     if tokenizer is not None:
         _save_tokenizer(tokenizer, out)
     return out

@@ -23,7 +23,7 @@ import dataclasses
 import heapq
 import time
 import uuid
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,12 +245,23 @@ class RolloutReplicas:
         `same_device` links pair actor rank i with replica i where they share a device (`actor_where[i]`,
         the ranks' node and GPUs, against the replica's placement), else one `broadcast` link from rank 0.
         `transport` forces one kind (`auto` chooses). In-process, the replica loads the actor's tensors as
-        they are produced. The push's figures are kept in `last_push` (`weight_sync/*`)."""
+        they are produced (the figures: the bytes one replica loaded, and the seconds). The push's figures
+        are kept in `last_push` (`weight_sync/*`)."""
         self.versions = [None] * len(self.workers)
         if not (handle_of(actor).is_ray and all(handle_of(w).is_ray for w in self.workers)):
+            pushed = [0]
+
+            def counted(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+                for name, t in items:
+                    pushed[0] += t.numel() * t.element_size()
+                    yield name, t
+
+            t0 = time.perf_counter()
             for w in self.workers:
-                w.sync_weights(actor.sync_tensors())
-            self.last_push = {}
+                pushed[0] = 0  # the figure is one replica's load, as a push from rank 0 reports its own
+                w.sync_weights(counted(actor.sync_tensors()))
+            seconds = time.perf_counter() - t0
+            self.last_push = {"weight_sync/bytes": float(pushed[0]), "weight_sync/seconds": seconds}
             return self.set_weight_version(version)
         ends = [f.result() for f in [submit(w.weight_endpoint) for w in self.workers]]
         ranks = group_size(actor)

@@ -154,6 +154,43 @@ def _async_problems(c: dict) -> list[str]:
     return errs
 
 
+def _lora_problems(model: dict, strategy: str) -> list[str]:
+    """LoRA keys of `actor_rollout_ref.model`: a rank >= 0, a positive alpha, `target_modules` all-linear or
+    a list of names, and a training engine that builds adapters (torch). Whether the names match modules of
+    the model is checked when the model is loaded (`dapo_core.compute.lora`)."""
+    key = "actor_rollout_ref.model"
+    rank, alpha, targets = model["lora_rank"], model["lora_alpha"], model["target_modules"]
+    errs = []
+    if not isinstance(rank, int) or rank < 0:
+        errs.append(
+            f"{key}.lora_rank: {rank!r} must be an integer >= 0 — 0 trains every weight, 8 to 64 is usual."
+        )
+        return errs
+    if rank == 0:
+        return errs
+    if not isinstance(alpha, (int, float)) or alpha <= 0:
+        errs.append(f"{key}.lora_alpha: {alpha!r} must be > 0 — verl's default is 16; 2·lora_rank is common.")
+    names_ok = isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)
+    if targets != "all-linear" and not names_ok:
+        errs.append(
+            f"{key}.target_modules: {targets!r} is neither 'all-linear' nor a list of module names — use "
+            "all-linear, or e.g. [q_proj, k_proj, v_proj, o_proj]."
+        )
+    excl = model["exclude_modules"]
+    if excl is not None and not isinstance(excl, (str, list)):
+        errs.append(
+            f"{key}.exclude_modules: {excl!r} must be null, a regex string or a list of module names."
+        )
+    if strategy != "torch":
+        errs.append(
+            f"{key}.lora_rank: {rank} asks for LoRA adapters, which only the torch training engine builds so "
+            f"far, and actor_rollout_ref.actor.strategy={strategy!r} — set "
+            "actor_rollout_ref.actor.strategy=torch (one process, CPU or one GPU) for LoRA, or lora_rank=0 "
+            "to train every weight with this strategy."
+        )
+    return errs
+
+
 def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
     """All cross-field problems of a resolved config dict: (errors, warnings), each 'key: problem — fix'."""
     errs: list[str] = []
@@ -204,6 +241,7 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
             "reads its precision from its own config and trains in float32 — set "
             "actor_rollout_ref.actor.deepspeed.bf16=true for bf16."
         )
+    errs.extend(_lora_problems(arr["model"], strategy))
     if actor["deepspeed"]["zero_stage"] not in (0, 1, 2, 3):
         errs.append("actor_rollout_ref.actor.deepspeed.zero_stage: must be 0, 1, 2 or 3.")
     if actor["deepspeed"]["offload_param"] and actor["deepspeed"]["zero_stage"] != 3:

@@ -53,6 +53,7 @@ __all__ = [
     "gen_batch_size",
     "load_config",
     "load_config_text",
+    "need_ref_worker",
     "need_reference_policy",
     "off_policy_threshold",
     "resolve_device",
@@ -459,6 +460,12 @@ def gen_batch_size(cfg: DictConfig | DapoConfig) -> int:
 def need_reference_policy(cfg: DictConfig | DapoConfig) -> bool:
     """True when a KL term needs the frozen reference model (KL in reward or KL loss)."""
     return bool(cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss)
+
+
+def need_ref_worker(cfg: DictConfig | DapoConfig) -> bool:
+    """True when the reference needs a worker (and a model) of its own: KL is used and LoRA is off. With
+    LoRA (`actor_rollout_ref.model.lora_rank > 0`) the actor computes it with its adapters off."""
+    return need_reference_policy(cfg) and int(cfg.actor_rollout_ref.model.lora_rank) <= 0
 
 
 def runs_ahead(cfg: DictConfig | DapoConfig) -> bool:

@@ -204,6 +204,14 @@ class ModelConfig:
     """Packed, padding-free forwards for log-probs and updates (same values as padded within float error)."""
     use_shared_prompt: bool = False
     """Ours: actor/ref forwards run each distinct prompt once, with its n responses (exact to float error)."""
+    lora_rank: int = 0
+    """LoRA adapter rank (peft); 0 = full fine-tuning. With LoRA the reference is the actor, adapters off."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator: the adapter's update is B·A·lora_alpha/lora_rank."""
+    target_modules: Any = "all-linear"
+    """Modules that get adapters: all-linear (every linear layer but the LM head) or a list of names."""
+    exclude_modules: Any = None
+    """Module names (a list, or a regex string) kept without adapters; null = none."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the embedded tiny model."""
     sft: SftConfig = field(default_factory=SftConfig)

@@ -5,16 +5,24 @@ Checkpoint layout written by `save(dir)`:
 - `optim.{json,tensors}`: `optimizer.state_dict()`; `extra_state.{json,tensors}`: scheduler state, step
   counters, RNG states (safetensors format + JSON, `dapo_core.store.state_files`: nothing read back is
   executed).
+
+With LoRA (`lora=LoraSpec`, `dapo_core.compute.lora`) only the adapters train: the optimizer holds them alone,
+a weight push and `model.safetensors` carry the merged weights under the base model's names, the export and
+checkpoint add the adapter in peft's format in `lora_adapter/` (`adapter_config.json` +
+`adapter_model.safetensors`), and `load` restores the adapter (the frozen base weights are the model
+folder's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dapo_core.compute import lora as lora_lib
 from dapo_core.compute.engines.train import (
     TrainEngine,
     adamw_kwargs,
@@ -69,9 +77,11 @@ class TorchTrainEngine(TrainEngine):
         dtype: torch.dtype = torch.float32,
         gradient_checkpointing: bool = False,
         compute_dtype: torch.dtype | None = None,
+        lora: lora_lib.LoraSpec | None = None,
     ) -> None:
         """Weights, gradients and optimizer state in `dtype`; forward and backward under `torch.autocast`
-        to `compute_dtype` when it differs (bf16 matmuls, float32 master weights)."""
+        to `compute_dtype` when it differs (bf16 matmuls, float32 master weights). `lora`: train LoRA
+        adapters (`lora.add_lora`) on the frozen model instead of every weight."""
         self.autocast_dtype = None if compute_dtype in (None, dtype) else compute_dtype
         self.model_path = Path(model_path)
         self.device = torch.device(device)
@@ -82,8 +92,14 @@ class TorchTrainEngine(TrainEngine):
         self.model = load_model(self.model_path, dtype=dtype, device=self.device)
         if gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
+        self.lora = lora
+        self.peft: Any = None
+        """The `peft.PeftModel` around `model` when LoRA is on (the adapters are inside `model`)."""
+        if lora is not None:
+            self.peft = lora_lib.add_lora(self.model, lora)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(optim_cfg))
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, **adamw_kwargs(optim_cfg))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda_for(optim_cfg, self.total_steps)
         )
@@ -104,8 +120,39 @@ class TorchTrainEngine(TrainEngine):
         return float(self.optimizer.param_groups[0]["lr"])
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """Detached views of all weights under HF names (tied weights listed under each name)."""
+        """Detached views of all weights under HF names (tied weights listed under each name); with LoRA the
+        merged weights (`lora.merged_state_dict`)."""
+        if self.peft is not None:
+            return lora_lib.merged_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def iter_sync_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | str]]:
+        """The weights for a push under HF names; with LoRA the merged ones, one adapted layer at a time."""
+        if self.peft is None:
+            yield from super().iter_sync_tensors(dtype)
+        else:
+            yield from lora_lib.merged_tensors(self.model)
+
+    def ref_mode(self) -> contextlib.AbstractContextManager[Any]:
+        """The base model (adapters off) while open: the reference policy of a LoRA run."""
+        if self.peft is None:
+            return super().ref_mode()
+        return lora_lib.adapters_disabled(self.peft)
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """The HF folder (weights + config + tokenizer); with LoRA the merged weights under the base names,
+        and the adapter in peft's format in its `lora_adapter/` sub-folder."""
+        if self.peft is None:
+            return super().export_hf(out_dir)
+        from dapo_core.compute.models import load_tokenizer, save_model
+
+        try:
+            tokenizer = load_tokenizer(self.model_path)
+        except FileNotFoundError:
+            tokenizer = None
+        out = save_model(self.model, tokenizer, out_dir, state_dict=lora_lib.merged_state_dict(self.model))
+        lora_lib.save_adapter(self.peft, out / lora_lib.ADAPTER_SUBDIR)
+        return out
 
     def save(self, out_dir: str | Path) -> Path:
         """Write weights (HF safetensors + tokenizer), optimizer, scheduler and RNG states to `out_dir`.
@@ -142,7 +189,10 @@ class TorchTrainEngine(TrainEngine):
                 f"{d} was written by the {extra.get('engine')!r} engine; set "
                 "actor_rollout_ref.actor.strategy to match, or start from its exported HF weights."
             )
-        load_hf_weights_into(self.model, d)
+        if self.peft is not None:
+            lora_lib.load_adapter_state(self.peft, d / lora_lib.ADAPTER_SUBDIR)
+        else:
+            load_hf_weights_into(self.model, d)
         self.optimizer.load_state_dict(load_state(d, "optim"))
         self.scheduler.load_state_dict(extra["scheduler"])
         self.optimizer_steps = int(extra["optimizer_steps"])

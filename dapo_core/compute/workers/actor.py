@@ -1,4 +1,5 @@
-"""ActorWorker and RefWorker: the policy being trained and the frozen reference policy.
+"""ActorWorker and RefWorker: the policy being trained and the frozen reference policy (with LoRA the actor
+serves the reference itself, its adapters off, and no RefWorker starts).
 
 The actor recomputes `old_log_probs` (decoupled mode), runs the PPO mini-batch/epoch loop with the configured
 policy loss (DAPO: `vanilla` with clip-higher and dual clip, token-mean over the global mini-batch), and
@@ -21,6 +22,7 @@ from dapo_core.algo.losses import ActorLoss, PolicyLossParams, agg_loss
 from dapo_core.compute import dist as dpd
 from dapo_core.compute.engines.ppo import ppo_update
 from dapo_core.compute.engines.train import TrainEngine, make_train_engine
+from dapo_core.compute.lora import LoraSpec
 from dapo_core.compute.microbatch import grouped_order, token_budget_split
 from dapo_core.config import ActorConfig, RolloutCorrectionConfig, section
 from dapo_core.config.checks import train_dtype
@@ -181,11 +183,13 @@ class ActorWorker:
         gradient_checkpointing: bool = False,
         use_remove_padding: bool = False,
         use_shared_prompt: bool = False,
+        lora: LoraSpec | None = None,
     ) -> None:
         """`log_prob_max_token_len`: the token budget of old-log-prob micro-batches (rollout's
         `log_prob_max_token_len_per_gpu` when `log_prob_use_dynamic_bsz`, else None); the update's budget is
         `actor_cfg`'s `ppo_max_token_len_per_gpu` when its `use_dynamic_bsz`. `gradient_checkpointing`,
-        `use_remove_padding` and `use_shared_prompt` are `actor_rollout_ref.model`'s switches."""
+        `use_remove_padding` and `use_shared_prompt` are `actor_rollout_ref.model`'s switches; `lora` its
+        LoRA keys (only the adapters train, and this worker also serves the reference log-probs)."""
         self.cfg = section(ActorConfig, actor_cfg)
         self.dp = dpd.current()
         self.log_prob_max_token_len = log_prob_max_token_len
@@ -210,6 +214,7 @@ class ActorWorker:
             gradient_checkpointing=gradient_checkpointing,
             compute_dtype=compute_dtype,
             reduce_dtype=reduce_dtype,
+            lora=lora,
         )
         pl = dataclasses.asdict(self.cfg.policy_loss)
         loss_mode = pl.pop("loss_mode")
@@ -260,6 +265,32 @@ class ActorWorker:
         if ents is not None:
             table = B.set_column(table, "entropy", ents)
         return table
+
+    def compute_ref_log_prob(self, table: pa.Table) -> pa.Table:
+        """Add `ref_log_probs`: the forward of a LoRA actor with its adapters off (the base model, verl's
+        reference in the actor), with the old-log-prob stage's micro-batches."""
+        with self.engine.ref_mode():
+            logps, _ = _sharded_log_prob_table(
+                self.engine,
+                table,
+                self.dp,
+                pad_token_id=self.pad_token_id,
+                temperature=self.temperature,
+                micro_batch_size=self.log_prob_mbs,
+                calculate_entropy=False,
+                max_token_len=self.log_prob_max_token_len,
+                remove_padding=self.remove_padding,
+                share_prompt=self.shared_prompt,
+            )
+        return table if logps is None else B.set_column(table, "ref_log_probs", logps)
+
+    def ref_log_prob_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
+        """The ref stage run by a LoRA actor (`compute_ref_log_prob` on the view at `job.input_uri`,
+        committed by this worker): what `RefWorker.ref_log_prob_stage` does without a second model."""
+        if self.dp is not None and self.dp.rank != 0:
+            self.compute_ref_log_prob(job.read())
+            return "", {}
+        return run_job(job, lambda table: (self.compute_ref_log_prob(table), {}))
 
     def log_prob_stage(
         self, job: StageJob, *, entropy_agg_mode: str = "token-mean"

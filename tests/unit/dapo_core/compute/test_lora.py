@@ -1,0 +1,213 @@
+"""Tests for LoRA on the torch training engine: the config keys and their refusals, only adapters training,
+the reference through disabled adapters, the merged push / export and the adapter-only export."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dapo_core.compute.engines.train import make_train_engine
+from dapo_core.compute.lora import ADAPTER_CONFIG, ADAPTER_SUBDIR, ADAPTER_WEIGHTS, LoraSpec
+from dapo_core.compute.models import build_tiny_model, load_model
+from dapo_core.config import ConfigError, ConfigWarning, load_config
+from tests.helpers import tiny_model_cfg
+
+torch.set_num_threads(1)
+
+TINY = tiny_model_cfg(hidden_size=32, intermediate_size=64, max_position_embeddings=128)
+SPEC = LoraSpec(rank=4, alpha=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), TINY, seed=1)
+
+
+def _batch(n=4, prompt_len=5, resp_len=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 99, (n, prompt_len + resp_len), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, -2:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos, resp_len
+
+
+def _engine(tiny_dir, spec=SPEC, lr=5e-2):
+    return make_train_engine("torch", tiny_dir, {"lr": lr}, total_steps=4, grad_clip=1.0, seed=3, lora=spec)
+
+
+def _train(engine, steps=2):
+    ids, mask, pos, L = _batch()
+    adv = torch.linspace(-1.0, 1.0, ids.shape[0])[:, None]
+    engine.train()
+    for _ in range(steps):
+        lp, _ = engine.forward(ids, mask, pos, L)
+        engine.backward(-(lp * adv * mask[:, -L:]).mean())
+        engine.step()
+
+
+def _log_probs(engine):
+    engine.eval()
+    ids, mask, pos, L = _batch(seed=1)
+    return engine.forward(ids, mask, pos, L)[0]
+
+
+# ---------------------------------------------------------------------------------------------- config keys
+def _config(*overrides):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        return load_config(None, overrides)
+
+
+def test_verl_lora_keys_load_and_default_off():
+    c = _config()
+    assert c.actor_rollout_ref.model.lora_rank == 0
+    assert LoraSpec.from_model_config(c.actor_rollout_ref.model) is None
+    c = _config(
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.lora_alpha=32",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+        "actor_rollout_ref.model.exclude_modules=[k_proj]",
+    )
+    spec = LoraSpec.from_model_config(c.actor_rollout_ref.model)
+    assert spec == LoraSpec(
+        rank=8, alpha=32, target_modules=("q_proj", "v_proj"), exclude_modules=("k_proj",)
+    )
+    assert spec.scaling == 4.0
+
+
+def test_negative_rank_is_one_paragraph_naming_the_key():
+    with pytest.raises(ConfigError) as ei:
+        _config("actor_rollout_ref.model.lora_rank=-4")
+    msg = str(ei.value)
+    assert "actor_rollout_ref.model.lora_rank" in msg and "-4" in msg and ">= 0" in msg
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
+def test_lora_on_other_strategies_is_refused_naming_torch(strategy):
+    with pytest.raises(ConfigError) as ei:
+        _config("actor_rollout_ref.model.lora_rank=8", f"actor_rollout_ref.actor.strategy={strategy}")
+    msg = str(ei.value)
+    assert "lora_rank" in msg and strategy in msg and "actor_rollout_ref.actor.strategy=torch" in msg
+
+
+def test_engine_refuses_lora_outside_torch(tiny_dir):
+    with pytest.raises(ConfigError, match="strategy=torch"):
+        make_train_engine("deepspeed", tiny_dir, {"lr": 1e-3}, total_steps=1, grad_clip=1.0, lora=SPEC)
+
+
+def test_unknown_target_module_names_the_key_and_the_layers(tiny_dir):
+    with pytest.raises(ConfigError) as ei:
+        _engine(tiny_dir, LoraSpec(rank=4, alpha=8, target_modules=("q_proj", "query_key_value")))
+    msg = str(ei.value)
+    assert "actor_rollout_ref.model.target_modules" in msg and "query_key_value" in msg
+    assert "q_proj" in msg.split("Fix:")[1]  # the fix lists the model's own layer names
+
+
+# ---------------------------------------------------------------------------------------------- training
+def test_only_adapters_train_and_base_weights_stay_bitwise(tiny_dir):
+    engine = _engine(tiny_dir)
+    trainable = {n for n, p in engine.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    in_optimizer = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+    assert in_optimizer == {id(p) for n, p in engine.model.named_parameters() if n in trainable}
+    base = {n: p.detach().clone() for n, p in engine.model.named_parameters() if n not in trainable}
+    lora_b = {n: p.detach().clone() for n, p in engine.model.named_parameters() if ".lora_B." in n}
+    assert all(not v.any() for v in lora_b.values())  # B starts at zero: the adapted model is the base
+    _train(engine)
+    for n, p in engine.model.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), n
+    assert any(p.any() for n, p in engine.model.named_parameters() if ".lora_B." in n)
+    assert len(engine.optimizer.state) == len(trainable)  # optimizer state for the adapters only
+
+
+def test_reference_via_disabled_adapters_equals_the_base_model(tiny_dir):
+    engine = _engine(tiny_dir)
+    _train(engine)
+    base = make_train_engine("torch", tiny_dir, {"lr": 0.0}, total_steps=1, grad_clip=1.0)
+    want = _log_probs(base)
+    with engine.ref_mode():
+        ref = _log_probs(engine)
+    assert torch.equal(ref, want)
+    assert not torch.allclose(_log_probs(engine), want, atol=1e-4)  # adapters back on: the trained policy
+    with pytest.raises(RuntimeError, match="lora_rank"):
+        base.ref_mode()
+
+
+# ---------------------------------------------------------------------------------------------- push / export
+def test_merged_weights_are_base_plus_scaled_ba_under_base_names(tiny_dir, tmp_path):
+    engine = _engine(tiny_dir)
+    _train(engine)
+    base = load_file(str(tiny_dir / "model.safetensors"))
+    params = dict(engine.model.named_parameters())
+    pushed = dict(engine.iter_sync_tensors())
+    assert set(pushed) == set(engine.state_dict_for_sync()) and not any("lora_" in n for n in pushed)
+    assert all("base_layer" not in n and not n.startswith("base_model") for n in pushed)
+    out = engine.export_hf(tmp_path / "hf")
+    exported = load_file(str(out / "model.safetensors"))
+    assert set(exported) == set(base)
+    adapted = 0
+    for name, w in base.items():
+        prefix = name.removesuffix(".weight")
+        a = params.get(f"{prefix}.lora_A.default.weight")
+        if a is None:
+            assert torch.equal(exported[name], w), name
+            continue
+        b = params[f"{prefix}.lora_B.default.weight"]
+        want = w + (b.detach() @ a.detach()) * (SPEC.alpha / SPEC.rank)
+        torch.testing.assert_close(exported[name], want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(pushed[name], want, rtol=0, atol=1e-6)
+        assert not torch.equal(exported[name], w)
+        adapted += 1
+    assert adapted == 7 * TINY["num_hidden_layers"]  # all-linear: q, k, v, o, gate, up, down; not lm_head
+    merged = load_model(out)  # the export is a plain HF model, its forward the LoRA policy's
+    assert not any("lora_" in n for n in merged.state_dict())  # the adapter is not applied twice
+    engine.eval()
+    ids, mask, pos, L = _batch(seed=1)
+    with torch.no_grad():
+        logits = merged(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    lp_merged = torch.log_softmax(logits[:, -L - 1 : -1].float(), -1).gather(-1, ids[:, -L:, None])[..., 0]
+    valid = mask[:, -L:].bool()
+    torch.testing.assert_close(lp_merged[valid], _log_probs(engine)[valid], rtol=0, atol=1e-5)
+
+
+def test_adapter_only_export_is_peft_format(tiny_dir, tmp_path):
+    from peft import PeftModel
+
+    engine = _engine(tiny_dir, LoraSpec(rank=2, alpha=4, target_modules=("q_proj", "v_proj")))
+    _train(engine)
+    out = engine.export_hf(tmp_path / "hf") / ADAPTER_SUBDIR
+    cfg = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert (cfg["r"], cfg["lora_alpha"], sorted(cfg["target_modules"])) == (2, 4, ["q_proj", "v_proj"])
+    assert all(".lora_" in k for k in load_file(str(out / ADAPTER_WEIGHTS)))
+    peft_model = PeftModel.from_pretrained(load_model(tiny_dir), str(out))
+    ids, mask, pos, _ = _batch(seed=1)
+    with torch.no_grad():
+        got = peft_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        want = engine.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_checkpoint_holds_adapter_and_its_optimizer_and_resumes_bitwise(tiny_dir, tmp_path):
+    engine = _engine(tiny_dir)
+    _train(engine, steps=1)
+    engine.save(tmp_path / "ckpt")
+    _train(engine, steps=1)
+    want = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    resumed = _engine(tiny_dir)
+    resumed.load(tmp_path / "ckpt")
+    _train(resumed, steps=1)
+    for n, p in resumed.model.named_parameters():
+        assert torch.equal(p, want[n]), n
+    from dapo_core.store.state_files import load_state
+
+    optim = load_state(tmp_path / "ckpt", "optim")
+    n_adapter = sum(1 for n, p in engine.model.named_parameters() if p.requires_grad)
+    assert len(optim["state"]) == n_adapter
