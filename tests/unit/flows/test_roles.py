@@ -11,7 +11,7 @@ import pytest
 
 from dapo_core.compute.placement import PlacementError
 from dapo_core.compute.pools import pool_layout, same_nodes
-from dapo_core.config import load_config, typed
+from dapo_core.config import load_config, need_ref_worker, need_reference_policy, typed
 from dapo_core.errors import DapoUserError
 from flows.roles import check_gpu_count, colocated, gpu_demand
 
@@ -64,6 +64,17 @@ def test_one_process_training_roles_take_one_gpu_each():
     )
     assert gpu_demand(kl) == {"rollout": 8, "actor": 1, "ref": 1}
     check_gpu_count(kl, 10.0)
+
+
+def test_a_lora_actor_is_its_own_reference_so_no_ref_gpu_is_asked_for():
+    kl = (
+        "trainer.nnodes=1",
+        "actor_rollout_ref.actor.strategy=torch",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+    )
+    lora = _cfg("dapo_qwen2.5_32b.yaml", *kl, "actor_rollout_ref.model.lora_rank=64")
+    assert need_reference_policy(lora) and not need_ref_worker(lora)
+    assert gpu_demand(lora) == {"rollout": 8, "actor": 1}
 
 
 def test_the_pool_shares_each_gpu_among_the_roles_and_keeps_a_replica_on_one_node():
