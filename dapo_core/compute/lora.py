@@ -15,6 +15,7 @@ works on that model:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,7 +139,9 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec) -> Any:
         bias="none",
     )
     try:
-        peft_model = get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated property name
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model = get_peft_model(model, config)
     except ValueError as e:  # every target excluded, or no module of a supported type
         raise ConfigError(
             f"{_KEY}.target_modules={spec.target_modules!r} with exclude_modules={spec.exclude_modules!r} "

@@ -211,3 +211,48 @@ def test_checkpoint_holds_adapter_and_its_optimizer_and_resumes_bitwise(tiny_dir
     optim = load_state(tmp_path / "ckpt", "optim")
     n_adapter = sum(1 for n, p in engine.model.named_parameters() if p.requires_grad)
     assert len(optim["state"]) == n_adapter
+
+
+# ---------------------------------------------------------------------------------------------- workers
+def test_lora_actor_serves_the_reference_and_pushes_its_policy_to_the_rollout(tiny_dir):
+    import numpy as np
+    import pyarrow as pa
+
+    from dapo_core.compute.workers import ActorWorker, RefWorker, RolloutWorker
+    from dapo_core.data import batch as B
+    from dapo_core.seeding import uid_factory
+    from dapo_core.stages import compute_advantage_table
+
+    prompts = pa.table(
+        {
+            "prompt_id": pa.array(range(2), pa.int64()),
+            "data_source": ["synthetic_arith"] * 2,
+            "ground_truth": ["3"] * 2,
+            "prompt_ids": pa.array([[1, 10 + i, 11, 12] for i in range(2)], pa.list_(pa.int32())),
+        }
+    )
+    prompts = B.repeat_interleave_prompts(prompts, 4, uid_fn=uid_factory(0, "lora"))
+    s = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "do_sample": True}
+    roll = RolloutWorker(str(tiny_dir), seed=3, train_sampling=s, val_sampling={**s, "do_sample": False})
+    actor_cfg = {"strategy": "torch", "optim": {"lr": 5e-2}, "ppo_mini_batch_size": 2, "ppo_epochs": 1}
+    actor = ActorWorker(
+        str(tiny_dir), actor_cfg, pad_token_id=0, temperature=1.0, rollout_n=4, total_steps=3, lora=SPEC
+    )
+    t = actor.compute_log_prob(roll.generate(prompts, gen_step=0))
+    t = t.append_column("reward", pa.array([1.0, -1.0, -1.0, 1.0] * 2, pa.float32()))
+    t, _ = compute_advantage_table(t, pad_token_id=0, adv_estimator="grpo")
+    actor.update_actor(t, global_steps=1)
+
+    ref = RefWorker(str(tiny_dir), pad_token_id=0, temperature=1.0).compute_ref_log_prob(t)
+    via_actor = actor.compute_ref_log_prob(t)
+    assert via_actor.column("ref_log_probs").equals(ref.column("ref_log_probs"))  # bitwise: the base model
+    now = actor.compute_log_prob(t).column("old_log_probs").to_pylist()
+    base = ref.column("ref_log_probs").to_pylist()
+    assert not all(np.allclose(a, b, atol=1e-4) for a, b in zip(now, base, strict=True))  # it trained
+
+    roll.sync_weights(actor.sync_tensors())  # merged weights under the base names
+    t2 = actor.compute_log_prob(roll.generate(prompts, gen_step=5))
+    for old, ro in zip(
+        t2.column("old_log_probs").to_pylist(), t2.column("rollout_log_probs").to_pylist(), strict=True
+    ):
+        assert np.allclose(old, ro, atol=1e-5)  # the rollout samples from the trained LoRA policy
