@@ -172,6 +172,7 @@ class TorchTrainEngine(TrainEngine):
                 "skipped_steps": self.skipped_steps,
                 "rng": get_rng_state(),
                 "engine": "torch",
+                "lora_rank": 0 if self.lora is None else self.lora.rank,
             },
         )
         return out
@@ -188,6 +189,14 @@ class TorchTrainEngine(TrainEngine):
             raise ValueError(
                 f"{d} was written by the {extra.get('engine')!r} engine; set "
                 "actor_rollout_ref.actor.strategy to match, or start from its exported HF weights."
+            )
+        rank = 0 if self.lora is None else self.lora.rank
+        if int(extra.get("lora_rank", 0)) != rank:
+            raise ValueError(
+                f"{d} was written with actor_rollout_ref.model.lora_rank={extra.get('lora_rank', 0)} and "
+                f"this run has lora_rank={rank}; set lora_rank as in the run that wrote it (a LoRA "
+                "checkpoint holds only the adapter), or start a new run from its exported HF weights "
+                "(model.safetensors)."
             )
         if self.peft is not None:
             lora_lib.load_adapter_state(self.peft, d / lora_lib.ADAPTER_SUBDIR)

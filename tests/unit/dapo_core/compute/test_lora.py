@@ -211,6 +211,9 @@ def test_checkpoint_holds_adapter_and_its_optimizer_and_resumes_bitwise(tiny_dir
     optim = load_state(tmp_path / "ckpt", "optim")
     n_adapter = sum(1 for n, p in engine.model.named_parameters() if p.requires_grad)
     assert len(optim["state"]) == n_adapter
+    full = make_train_engine("torch", tiny_dir, {"lr": 1e-3}, total_steps=4, grad_clip=1.0)
+    with pytest.raises(ValueError, match="lora_rank=4 and this run has lora_rank=0"):
+        full.load(tmp_path / "ckpt")
 
 
 # ---------------------------------------------------------------------------------------------- workers
