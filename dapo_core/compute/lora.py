@@ -34,6 +34,7 @@ __all__ = [
     "adapter_state",
     "adapters_disabled",
     "add_lora",
+    "check_strategy",
     "load_adapter_state",
     "merged_tensors",
     "save_adapter",
@@ -89,6 +90,19 @@ class LoraSpec:
     def scaling(self) -> float:
         """alpha / rank, the factor of B·A."""
         return self.alpha / self.rank
+
+
+def check_strategy(strategy: str, spec: LoraSpec, builds_adapters: bool) -> None:
+    """Refuse LoRA on a training engine that does not build adapters (`builds_adapters` false), in one
+    paragraph naming the strategy that does."""
+    if not builds_adapters:
+        raise ConfigError(
+            f"{_KEY}.lora_rank={spec.rank} asks for LoRA adapters, which only the torch training engine "
+            f"builds so far, and actor_rollout_ref.actor.strategy={strategy!r}",
+            where="actor_rollout_ref.actor.strategy",
+            fix="set actor_rollout_ref.actor.strategy=torch (one process, CPU or one GPU) for LoRA, or "
+            "lora_rank=0 to train every weight with this strategy",
+        )
 
 
 def _linear_names(model: torch.nn.Module) -> list[str]:

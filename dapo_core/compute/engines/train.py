@@ -503,12 +503,8 @@ class TrainEngine(abc.ABC):
             yield name, v if isinstance(v, str) else v.detach()
 
     def ref_mode(self) -> contextlib.AbstractContextManager[Any]:
-        """While open, `forward` is the reference policy's: the base model with its LoRA adapters off. An
-        engine without adapters has no such mode (its reference is a model of its own)."""
-        raise RuntimeError(
-            f"{type(self).__name__} has no LoRA adapters to turn off for the reference; the reference runs "
-            "in its own worker unless actor_rollout_ref.model.lora_rank > 0."
-        )
+        """While open, `forward` is the reference's: the base model, LoRA adapters off (none here)."""
+        raise RuntimeError(f"{type(self).__name__} has no LoRA adapters (model.lora_rank=0).")
 
     @abc.abstractmethod
     def save(self, out_dir: str | Path) -> Path:
@@ -567,8 +563,7 @@ def make_train_engine(
     `gradient_checkpointing` recomputes activations in backward (`enable_gradient_checkpointing`).
     `compute_dtype` (torch, fsdp2) is the precision of forward and backward when it differs from `dtype`
     (`actor.fsdp_config.mixed_precision.param_dtype`); `reduce_dtype` (fsdp2) that of the gradient
-    reduce-scatter. The deepspeed engine takes its precision from its own config. `lora` (torch only; the
-    other strategies refuse it) trains LoRA adapters on the frozen model (`dapo_core.compute.lora`)."""
+    reduce-scatter. The deepspeed engine takes its precision from its own config. `lora`: LoRA adapters."""
     if strategy not in TRAIN_ENGINES:
         raise ValueError(
             f"actor_rollout_ref.actor.strategy={strategy!r} is unknown; choose one of "
@@ -576,16 +571,6 @@ def make_train_engine(
         )
     if total_steps < 1:
         raise ValueError(f"total_steps={total_steps} must be >= 1 (trainer.total_training_steps).")
-    if lora is not None and TRAIN_ENGINES[strategy] != TRAIN_ENGINES["torch"]:
-        from dapo_core.config import ConfigError
-
-        raise ConfigError(
-            f"actor_rollout_ref.model.lora_rank={lora.rank} asks for LoRA adapters, which only the torch "
-            f"training engine builds so far, and actor_rollout_ref.actor.strategy={strategy!r}",
-            where="actor_rollout_ref.actor.strategy",
-            fix="set actor_rollout_ref.actor.strategy=torch (one process, CPU or one GPU) for LoRA, or "
-            "lora_rank=0 to train every weight with this strategy",
-        )
     module_name, cls_name = TRAIN_ENGINES[strategy].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     kwargs: dict[str, Any] = {
@@ -596,7 +581,10 @@ def make_train_engine(
         "dtype": dtype,
         "gradient_checkpointing": gradient_checkpointing,
     }
-    if lora is not None:
+    if lora is not None:  # LoRA adapters (`dapo_core.compute.lora`): the torch engine only
+        from dapo_core.compute.lora import check_strategy
+
+        check_strategy(strategy, lora, TRAIN_ENGINES[strategy] == TRAIN_ENGINES["torch"])
         kwargs["lora"] = lora
     if strategy == "deepspeed":
         kwargs["deepspeed_cfg"] = deepspeed_cfg
