@@ -44,23 +44,24 @@ def _overrides(assets: Path, name: str, dp2: bool) -> list[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def dp_runs(tiny_assets) -> dict[str, Path]:
-    """The dp=1 run (in-process workers) and the dp=2 run (on a local Ray) of the same 3 steps, trained once
-    for this module by the flow; their run folders by name."""
+def _train(assets: Path, name: str, dp2: bool) -> Path:
+    """Train the run `name` with the flow in this process; its run folder."""
     from flows.dapo_train import dapo_train
 
-    runs = {}
-    for name, dp2 in (("dp1", False), ("dp2", True)):
-        out = dapo_train(to_yaml(load_config(CONFIG, _overrides(tiny_assets, name, dp2))), name)
-        assert out["train_step"] == 3
-        runs[name] = Path(out["run_dir"])
-    return runs
+    out = dapo_train(to_yaml(load_config(CONFIG, _overrides(assets, name, dp2))), name)
+    assert out["train_step"] == 3
+    return Path(out["run_dir"])
+
+
+@pytest.fixture(scope="module")
+def dp2_run(tiny_assets) -> Path:
+    """The dp=2 run (on a local Ray), trained once for this module; its run folder."""
+    return _train(tiny_assets, "dp2", dp2=True)
 
 
 @pytest.mark.timeout(900)
-def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets, dp_runs):
-    runs = dp_runs
+def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets, dp2_run):
+    runs = {"dp1": _train(tiny_assets, "dp1", dp2=False), "dp2": dp2_run}
     workers = json.loads((runs["dp2"] / "workers.json").read_text())["workers"]
     ranks = sorted((w["role"], w["rank"]) for w in workers if w["role"] in ("actor", "ref", "rollout"))
     assert ranks == [("actor", 0), ("actor", 1), ("ref", 0), ("ref", 1), ("rollout", 0), ("rollout", 1)]
@@ -97,7 +98,7 @@ def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets, dp_runs):
 
 
 @pytest.mark.timeout(900)
-def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets, dp_runs):
+def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets, dp2_run):
     """`dapo train` of the module's dp=2 run, SIGKILLed once step 2's generation is committed and run again,
     ends with every rank's shard equal bit for bit to the uninterrupted run's."""
 
@@ -116,7 +117,7 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets, dp_runs):
     )
     for rank in (0, 1):
         name = f"model.rank{rank}.safetensors"
-        a = load_file(str(dp_runs["dp2"] / "ckpt" / "step_3" / "actor" / name))
+        a = load_file(str(dp2_run / "ckpt" / "step_3" / "actor" / name))
         b = load_file(str(run / "ckpt" / "step_3" / "actor" / name))
         assert a.keys() == b.keys()
         for k in a:
