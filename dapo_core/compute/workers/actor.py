@@ -12,7 +12,7 @@ docs/REFERENCE.md §1.4:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -153,6 +153,27 @@ def _sharded_log_prob_table(
     return lp_all, (full.column("ent").combine_chunks() if "ent" in full.column_names else None)
 
 
+def _with_ref_log_probs(
+    engine: TrainEngine, table: pa.Table, dp: dpd.DataParallel | None, **kwargs: Any
+) -> pa.Table:
+    """`table` with `ref_log_probs` from `engine`'s forward (no entropy); with data-parallel ranks, on rank
+    0 (the others get `table` back unchanged). `kwargs`: `_log_prob_table`'s micro-batch and padding
+    settings."""
+    logps, _ = _sharded_log_prob_table(engine, table, dp, calculate_entropy=False, **kwargs)
+    return table if logps is None else B.set_column(table, "ref_log_probs", logps)
+
+
+def _ref_stage(
+    job: StageJob, dp: dpd.DataParallel | None, compute: Callable[[pa.Table], pa.Table]
+) -> tuple[str, dict[str, float]]:
+    """The ref stage: `compute` on the view at `job.input_uri`, committed by this worker (rank 0; the other
+    ranks compute their share and return ("", {}))."""
+    if dp is not None and dp.rank != 0:
+        compute(job.read())
+        return "", {}
+    return run_job(job, lambda table: (compute(table), {}))
+
+
 def mixed_precision(cfg: ActorConfig) -> tuple[torch.dtype | None, torch.dtype | None]:
     """`make_train_engine`'s (`compute_dtype`, `reduce_dtype`) from `actor.fsdp_config.mixed_precision`
     (None, None for the deepspeed engine, which reads its own `deepspeed.bf16`)."""
@@ -270,27 +291,22 @@ class ActorWorker:
         """Add `ref_log_probs`: the forward of a LoRA actor with its adapters off (the base model, verl's
         reference in the actor), with the old-log-prob stage's micro-batches."""
         with self.engine.ref_mode():
-            logps, _ = _sharded_log_prob_table(
+            return _with_ref_log_probs(
                 self.engine,
                 table,
                 self.dp,
                 pad_token_id=self.pad_token_id,
                 temperature=self.temperature,
                 micro_batch_size=self.log_prob_mbs,
-                calculate_entropy=False,
                 max_token_len=self.log_prob_max_token_len,
                 remove_padding=self.remove_padding,
                 share_prompt=self.shared_prompt,
             )
-        return table if logps is None else B.set_column(table, "ref_log_probs", logps)
 
     def ref_log_prob_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
         """The ref stage run by a LoRA actor (`compute_ref_log_prob` on the view at `job.input_uri`,
         committed by this worker): what `RefWorker.ref_log_prob_stage` does without a second model."""
-        if self.dp is not None and self.dp.rank != 0:
-            self.compute_ref_log_prob(job.read())
-            return "", {}
-        return run_job(job, lambda table: (self.compute_ref_log_prob(table), {}))
+        return _ref_stage(job, self.dp, self.compute_ref_log_prob)
 
     def log_prob_stage(
         self, job: StageJob, *, entropy_agg_mode: str = "token-mean"
@@ -448,24 +464,19 @@ class RefWorker:
 
     def compute_ref_log_prob(self, table: pa.Table) -> pa.Table:
         """Add `ref_log_probs` (with data-parallel ranks: on rank 0; the others return `table` unchanged)."""
-        logps, _ = _sharded_log_prob_table(
+        return _with_ref_log_probs(
             self.engine,
             table,
             self.dp,
             pad_token_id=self.pad_token_id,
             temperature=self.temperature,
             micro_batch_size=self.mbs,
-            calculate_entropy=False,
             max_token_len=self.max_token_len,
             remove_padding=self.remove_padding,
             share_prompt=self.shared_prompt,
         )
-        return table if logps is None else B.set_column(table, "ref_log_probs", logps)
 
     def ref_log_prob_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
         """`compute_ref_log_prob` on the view at `job.input_uri`, committed by this worker (rank 0; the other
         ranks compute their share and return ("", {}))."""
-        if self.dp is not None and self.dp.rank != 0:
-            self.compute_ref_log_prob(job.read())
-            return "", {}
-        return run_job(job, lambda table: (self.compute_ref_log_prob(table), {}))
+        return _ref_stage(job, self.dp, self.compute_ref_log_prob)
