@@ -1,6 +1,6 @@
 """Ray nodes on this machine for multi-node tests: `RayNode`, one `ray start --block` process in its own
 session, temp dir and free ports; `node_env`, the environment of a fresh cluster node; `ray_nodes`, a temp
-dir whose nodes are stopped on exit.
+dir whose nodes are stopped on exit; `start_head`, a head node in one.
 
 Nodes are stopped by killing exactly their sessions (every Ray process a node starts inherits its session,
 Ray's worker processes and job drivers included): `ray stop` would kill every Ray of this user on the
@@ -130,6 +130,32 @@ class RayNode:
         kill_sessions([node.proc.pid for node in nodes])
         for node in nodes:
             node.proc.wait(timeout=10)
+
+
+def start_head(tmp: Path, nodes: list[RayNode], env: dict, *args: str, num_cpus: int = 3) -> str:
+    """Start a head node in `tmp` (its own GCS and client-server ports, no usage stats, no dashboard unless
+    `args` ask for one, then `args`), add it to `nodes`, wait until it runs; its address
+    `127.0.0.1:<port>`."""
+    port = free_port()
+    asked = any(a.startswith("--include-dashboard") for a in args)
+    dashboard = [] if asked else ["--include-dashboard=false"]
+    head = RayNode(
+        tmp,
+        "head",
+        env,
+        [
+            "--head",
+            f"--port={port}",
+            f"--ray-client-server-port={free_port()}",
+            "--disable-usage-stats",
+            f"--num-cpus={num_cpus}",
+            *dashboard,
+            *args,
+        ],
+    )
+    nodes.append(head)
+    head.wait_started()
+    return f"127.0.0.1:{port}"
 
 
 @contextlib.contextmanager

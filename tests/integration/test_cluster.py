@@ -207,19 +207,15 @@ def test_a_driver_that_joined_a_cluster_stops_at_sigterm_with_stop_requested(tmp
     import sys
     from pathlib import Path
 
-    from tests.integration.ray_nodes import RayNode, free_port, node_env, ray_nodes
+    from tests.integration.ray_nodes import node_env, ray_nodes, start_head
 
     env = node_env()
     with ray_nodes("dapojoin-") as (tmp, nodes):
-        port = free_port()
-        args = ["--head", f"--port={port}", f"--ray-client-server-port={free_port()}", "--num-cpus=1"]
-        head = RayNode(tmp, "head", env, [*args, "--include-dashboard=false", "--disable-usage-stats"])
-        nodes.append(head)
-        head.wait_started()
+        address = start_head(tmp, nodes, env, num_cpus=1)
         script = tmp_path / "driver.py"
         script.write_text(JOINED_DRIVER)
         done = subprocess.run(
-            [sys.executable, str(script), f"127.0.0.1:{port}"],
+            [sys.executable, str(script), address],
             env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
             capture_output=True,
             text=True,

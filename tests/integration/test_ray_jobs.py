@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers import wait_for
 from tests.integration.conftest import tiny_overrides
-from tests.integration.ray_nodes import RAY, RayNode, free_port, node_env, ray_nodes
+from tests.integration.ray_nodes import RAY, RayNode, free_port, node_env, ray_nodes, start_head
 
 pytestmark = pytest.mark.slow
 
@@ -35,29 +35,11 @@ def job_cluster():
     cluster's `python`, as on a node where the environment is activated)."""
     env = node_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     with ray_nodes("dapojob-") as (tmp, nodes):
-        port, dashboard = free_port(), free_port()
-        head = RayNode(
-            tmp,
-            "head",
-            env,
-            [
-                "--head",
-                f"--port={port}",
-                f"--ray-client-server-port={free_port()}",
-                "--include-dashboard=true",
-                "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={dashboard}",
-                "--disable-usage-stats",
-                "--num-cpus=3",
-            ],
-        )
-        nodes.append(head)
-        head.wait_started()
+        dashboard = free_port()
+        shown = ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}"]
+        address = start_head(tmp, nodes, env, *shown)
         second = RayNode(
-            tmp,
-            "second",
-            env,
-            [f"--address=127.0.0.1:{port}", "--num-cpus=2", '--resources={"second_node": 1}'],
+            tmp, "second", env, [f"--address={address}", "--num-cpus=2", '--resources={"second_node": 1}']
         )
         nodes.append(second)
         second.wait_started()

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from tests.integration.conftest import ROOT, tiny_overrides, train_cmd
-from tests.integration.ray_nodes import RayNode, free_port, node_env, ray_nodes
+from tests.integration.ray_nodes import RayNode, node_env, ray_nodes, start_head
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,25 +33,9 @@ def test_a_node_that_cannot_see_the_run_folder_is_refused_before_any_worker(tiny
     env = node_env()
     hide = ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"']
     with ray_nodes("dapofs-") as (tmp, nodes):
-        port = free_port()
-        head = RayNode(
-            tmp,
-            "head",
-            env,
-            [
-                "--head",
-                f"--port={port}",
-                f"--ray-client-server-port={free_port()}",
-                "--include-dashboard=false",
-                "--disable-usage-stats",
-                "--num-cpus=3",
-            ],
-        )
-        nodes.append(head)
-        head.wait_started()
-        hidden = RayNode(
-            tmp, "hidden", env, [f"--address=127.0.0.1:{port}", "--num-cpus=2"], wrap=[*hide, str(shared)]
-        )
+        address = start_head(tmp, nodes, env)
+        join = [f"--address={address}", "--num-cpus=2"]
+        hidden = RayNode(tmp, "hidden", env, join, wrap=[*hide, str(shared)])
         nodes.append(hidden)
         hidden.wait_started()
         overrides = tiny_overrides(
@@ -67,7 +51,7 @@ def test_a_node_that_cannot_see_the_run_folder_is_refused_before_any_worker(tiny
         )
         done = subprocess.run(
             train_cmd(overrides),
-            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+            env={**env, "RAY_ADDRESS": address},
             cwd=ROOT,
             capture_output=True,
             text=True,

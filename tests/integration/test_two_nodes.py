@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import kill_and_resume, tiny_overrides, train_cmd
-from tests.integration.ray_nodes import RayNode, free_port, kill_sessions, node_env, ray_nodes
+from tests.integration.ray_nodes import RayNode, kill_sessions, node_env, ray_nodes, start_head
 
 pytestmark = pytest.mark.slow
 
@@ -31,24 +31,8 @@ def two_nodes():
     """(RAY_ADDRESS, env) of a two-node cluster: the head offers `gen_node`, the second node `train_node`."""
     env = node_env()
     with ray_nodes("dapo2n-") as (tmp, nodes):
-        port = free_port()
-        head = RayNode(
-            tmp,
-            "head",
-            env,
-            [
-                "--head",
-                f"--port={port}",
-                f"--ray-client-server-port={free_port()}",
-                "--include-dashboard=false",
-                "--disable-usage-stats",
-                "--num-cpus=3",
-                '--resources={"gen_node": 2}',  # room for the run's two rollout replicas (nnodes 2 x 1)
-            ],
-        )
-        nodes.append(head)
-        head.wait_started()
-        address = f"127.0.0.1:{port}"
+        # room for the run's two rollout replicas (nnodes 2 x 1)
+        address = start_head(tmp, nodes, env, '--resources={"gen_node": 2}')
         second = RayNode(
             tmp, "second", env, [f"--address={address}", "--num-cpus=2", '--resources={"train_node": 1}']
         )
