@@ -7,7 +7,8 @@ artifact each per flow run, updated in place (a Retry of the flow run updates th
 - `dapo-<run>-steps` — a table with a row per step, newest first (the run's history from `metrics.jsonl`,
   the last `STEP_TABLE_ROWS`; docs/ARCHITECTURE.md lists the columns); steps shorter than
   `STEP_PUBLISH_INTERVAL_S` share an update (a validated step and the run's end publish at once);
-- `dapo-<run>-summary` — markdown, updated after each validation and at the end.
+- `dapo-<run>-summary` — markdown, updated after each validation, each automatic restart (a line per restart
+  of this flow run) and at the end.
 
 Evaluation (`flows/evaluate.py`) publishes `dapo-eval-<model>` (table) and `dapo-eval-<model>-summary`.
 Artifacts are a view: a failure to publish is a warning, never a failed run; outside a flow run nothing is
@@ -181,6 +182,7 @@ class RunArtifacts:
         self._publisher: ThreadPoolExecutor | None = None
         self.min_interval_s = float(min_interval_s)
         self.rows: dict[int, dict] = {}  # step -> table row, published and queued
+        self.restarts: list[str] = []  # one line per automatic restart of this flow run
         self._last_publish = -math.inf  # time.monotonic() of the last table update handed over
         self._read_history(self.run_dir / "metrics.jsonl", done_steps)
         # rows not handed to the publisher yet: the history read back counts (the earlier attempt may have
@@ -255,6 +257,12 @@ class RunArtifacts:
             self.validation(step, metrics)
             self.summary(step, final=False)
 
+    def restart(self, step: int, line: str) -> None:
+        """The run restarted its workers automatically at `step` (`line` says what failed and from where it
+        resumes): a line in the summary, published at once."""
+        self.restarts.append(line)
+        self.summary(step - 1, final=False)
+
     def _flush(self) -> None:
         """Hand the table (newest row first) and the progress of its newest step to the publisher."""
         if not self._pending or not self.rows:
@@ -306,6 +314,8 @@ class RunArtifacts:
             f"- run store: `{self.run_dir}` (stage files, ledger, `metrics.jsonl`, `tensorboard/`)",
             f"- checkpoints: `{ckpt}` (latest: `{ckpt / 'latest'}`)",
             f"- resume: run the deployment with `run_id={self.run_id}`, or press Retry on this flow run",
+            *([f"- automatic restarts: {len(self.restarts)}"] if self.restarts else []),
+            *(f"  - {line}" for line in self.restarts),
             "",
             _image_markdown(self.run_dir / "curves.png"),
         ]

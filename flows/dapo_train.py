@@ -11,7 +11,9 @@ flow again with the same run id (`trainer.resume_mode=auto`). Parameters (a depl
 Prefect UI): `config` (a name in `configs/`, a path, or resolved YAML text), `overrides` (dotted
 `key=value`), `run_id` (empty for a new run named after the flow run, or a run to resume). `gen_step`
 counts generation batches (it seeds sampling), `train_step` policy updates (the lr schedule and
-`total_training_steps` follow it, unlike the reference). docs/ARCHITECTURE.md has the details.
+`total_training_steps` follow it, unlike the reference). A worker that dies or hangs mid-step restarts the
+run's workers from the last checkpoint while `trainer.max_restarts` allows (`flows.restarts`).
+docs/ARCHITECTURE.md has the details.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from flows.artifacts import RunArtifacts
 from flows.learn import learn
 from flows.progress import quiet_worker_noise
 from flows.replay_order import replay_train_step
+from flows.restarts import Restarts
 from flows.run_setup import DriverState, TrainRun, close_run, open_run, restore
 from flows.step_support import add_metrics, observe_rewards, refill_size, step_metrics
 from flows.ui_state import crash_orphaned_task_runs, quiet_task_run_console
@@ -170,26 +173,32 @@ def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] 
             rt.tracker.log(0, val0)
             ui.validation(0, val0)
         step_fn = replay_train_step if runs_ahead(cfg) else train_step
+        restarts = Restarts(rt, ui, logger)
         while state.train_step < total:
             step = state.train_step + 1
             rt.progress.begin_step(step, total)
-            metrics = step_fn(rt, step, state)
-            state.train_step = step
-            last = step == total
-            if tr.test_freq > 0 and (step % tr.test_freq == 0 or last):
-                rt.progress.stage("validate")
-                metrics.update(validate(run_id, step, state.gen_step)[1])
-            metrics.update(
-                {
-                    "training/global_step": step,
-                    "training/gen_step": state.gen_step,
-                    "training/epoch": rt.sampler.epoch,
-                }
-            )
-            rt.tracker.log(step, metrics)  # before the checkpoint: a resumed run never misses a step's row
-            if tr.save_freq > 0 and (step % tr.save_freq == 0 or last):
-                rt.progress.stage("checkpoint")
-                checkpoint(run_id, step, state.to_json(rt))
+            try:
+                metrics = step_fn(rt, step, state)
+                state.train_step = step
+                last = step == total
+                if tr.test_freq > 0 and (step % tr.test_freq == 0 or last):
+                    rt.progress.stage("validate")
+                    metrics.update(validate(run_id, step, state.gen_step)[1])
+                metrics.update(
+                    {
+                        "training/global_step": step,
+                        "training/gen_step": state.gen_step,
+                        "training/epoch": rt.sampler.epoch,
+                        **restarts.metrics(),
+                    }
+                )
+                rt.tracker.log(step, metrics)  # before the checkpoint: a resumed run misses no step's row
+                if tr.save_freq > 0 and (step % tr.save_freq == 0 or last):
+                    rt.progress.stage("checkpoint")
+                    checkpoint(run_id, step, state.to_json(rt))
+            except Exception as exc:  # a dead or hung worker: new ones resume from the last checkpoint
+                state = restarts.recover(rt, step, exc)  # raises when it is no such fault or none is left
+                continue
             rt.progress.end_step(metrics)
             ui.step(step, metrics)
             if "console" not in tr.logger:  # the console logger prints the step's line

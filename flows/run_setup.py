@@ -1,5 +1,6 @@
 """Opening, resuming and closing a training run: the lease, the run store, the workers and the driver's state
-restored from the latest checkpoint (`open_run`, `restore`, `close_run`).
+restored from the latest checkpoint (`open_run`, `restore`, `close_run`), and new workers in place of the
+run's dead or hung ones (`restart_workers`, before a `restore`; `flows.restarts` decides when).
 
 Plumbing kept out of `flows/dapo_train.py` so that file reads like the algorithm; the workers are built in
 `flows.roles`, the inputs read in `flows.run_inputs`.
@@ -7,6 +8,7 @@ Plumbing kept out of `flows/dapo_train.py` so that file reads like the algorithm
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import sys
@@ -80,6 +82,12 @@ class TrainRun(runtime.Runtime):
     """Fingerprints of this attempt's data, base model and training config (recorded as inputs.json)."""
     changed_inputs: list[str] = field(default_factory=list)
     """What differs from the run's recorded inputs (non-empty only with trainer.allow_changed_inputs)."""
+    model_path: str = ""
+    """The base model the workers load (`restart_workers` builds new ones from it)."""
+    tokenizer_path: str = ""
+    """The tokenizer the reward worker loads."""
+    initial_sampler_state: dict = field(default_factory=dict)
+    """The sampler's position before anything was drawn (a restart without a checkpoint starts there)."""
 
 
 def record_attempt(rt: TrainRun) -> Path:
@@ -156,6 +164,7 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             # sync order: one stage at a time; replay order: generation overlaps the update
             num_threads=worker_threads(cfg.trainer.num_threads, 2 if runs_ahead(cfg) else 1, device),
             deterministic=cfg.trainer.deterministic,
+            stage_timeout_s=cfg.trainer.stage_timeout_s,
         )
         if cfg.trainer.use_ray:  # every node sees the run folder, the model and the data before any loads
             probe_storage(root, [model_path, tokenizer_path, *cfg.data.train_files, *cfg.data.val_files])
@@ -163,8 +172,6 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             import ray
 
             check_gpu_count(cfg, float(ray.cluster_resources().get("GPU", 0.0)))
-            if colocated(cfg, device):
-                cluster.pool = device_pool(cfg, cluster)
         rt = TrainRun(
             run_id=run_id,
             cfg=cfg,
@@ -172,17 +179,7 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             cluster=cluster,
             pad_token_id=pad,
             vocab_size=len(tokenizer),
-            # created in this order: rollout, actor, reward, [ref], [critic]
-            rollout=rollout_replicas(cfg, cluster, model_path, device),
-            actor=(actor := actor_worker(cfg, cluster, model_path, pad, device)),
-            reward=reward_worker(cfg, cluster, tokenizer_path),
-            # with LoRA the actor is the reference (its adapters off): no second model
-            ref=(
-                ref_worker(cfg, cluster, model_path, pad, device)
-                if need_ref_worker(cfg)
-                else (actor if need_reference_policy(cfg) else None)
-            ),
-            critic=critic_worker(cfg, cluster, model_path, pad, device) if use_critic(cfg) else None,
+            **start_workers(cfg, cluster, model_path, tokenizer_path, pad),
             sampler=sampler,
             val_prompts=val_table,
             kl_ctrl=kl_ctrl,
@@ -190,6 +187,9 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             progress=StepProgress(run_id, enabled=sys.stdout.isatty() or "console" in cfg.trainer.logger),
             inputs=inputs,
             changed_inputs=changed,
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
+            initial_sampler_state=copy.deepcopy(sampler.state_dict()),
         )
         push_weights(rt, 0)  # the replicas start with unset weights: the actor's initial ones, version 0
     except (
@@ -206,6 +206,52 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
     _LEASES[run_id] = lease
     lease.start_heartbeat()
     return rt
+
+
+def start_workers(
+    cfg: DapoConfig, cluster: Cluster, model_path: str, tokenizer_path: str, pad: int
+) -> dict[str, Any]:
+    """Start the run's workers on `cluster`, in this order: [the colocated GPU pool], rollout replicas, actor,
+    reward, [ref], [critic]; returns them by their `TrainRun` field names. With LoRA the actor is the
+    reference (its adapters off): no second model."""
+    device = resolve_device(cfg)
+    if device == "cuda" and cfg.trainer.use_ray and colocated(cfg, device):
+        cluster.pool = device_pool(cfg, cluster)
+    rollout = rollout_replicas(cfg, cluster, model_path, device)
+    actor = actor_worker(cfg, cluster, model_path, pad, device)
+    reward = reward_worker(cfg, cluster, tokenizer_path)
+    ref = (
+        ref_worker(cfg, cluster, model_path, pad, device)
+        if need_ref_worker(cfg)
+        else (actor if need_reference_policy(cfg) else None)
+    )
+    critic = critic_worker(cfg, cluster, model_path, pad, device) if use_critic(cfg) else None
+    return {"rollout": rollout, "actor": actor, "reward": reward, "ref": ref, "critic": critic}
+
+
+def restart_workers(rt: TrainRun) -> None:
+    """Kill the run's workers (dead, hung or well) and start new ones in their place, waiting up to
+    `trainer.restart_wait_s` for room and their start (a `PlacementError` after it); put the driver's state
+    back where the run started (sampler position, keep rate, KL coefficient, replay buffer, launches) and
+    give the replicas the actor's initial weights. `restore` then resumes from the latest checkpoint and the
+    committed stages, as a new attempt of the run would."""
+    cfg, cluster = rt.cfg, rt.cluster
+    cluster.kill_workers()
+    wait = cluster.start_timeout_s
+    cluster.start_timeout_s = cfg.trainer.restart_wait_s
+    try:
+        workers = start_workers(cfg, cluster, rt.model_path, rt.tokenizer_path, rt.pad_token_id)
+    finally:
+        cluster.start_timeout_s = wait
+    for name, worker in workers.items():
+        setattr(rt, name, worker)
+    rt.sampler.load_state_dict(copy.deepcopy(rt.initial_sampler_state))
+    rt.keep_rate = KeepRateEstimator()
+    kl = cfg.algorithm.kl_ctrl
+    rt.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.horizon, kl.target_kl)
+    rt.replay_buffer = None
+    rt.launches.clear()
+    push_weights(rt, 0)
 
 
 _LEASES: dict[str, Lease] = {}

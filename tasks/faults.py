@@ -1,46 +1,96 @@
-"""How a stage fails on purpose or by accident: the `DAPO_FAULT` test switch (`injected_fault`) and the
-one-paragraph `WorkerDied` error for a worker process that died mid-stage.
+"""How a stage fails on purpose or by accident: the `DAPO_FAULT` test switch's driver side (`injected_fault`;
+the grammar and the worker side are `dapo_core.compute.faults`) and the one-paragraph `WorkerFault`s, a
+worker process that died (`WorkerDied`) or stopped making progress (`StageHung`) mid-stage.
 """
 
 from __future__ import annotations
 
-import os
-from fnmatch import fnmatch
-
+from dapo_core.compute.faults import FAULT_ENV, faults_from_env
+from dapo_core.compute.rpc import WorkerHung
 from dapo_core.errors import DapoUserError
 from tasks.runtime import Runtime
 
 
-class WorkerDied(DapoUserError, RuntimeError):
+class WorkerFault(DapoUserError, RuntimeError):
+    """A worker process failed the run mid-stage (it died, or it hung); `stage` and `step` say where (empty
+    and 0 outside a stage), `cause` is the first line of what was seen."""
+
+    kind = "failed"
+    """How it failed, in the log's words ("died", "hung")."""
+
+    def __init__(
+        self, what: str = "", *args: object, stage: str = "", step: int = 0, cause: str = "", **kw: str
+    ) -> None:
+        super().__init__(what, *args, **kw)
+        self.stage = stage
+        self.step = step
+        self.cause = cause
+
+    @property
+    def place(self) -> str:
+        """Where it happened: `stage 'generate_g0' of step 2` (or `step 2`)."""
+        return f"stage {self.stage!r} of step {self.step}" if self.stage else f"step {self.step}"
+
+    def retold(self, what: str) -> WorkerFault:
+        """The same fault with `what` in place of its first part (the fix kept)."""
+        return type(self)(
+            what, stage=self.stage, step=self.step, cause=self.cause, where=self.where, fix=self.fix
+        )
+
+
+class WorkerDied(WorkerFault):
     """A worker process (Ray actor) died in the middle of a stage: killed, out of memory, or crashed."""
 
+    kind = "died"
 
-def worker_died(exc: BaseException, rt: Runtime, step: int, stage: str) -> WorkerDied | None:
-    """A `WorkerDied` paragraph (what died, where, how to resume) when `exc` is or wraps Ray's actor-died
-    error, else None. What the stages committed before stays; a resume starts new workers."""
+
+class StageHung(WorkerFault):
+    """A worker made no progress on a stage for `trainer.stage_timeout_s` (a hung collective, a rank stuck in
+    I/O): handled as a death."""
+
+    kind = "hung"
+
+
+def worker_died(exc: BaseException, rt: Runtime, step: int, stage: str) -> WorkerFault | None:
+    """A `WorkerDied` (Ray's actor-died error) or `StageHung` (`WorkerHung`, a call past
+    `trainer.stage_timeout_s`) paragraph — what failed, where, how to resume — when `exc` is or wraps one,
+    else None (also when it wraps a `WorkerFault` already, which is raised as it is). What the stages
+    committed before stays; a restart or a resume starts new workers."""
     from ray.exceptions import RayActorError
 
     cur: BaseException | None = exc
     for _ in range(10):
-        if cur is None or isinstance(cur, RayActorError):
+        if cur is None or isinstance(cur, (RayActorError, WorkerHung, WorkerFault)):
             break
         cur = cur.__cause__ or cur.__context__
-    if not isinstance(cur, RayActorError):
+    if not isinstance(cur, (RayActorError, WorkerHung)):
         return None
     first = (str(cur).strip().splitlines() or [type(cur).__name__])[0][:200]
+    if isinstance(cur, WorkerHung):
+        cause = f"worker '{cur.role}' did not return from {cur.method} within {cur.timeout_s:g}s"
+        what = (
+            f"a worker process of run {rt.run_id} hung during stage {stage!r} of step {step} ({cause}, "
+            f"trainer.stage_timeout_s); the stages committed before it are kept"
+        )
+        return StageHung(what, stage=stage, step=step, cause=cause, fix=_fix(rt, "what it waited for"))
+    what = (
+        f"a worker process of run {rt.run_id} died during stage {stage!r} of step {step} (killed, out of "
+        f"memory, or crashed: {first}); the stages committed before it are kept"
+    )
+    return WorkerDied(
+        what, stage=stage, step=step, cause=first, fix=_fix(rt, "what stopped it (memory, a kill)")
+    )
+
+
+def _fix(rt: Runtime, find: str) -> str:
     try:
         last = rt.store.checkpoints.latest_step()
     except ValueError:
         last = None
     since = f"checkpoint step {last}" if last is not None else "the start (no checkpoint yet)"
-    return WorkerDied(
-        f"a worker process of run {rt.run_id} died during stage {stage!r} of step {step} (killed, out of "
-        f"memory, or crashed: {first}); the stages committed before it are kept",
-        fix=(
-            f"find what stopped it (memory, a kill), then resume with the same command and "
-            f"trainer.experiment_name={rt.run_id}: new workers start from {since} and committed stages are "
-            f"replayed"
-        ),
+    return (
+        f"find {find}, then resume with the same command and trainer.experiment_name={rt.run_id}: new "
+        f"workers start from {since} and committed stages are replayed"
     )
 
 
@@ -49,26 +99,17 @@ class InjectedFault(RuntimeError):
 
 
 def injected_fault(stage: str, step: int, run_id: str) -> str | None:
-    """The message of the fault `DAPO_FAULT=<stage>:<step>[:<run_id pattern>]` injects into (stage, step), or
-    None.
+    """The message of the `fail` fault `DAPO_FAULT` injects into (stage, step) of run `run_id`, or None.
 
-    A test switch, off and inert unless the variable is set: the stage of that step (and of the runs whose id
-    matches the shell-style pattern, if given) fails before computing, on the first attempt of the Prefect
-    flow run only (`flow_run.run_count <= 1`), so a Retry of the flow run in the UI continues past it. Stage
-    names are the run store's (`update_actor`, `generate_g0`, ...)."""
-    spec = os.environ.get("DAPO_FAULT", "")
-    if not spec:
-        return None
-    parts = spec.split(":")
-    if len(parts) not in (2, 3) or not parts[1].isdigit():
-        raise ValueError(
-            f"DAPO_FAULT={spec!r}: expected <stage>:<step>[:<run_id pattern>], e.g. update_actor:2 or "
-            "update_actor:2:nightly-* — or unset it"
-        )
-    if parts[0] != stage or int(parts[1]) != step or (len(parts) == 3 and not fnmatch(run_id, parts[2])):
+    A test switch, off and inert unless the variable is set (grammar: `dapo_core.compute.faults`, e.g.
+    `update_actor:2` or `update_actor:2:nightly-*`): the stage fails before computing, on the first attempt
+    of the Prefect flow run only (`flow_run.run_count <= 1`), so a Retry of the flow run in the UI continues
+    past it. The worker actions (`kill@...`, `hang@...`) act in the worker (`fault_point`), not here."""
+    faults = [f for f in faults_from_env() if not f.in_worker and f.matches(stage, step, run_id)]
+    if not faults:
         return None
     from prefect.runtime import flow_run
 
     if flow_run.run_count > 1:
         return None
-    return f"DAPO_FAULT={spec}: injected failure of stage {stage} at step {step} of run {run_id}"
+    return f"{FAULT_ENV}={faults[0]}: injected failure of stage {stage} at step {step} of run {run_id}"

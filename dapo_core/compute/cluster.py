@@ -6,7 +6,9 @@ out `Handle`s; a task looks a worker up by run id and role (`Cluster.lookup`). `
 is typed as the worker class, so calls are checked against it (and block); `submit(...)` starts one without
 waiting (a `Future`); `create_many` starts several workers at once. With `trainer.use_ray=False` the roles
 are plain objects in this process. `shutdown()` kills only the actors this object created and stops Ray
-only if it started it. The call machinery (`Handle`, `proxy`, `submit`, `Future`) is
+only if it started it; `kill_workers()` kills them and keeps Ray, so a restarted run can start new ones (a
+hung worker too: Ray kills its process). `stage_timeout_s` bounds every wait on a Ray worker of this object
+(`WorkerHung`). The call machinery (`Handle`, `proxy`, `submit`, `Future`) is
 `dapo_core.compute.rpc`; the worker process's set-up is `dapo_core.compute.host`.
 
 On CPU each actor asks for `num_cpus=1` and runs torch with one thread; on GPU the model-holding roles ask
@@ -94,7 +96,9 @@ class Cluster:
     Parameters: `run_id`; `use_ray` (False = in-process workers); `address` (a Ray address to join; None =
     `RAY_ADDRESS` or start a local Ray); `num_cpus` for a local Ray; `device` ("cpu" | "cuda");
     `num_threads` torch threads per worker process and `deterministic` algorithms on or off in each (without
-    Ray: in this process, restored by `shutdown`).
+    Ray: in this process, restored by `shutdown`); `start_timeout_s`, how long a new worker may take to be
+    placed and built (`PlacementError` after it); `stage_timeout_s`, how long a call to one of its Ray
+    workers may go without returning (`WorkerHung` after it; None or 0: no limit; in-process calls have none).
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class Cluster:
         num_threads: int = 1,
         deterministic: bool = False,
         start_timeout_s: float = 600.0,
+        stage_timeout_s: float | None = None,
     ) -> None:
         self.run_id = run_id
         self.use_ray = use_ray
@@ -126,6 +131,7 @@ class Cluster:
         self._started_ray = False
         self._owned: dict[str, Handle] = {}
         self.start_timeout_s = start_timeout_s
+        self.stage_timeout_s = stage_timeout_s or None
         if not use_ray:  # the workers compute in this process: give it their numerics
             if deterministic:
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -275,7 +281,7 @@ class Cluster:
         self.workers.append({"role": role, "rank": 0, **self.placement[role]})
         log.info("worker %s runs on node %s (%s)", role, self.placement[role]["node_id"][:8], actor)
         handle = Handle(role=role, ray_actor=actor)
-        self._owned[role] = handle
+        self.own(role, handle)
         return handle
 
     def host_options(self) -> HostOptions:
@@ -288,7 +294,10 @@ class Cluster:
         )
 
     def own(self, role: str, handle: Handle) -> None:
-        """Take `handle` (e.g. a worker group's) into the workers `shutdown` kills."""
+        """Take `handle` (e.g. a worker group's) into the workers `shutdown` kills; a Ray worker's calls get
+        this cluster's `stage_timeout_s`."""
+        if handle.is_ray:
+            handle.timeout_s = self.stage_timeout_s
         self._owned[role] = handle
 
     @staticmethod
@@ -324,10 +333,39 @@ class Cluster:
                 out.append({"role": role, "rank": rank, **mem})
         return out
 
+    def kill_workers(self, free_within_s: float = 30.0) -> None:
+        """Kill the workers this object created (dead, hung or well: Ray kills the process) and release the
+        colocated pool, keeping Ray up so that new workers can start in their place (their records in
+        `workers` and `placement` are cleared); waits up to `free_within_s` for the actor names to be free."""
+        names = self._kill_owned()
+        self.placement.clear()
+        self.workers.clear()
+        _await_names_free(names, free_within_s)
+
     def shutdown(self) -> None:
         """Kill the actors this object created; stop Ray only if this object started it."""
+        self._kill_owned()
+        if self._restore_numerics is not None:
+            import torch
+
+            torch.set_num_threads(self._restore_numerics[0])
+            torch.use_deterministic_algorithms(self._restore_numerics[1])
+            self._restore_numerics = None
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+
+    def _kill_owned(self) -> list[str]:
+        """Kill the Ray actors (close the in-process workers) this object owns and its pool; returns the
+        killed actors' names."""
+        names: list[str] = []
         for role, handle in list(self._owned.items()):
             if handle.is_ray:
+                ranks = getattr(handle, "ranks", None)
+                base = actor_name(self.run_id, role)
+                names += [f"{base}/{i}" for i in range(len(ranks))] if ranks else [base]
                 try:
                     handle.kill()
                 except Exception as exc:
@@ -342,20 +380,26 @@ class Cluster:
         if self.pool is not None:
             self.pool.kill()
             self.pool = None
-        if self._restore_numerics is not None:
-            import torch
-
-            torch.set_num_threads(self._restore_numerics[0])
-            torch.use_deterministic_algorithms(self._restore_numerics[1])
-            self._restore_numerics = None
-        if self._started_ray:
-            import ray
-
-            ray.shutdown()
-            self._started_ray = False
+        return names
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _await_names_free(names: list[str], timeout_s: float) -> None:
+    """Wait until no live actor holds any of `names` (after `ray.kill`), for at most `timeout_s`."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            time.sleep(0.2)

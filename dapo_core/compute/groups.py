@@ -25,7 +25,7 @@ from dapo_core.compute import signals as S
 from dapo_core.compute.host import HostOptions, _init_worker_process, _RayHost
 from dapo_core.compute.placement import PlacementError, _node_summary, checked_resources
 from dapo_core.compute.pools import DevicePool
-from dapo_core.compute.rpc import Handle
+from dapo_core.compute.rpc import Handle, WorkerHung
 
 __all__ = ["GroupHandle", "GroupLayout", "create_group", "create_role"]
 
@@ -71,15 +71,21 @@ class GroupHandle(Handle):
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return [r.call.remote(method, args, kwargs) for r in self.ranks]
 
-    def wait(self, ref: Any) -> Any:
-        results = _wait_all(ref)
+    def wait(self, ref: Any, method: str = "a call") -> Any:
+        results = _wait_all(ref, timeout=self._timeout(method))
         return results[0]
 
     def passable(self, ref: Any) -> Any:
         """Rank 0's ObjectRef, after every rank finished (so a failed rank is raised here, not left
         blocking rank 0 in a collective)."""
-        _wait_all(ref, fetch_first=False)
+        _wait_all(ref, fetch_first=False, timeout=self._timeout("a call"))
         return ref[0]
+
+    def _timeout(self, method: str) -> tuple[float, WorkerHung] | None:
+        """`timeout_s` and the error raised when a rank has not finished by then (None: no limit)."""
+        if self.timeout_s is None:
+            return None
+        return self.timeout_s, WorkerHung(self.role, method, self.timeout_s)
 
     def kill(self) -> None:
         import ray
@@ -90,11 +96,17 @@ class GroupHandle(Handle):
             ray.util.remove_placement_group(self.placement_group)
 
 
-def _wait_all(refs: list[Any], fetch_first: bool = True) -> list[Any]:
-    """Wait for every ref (stop signals honoured); raise the first failure; results in rank order (rank 0's
-    left unfetched, None, when not `fetch_first`)."""
+def _wait_all(
+    refs: list[Any], fetch_first: bool = True, timeout: tuple[float, Exception] | None = None
+) -> list[Any]:
+    """Wait for every ref (stop signals honoured); raise the first failure, or `timeout`'s error once its
+    seconds passed with a rank unfinished; results in rank order (rank 0's left unfetched, None, when not
+    `fetch_first`)."""
+    import time
+
     import ray
 
+    t0 = time.monotonic()
     pending = list(refs)
     out: dict[int, Any] = {}
     index = {id(r): i for i, r in enumerate(refs)}
@@ -106,6 +118,8 @@ def _wait_all(refs: list[Any], fetch_first: bool = True) -> list[Any]:
             for r in ready:
                 i = index[id(r)]
                 out[i] = ray.get(r) if (i or fetch_first) else None
+            if pending and timeout is not None and time.monotonic() - t0 > timeout[0]:
+                raise timeout[1]
     finally:
         S._IN_RAY_WAIT.pop()
     return [out[i] for i in range(len(refs))]

@@ -2,9 +2,10 @@
 
 A `Handle` starts a method, by name, on a Ray actor (`dapo_core.compute.host._RayHost`) or on an in-process
 object and resolves the result (a wait on Ray gives up at a recorded stop signal,
-`dapo_core.compute.signals`). `proxy(handle, ActorWorker)` is typed as the worker class, so calls are
-checked against it (and block); `submit(...)` starts one without waiting (a `Future`). `Cluster`
-(`dapo_core.compute.cluster`) creates the workers and hands out their handles.
+`dapo_core.compute.signals`, and after the handle's `timeout_s`, `trainer.stage_timeout_s`, with
+`WorkerHung`; an in-process call cannot time out: it runs in the caller). `proxy(handle, ActorWorker)` is
+typed as the worker class, so calls are checked against it (and block); `submit(...)` starts one without
+waiting (a `Future`). `Cluster` (`dapo_core.compute.cluster`) creates the workers and hands out their handles.
 """
 
 from __future__ import annotations
@@ -15,10 +16,26 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, TypeVar, cast
 
 from dapo_core.compute.signals import _ray_get
+from dapo_core.errors import DapoUserError
 
 T = TypeVar("T")
 R = TypeVar("R")
 P = ParamSpec("P")
+
+
+class WorkerHung(DapoUserError, TimeoutError):
+    """A call to a Ray worker made no progress (did not return) within its handle's `timeout_s`
+    (`trainer.stage_timeout_s`): a hung collective, a rank stuck in I/O. The worker is left as it is; the
+    caller decides (the training flow kills and restarts the run's workers)."""
+
+    def __init__(self, role: str, method: str, timeout_s: float) -> None:
+        super().__init__(
+            f"worker '{role}' did not return from {method} within {timeout_s:g}s (trainer.stage_timeout_s)",
+            fix="find what it waits for (a hung collective, a stuck disk), or raise trainer.stage_timeout_s",
+        )
+        self.role = role
+        self.method = method
+        self.timeout_s = timeout_s
 
 
 @dataclass
@@ -33,6 +50,9 @@ class Handle:
     role: str
     ray_actor: Any = None
     local: Any = None
+    timeout_s: float | None = None
+    """How long `wait` waits for a Ray worker's result before raising `WorkerHung` (None: for ever; the
+    `Cluster` sets `trainer.stage_timeout_s` on the handles it owns)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -46,10 +66,15 @@ class Handle:
         with self._lock:  # in-process workers are not thread-safe; serialise calls like an actor would
             return getattr(self.local, method)(*args, **kwargs)
 
-    def wait(self, ref: Any) -> Any:
-        """Resolve a reference returned by `submit`."""
+    def wait(self, ref: Any, method: str = "a call") -> Any:
+        """Resolve a reference returned by `submit` (of `method`, named in a `WorkerHung`)."""
         if self.is_ray:
-            return _ray_get(ref)
+            try:
+                return _ray_get(ref, timeout=self.timeout_s)
+            except TimeoutError as exc:
+                if self.timeout_s is None or type(exc) is not TimeoutError:  # the worker's own error
+                    raise
+                raise WorkerHung(self.role, method, self.timeout_s) from None
         return ref
 
     def passable(self, ref: Any) -> Any:
@@ -66,13 +91,15 @@ class Handle:
 class Future(Generic[R]):
     """The pending result of a worker call started with `submit`; `result()` waits for it."""
 
-    def __init__(self, handle: Handle, ref: Any) -> None:
+    def __init__(self, handle: Handle, ref: Any, method: str = "a call") -> None:
         self._handle = handle
         self._ref = ref
+        self._method = method
 
     def result(self) -> R:
-        """Block until the call has finished and return its result (the worker's exception is raised here)."""
-        return cast(R, self._handle.wait(self._ref))
+        """Block until the call has finished and return its result (the worker's exception is raised here; a
+        Ray worker that does not return within the handle's `timeout_s` is a `WorkerHung`)."""
+        return cast(R, self._handle.wait(self._ref, self._method))
 
 
 class _RemoteMethod:
@@ -83,7 +110,7 @@ class _RemoteMethod:
         self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.handle.wait(self.handle.submit(self.name, *args, **kwargs))
+        return self.handle.wait(self.handle.submit(self.name, *args, **kwargs), self.name)
 
     def __repr__(self) -> str:
         return f"<method {self.name} of worker '{self.handle.role}'>"
@@ -139,4 +166,4 @@ def submit(method: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> Futu
         raise TypeError(
             f"submit() takes a method of a worker proxy (e.g. rt.rollout.generate), not {method!r}"
         )
-    return Future(method.handle, method.handle.submit(method.name, *args, **kwargs))
+    return Future(method.handle, method.handle.submit(method.name, *args, **kwargs), method.name)

@@ -96,6 +96,8 @@ _OPTIONAL_POSITIVE_INTS = (
 
 _POSITIVE_FLOATS: dict[str, str] = {
     "reward_model.timeout_s": "the seconds one scoring call may take (0 would fail every reward); e.g. 10",
+    "trainer.restart_window_s": "the seconds over which trainer.max_restarts counts restarts; e.g. 3600",
+    "trainer.restart_wait_s": "the seconds a restart waits for its new workers to start; e.g. 600",
 }
 """Duration/size keys that must be a finite number > 0 (key -> what it is, with a typical value)."""
 
@@ -150,6 +152,26 @@ def _async_problems(c: dict) -> list[str]:
             "against the policy that sampled them — set rollout_is=token (truncated importance sampling, "
             "rollout_is_threshold 2.0; with the recomputed old log-probs this is the decoupled objective; "
             "add bypass_mode=true to skip that forward), or trainer.max_staleness=0."
+        )
+    return errs
+
+
+def _restart_problems(tr: dict, warns: list[str]) -> list[str]:
+    """Automatic restarts and hang detection: a whole number of restarts >= 0, a stage timeout >= 0 (0: off);
+    a warning where they cannot act (in-process workers are the driver's own process)."""
+    errs = []
+    if not isinstance(tr["max_restarts"], int) or tr["max_restarts"] < 0:
+        errs.append(
+            f"trainer.max_restarts: {tr['max_restarts']!r} must be a whole number >= 0 (0: no restarts)."
+        )
+    timeout = tr["stage_timeout_s"]
+    if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
+        errs.append(f"trainer.stage_timeout_s: {timeout!r} must be a finite number >= 0 (0: no limit).")
+    if not tr["use_ray"] and (tr["max_restarts"] or timeout):
+        warns.append(
+            "trainer.max_restarts / trainer.stage_timeout_s act on Ray workers only; with "
+            "trainer.use_ray=false the workers run in the driver's process, whose death or hang no restart "
+            "can catch."
         )
     return errs
 
@@ -416,6 +438,7 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
         errs.append(
             "trainer.resume_from_path: required for resume_mode=resume_path — give a checkpoint folder."
         )
+    errs.extend(_restart_problems(tr, warns))
     bad_loggers = [x for x in tr["logger"] if x not in ("console", "jsonl", "tensorboard")]
     if bad_loggers:
         errs.append(f"trainer.logger: {bad_loggers} not available — use console, jsonl, tensorboard.")

@@ -22,6 +22,7 @@ from dapo_core.algo.losses import ActorLoss, PolicyLossParams, agg_loss
 from dapo_core.compute import dist as dpd
 from dapo_core.compute.engines.ppo import ppo_update
 from dapo_core.compute.engines.train import TrainEngine, make_train_engine
+from dapo_core.compute.faults import fault_point
 from dapo_core.compute.lora import LoraSpec
 from dapo_core.compute.microbatch import grouped_order, token_budget_split
 from dapo_core.config import ActorConfig, RolloutCorrectionConfig, section
@@ -168,6 +169,7 @@ def _ref_stage(
 ) -> tuple[str, dict[str, float]]:
     """The ref stage: `compute` on the view at `job.input_uri`, committed by this worker (rank 0; the other
     ranks compute their share and return ("", {}))."""
+    fault_point(job.root, job.stage, job.step)
     if dp is not None and dp.rank != 0:
         compute(job.read())
         return "", {}
@@ -316,6 +318,7 @@ class ActorWorker:
         flow runs the stage only when told to, or before the actor trains) π_old stays the rollout's
         log-probs and the forward gives the entropy. With data-parallel ranks, rank 0 commits the stage and
         returns its URI; the other ranks return ("", {})."""
+        fault_point(job.root, job.stage, job.step)
         rank = self.dp.rank if self.dp is not None else 0
         if rank != 0:
             self.compute_log_prob(job.read(), True)
@@ -333,6 +336,7 @@ class ActorWorker:
 
     def update_actor_from(self, root: str, uri: str, global_steps: int) -> dict[str, float]:
         """`update_actor` on the batch this worker reads from the run store at `uri` (run folder `root`)."""
+        fault_point(root, "update_actor", global_steps)
         return self.update_actor(stage_files(root).read_uri(uri), global_steps)
 
     # -- update ----------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from dapo_core.compute.engines.train import (
     enable_gradient_checkpointing,
     lr_lambda_for,
 )
+from dapo_core.compute.faults import fault_point
 from dapo_core.compute.microbatch import pack_rows, row_token_costs, token_budget_split
 from dapo_core.compute.models import load_model
 from dapo_core.compute.varlen_attention import packed_attention
@@ -256,6 +257,7 @@ class CriticWorker:
     def values_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
         """`compute_values` on the view at `job.input_uri`, committed by this worker (rank 0; the other
         ranks compute their share and return ("", {}))."""
+        fault_point(job.root, job.stage, job.step)
         if self.dp is not None and self.dp.rank != 0:
             self.compute_values(job.read())
             return "", {}
@@ -263,6 +265,7 @@ class CriticWorker:
 
     def update_critic_from(self, root: str, uri: str, global_steps: int) -> dict[str, float]:
         """`update_critic` on the batch this worker reads from the run store at `uri` (run folder `root`)."""
+        fault_point(root, "update_critic", global_steps)
         return self.update_critic(stage_files(root).read_uri(uri), global_steps)
 
     def update_critic(self, table: pa.Table, global_steps: int) -> dict[str, float]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from dapo_core.compute.faults import fault_point
 from dapo_core.compute.models import load_tokenizer
 from dapo_core.data import batch as B
 from dapo_core.errors import DapoUserError
@@ -97,6 +98,7 @@ class RewardWorker:
 
     def score_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:
         """`score` the generation at `job.input_uri`, committed by this worker as `job.stage`."""
+        fault_point(job.root, job.stage, job.step)
         return run_job(job, self.score)
 
     def validation_stage(self, job: StageJob) -> tuple[str, dict[str, float]]:

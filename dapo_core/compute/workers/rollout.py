@@ -25,6 +25,7 @@ import pyarrow as pa
 import torch
 
 from dapo_core.compute.engines.rollout import SamplingParams, make_rollout_engine
+from dapo_core.compute.faults import fault_point
 from dapo_core.compute.heap import trim_heap
 from dapo_core.data import batch as B
 from dapo_core.errors import DapoUserError
@@ -114,6 +115,7 @@ class RolloutWorker:
     ) -> tuple[str, dict[str, float]]:
         """`generate` on the prompts at `job.input_uri` (only the rows at positions `rows`, in that order,
         when given), committed by this worker as `job.stage`; returns its URI and the generation metrics."""
+        fault_point(job.root, job.stage, job.step)
         self.check_version(expect_version)
 
         def compute(table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
