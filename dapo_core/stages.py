@@ -87,6 +87,19 @@ def truncate_to_groups(table: pa.Table, num_groups: int, n: int) -> tuple[pa.Tab
     return table.slice(0, min(rows, table.num_rows)), max(have - num_groups, 0)
 
 
+def truncated_rows(table: pa.Table) -> np.ndarray:
+    """(B,) bool: the rows whose generation stopped at `data.max_response_length` (`finish_reason` "length"),
+    the samples that overlong filtering (`actor_rollout_ref.actor.mask_truncated_responses`) leaves out of
+    the loss."""
+    if "finish_reason" not in table.column_names:
+        raise KeyError(
+            "actor_rollout_ref.actor.mask_truncated_responses=true needs the generate stage's "
+            f"`finish_reason` column; the batch has only {sorted(table.column_names)}"
+        )
+    reasons = table.column("finish_reason").to_numpy(zero_copy_only=False)
+    return np.asarray(reasons == "length", dtype=bool)
+
+
 def place_scalar_at_last_token(
     values: Sequence[float], lengths: Sequence[int] | np.ndarray, width: int
 ) -> torch.Tensor:
@@ -111,12 +124,16 @@ def compute_advantage_table(
     kl_penalty_kind: str = "kl",
     rollout_correction: Mapping[str, Any] | None = None,
     extra_kwargs: Mapping[str, Any] | None = None,
+    mask_truncated_responses: bool = False,
 ) -> tuple[pa.Table, dict[str, float]]:
     """The advantage stage: token rewards (− β·KL), rollout correction (IS weights, RS mask),
     advantages/returns.
 
     Order as the reference trainer: KL-in-reward, then rollout correction (its RS mask zeroes advantages of
     rejected tokens; group statistics still use the unmasked scores), then the estimator grouped by `uid`.
+    With `mask_truncated_responses` (the DAPO paper's overlong filtering), the rows that `truncated_rows`
+    names get an all-zero `response_mask` after KL-in-reward and before rollout correction: their rewards
+    still enter the group statistics, but no loss (actor, critic) and no IS normalisation counts their tokens.
     """
     metrics: dict[str, float] = {}
     cols = [
@@ -138,6 +155,9 @@ def compute_advantage_table(
             scores, old, t["ref_log_probs"], mask, kl_ctrl, kl_penalty_kind
         )
         metrics.update(kl_metrics)
+    if mask_truncated_responses:
+        keep = torch.from_numpy(~truncated_rows(table))
+        mask = mask * keep.to(mask.dtype).unsqueeze(-1)
     weights = None
     if rollout_correction and "rollout_log_probs" in t and "old_log_probs" in t:
         from dapo_core.algo.rollout_correction import RolloutCorrection, apply_rollout_correction

@@ -78,7 +78,8 @@ def _advantage(table: pa.Table, kl_ctrl: Any, **kwargs: Any) -> tuple[pa.Table, 
 
 @task(name="advantage", task_run_name=run_name("advantage"), **_OPTS)
 def advantage(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
-    """Token rewards (KL in reward), rollout correction, and advantages by the configured estimator."""
+    """Token rewards (KL in reward), overlong filtering, rollout correction, and advantages by the configured
+    estimator."""
     rt = runtime.get(run_id)
     alg = rt.cfg.algorithm
     rc = alg.rollout_correction
@@ -94,6 +95,7 @@ def advantage(run_id: str, step: int, in_uri: str, part: int | None = None) -> S
         use_kl_in_reward=alg.use_kl_in_reward,
         kl_penalty_kind=alg.kl_penalty,
         rollout_correction=asdict(rc) if enabled else None,
+        mask_truncated_responses=rt.cfg.actor_rollout_ref.actor.mask_truncated_responses,
     )
     stage = stage_name("advantage", part)
     replayed = rt.store.is_committed(step, stage)  # a committed stage is replayed: the coefficient stays

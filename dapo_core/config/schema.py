@@ -342,6 +342,8 @@ class ActorConfig:
     """Aggregation: token-mean|token-sum|seq-mean-token-sum|seq-mean-token-mean|seq-mean-token-sum-norm."""
     loss_scale_factor: float | None = None
     """Divisor of seq-mean-token-sum-norm; null = padded response length."""
+    mask_truncated_responses: bool = False
+    """DAPO overlong filtering: rows cut at max_response_length (finish_reason length) get no loss tokens."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus."""
     use_kl_loss: bool = False
