@@ -1,11 +1,14 @@
 """LoRA adapters on a training engine's HF model, built with `peft` (verl's `actor_rollout_ref.model.lora_*`).
 
 `add_lora` injects the adapters into the model in place (its modules gain `base_layer` / `lora_A` / `lora_B`
-children) and freezes every other weight, so only the adapters get gradients and optimizer state. The rest
-works on that model:
-- `merged_tensors`: the weights under the base model's own names, each adapted linear weight merged as
-  `W + B·A·lora_alpha/lora_rank` into a new tensor (the base weight is never modified), for a weight push and
-  the HF export;
+children) and freezes every other weight, so only the adapters get gradients and optimizer state;
+`add_lora_on_meta` does the same to a model built on the meta device (the FSDP2 engine) and returns the
+adapters' initial values, the ones `add_lora` would give from the same RNG state. The rest works on that
+model, a sharded one too (`Shards`: a rank's rows and the gathers of a dim-0 sharded model; its gathers are
+collectives, every rank calls in the same order):
+- `merged_tensors`: the weights under the base model's own names (`hf_name`), each adapted linear weight
+  merged as `W + B·A·lora_alpha/lora_rank` into a new tensor (the base weight is never modified), for a weight
+  push and the HF export;
 - `adapter_state` / `load_adapter_state`: the adapter tensors alone (a checkpoint's
   `adapter_model.safetensors`); `save_adapter`: the adapter-only export in peft's format
   (`adapter_config.json` + `adapter_model.safetensors`);
@@ -30,12 +33,18 @@ __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_SUBDIR",
     "ADAPTER_WEIGHTS",
+    "LORA_STRATEGIES",
+    "WHOLE",
     "LoraSpec",
+    "Shards",
     "adapter_state",
     "adapters_disabled",
     "add_lora",
+    "add_lora_on_meta",
     "check_strategy",
+    "hf_name",
     "load_adapter_state",
+    "merged_state_dict",
     "merged_tensors",
     "save_adapter",
 ]
@@ -50,6 +59,34 @@ itself: transformers' `from_pretrained` applies an `adapter_config.json` it find
 which would add the adapter a second time to the merged weights."""
 
 _KEY = "actor_rollout_ref.model"
+
+LORA_STRATEGIES = ("torch", "fsdp", "fsdp2")
+"""The `actor.strategy` values whose training engine builds adapters ("fsdp" is the torch engine's alias)."""
+
+
+class Shards:
+    """How a model's parameters are split over ranks, dim 0 each (FSDP2); this base class is the unsharded
+    model, where a tensor is its own rows and its own whole."""
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the sharded tensor `t`."""
+        return t
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of the sharded `t` (a gather)."""
+        return t
+
+    def full_from_local(self, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The whole tensor whose rows on each rank are that rank's `rows`, split as `like` (a gather)."""
+        return rows
+
+    def rows(self, whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of `whole`, a tensor split as `like`."""
+        return whole
+
+
+WHOLE = Shards()
+"""The unsharded model's `Shards`."""
 
 
 @dataclass(frozen=True)
@@ -92,16 +129,17 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
-def check_strategy(strategy: str, spec: LoraSpec, builds_adapters: bool) -> None:
-    """Refuse LoRA on a training engine that does not build adapters (`builds_adapters` false), in one
-    paragraph naming the strategy that does."""
-    if not builds_adapters:
+def check_strategy(strategy: str, spec: LoraSpec) -> None:
+    """Refuse LoRA on a training engine that does not build adapters (not in `LORA_STRATEGIES`), in one
+    paragraph naming the strategies that do."""
+    if strategy not in LORA_STRATEGIES:
         raise ConfigError(
-            f"{_KEY}.lora_rank={spec.rank} asks for LoRA adapters, which only the torch training engine "
-            f"builds so far, and actor_rollout_ref.actor.strategy={strategy!r}",
+            f"{_KEY}.lora_rank={spec.rank} asks for LoRA adapters, which the torch and fsdp2 training "
+            f"engines build and actor_rollout_ref.actor.strategy={strategy!r} does not",
             where="actor_rollout_ref.actor.strategy",
-            fix="set actor_rollout_ref.actor.strategy=torch (one process, CPU or one GPU) for LoRA, or "
-            "lora_rank=0 to train every weight with this strategy",
+            fix="set actor_rollout_ref.actor.strategy=fsdp2 (sharded over the data-parallel ranks) or "
+            "strategy=torch (one process, CPU or one GPU) for LoRA, or lora_rank=0 to train every weight "
+            "with this strategy",
         )
 
 
@@ -166,32 +204,94 @@ def add_lora(model: torch.nn.Module, spec: LoraSpec) -> Any:
     return peft_model
 
 
+def add_lora_on_meta(model: torch.nn.Module, spec: LoraSpec) -> tuple[Any, dict[str, torch.Tensor]]:
+    """`add_lora` on a model whose parameters are on the meta device: the adapters end up on the meta device
+    too (to be sharded and allocated with the rest), and their initial values are returned, keyed by the
+    adapter's parameter name in `model` (`...q_proj.lora_A.default.weight`), on the CPU in the base layer's
+    dtype. peft creates and initialises each adapter on the CPU from torch's global RNG before moving it to
+    its base layer's device; the values are taken just before that move, so they are bitwise the ones
+    `add_lora` gives a real model from the same RNG state."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    taken: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+
+    def take_then_move(self: Any, adapter_name: str, device: torch.device | None = None) -> None:
+        values = taken.setdefault((id(self), adapter_name), {})
+        for layer_name in self.adapter_layer_names:
+            layer = getattr(self, layer_name, None)
+            if isinstance(layer, (torch.nn.ModuleDict, torch.nn.ParameterDict)) and adapter_name in layer:
+                item = layer[adapter_name]
+                named = item.named_parameters() if isinstance(item, torch.nn.Module) else [("", item)]
+                for pname, p in named:
+                    key = f"{layer_name}.{adapter_name}" + (f".{pname}" if pname else "")
+                    if p.device.type != "meta" and key not in values:
+                        values[key] = p.detach().clone()
+        move(self, adapter_name, device)
+
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = take_then_move  # type: ignore[method-assign]
+    try:
+        peft_model = add_lora(model, spec)
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = move  # type: ignore[method-assign]
+    init: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if not _is_lora_layer(module):
+            continue
+        dtype = module.get_base_layer().weight.dtype
+        for adapter in module.lora_A:
+            for key, value in taken.get((id(module), adapter), {}).items():
+                init[f"{name}.{key}"] = value.to(dtype) if value.is_floating_point() else value
+    params = {n for n, p in model.named_parameters() if p.requires_grad}
+    if set(init) != params:
+        missing = sorted(params - set(init))[:3]
+        raise RuntimeError(f"peft created adapter parameters {missing} without initialising them on the CPU")
+    return peft_model, init
+
+
 def _is_lora_layer(module: torch.nn.Module) -> bool:
     from peft.tuners.lora import LoraLayer
 
     return isinstance(module, LoraLayer)
 
 
-def _base_name(name: str) -> str:
-    """The base model's name of a parameter inside an adapted module (`x.base_layer.weight` -> `x.weight`)."""
+def hf_name(name: str) -> str | None:
+    """The base model's name of a parameter of the LoRA-injected model (`x.base_layer.weight` -> `x.weight`,
+    other names unchanged); None for an adapter parameter (`lora_A`, `lora_B`), which the base model lacks."""
+    if ".lora_" in name:
+        return None
     return name.replace(".base_layer.", ".")
 
 
-def _delta(module: Any, adapter: str) -> torch.Tensor:
-    """B·A·scaling of `module`'s `adapter`, in float32 at least (the merge rounds once, to the weight's
-    dtype)."""
-    a = module.lora_A[adapter].weight
-    b = module.lora_B[adapter].weight
-    dtype = torch.promote_types(a.dtype, torch.float32)
-    delta = (b.detach().to(dtype) @ a.detach().to(dtype)) * float(module.scaling[adapter])
-    return delta.T if getattr(module, "fan_in_fan_out", False) else delta
+def _base_name(name: str) -> str:
+    return name.replace(".base_layer.", ".")
 
 
-def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | str]]:
+def _delta(module: Any, adapter: str, shards: Shards, like: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of B·A·scaling of `module`'s `adapter` (rows split as the base weight `like`), in
+    float32 at least: the rows of B times the whole A (B and the weight share dim 0), or, for a
+    `fan_in_fan_out` layer, the rows of the whole (B·A)ᵀ."""
+    a_w = module.lora_A[adapter].weight.detach()
+    b_w = module.lora_B[adapter].weight.detach()
+    dtype = torch.promote_types(a_w.dtype, torch.float32)
+    scaling = float(module.scaling[adapter])
+    if getattr(module, "fan_in_fan_out", False):
+        whole = (shards.full(b_w).to(dtype) @ shards.full(a_w).to(dtype)) * scaling
+        return shards.rows(whole.T, like)
+    return (shards.local(b_w).to(dtype) @ shards.full(a_w).to(dtype)) * scaling
+
+
+def merged_tensors(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, shards: Shards = WHOLE
+) -> Iterator[tuple[str, torch.Tensor | str]]:
     """The weights of the LoRA-injected HF `model` under the base model's names, as `distinct_tensors`
     yields them (a tied name is given as the earlier name): an adapted linear layer's weight is a new tensor
-    `W + B·A·scaling` (in the weight's dtype, summed in float32), every other weight the model's own
-    (detached); no `lora_A` / `lora_B` tensor is listed."""
+    `W + B·A·scaling` (summed in float32, rounded to the weight's dtype), every other weight the model's own
+    (detached); each cast to `dtype` when given, and no `lora_A` / `lora_B` tensor is listed.
+
+    On a sharded model (`shards`; every rank must iterate, in the same order) each rank merges its own rows
+    (its rows of W and B, the whole A) and the merged rows are gathered after the cast, so a gather moves
+    `dtype` bytes; the values equal merging the whole model (up to the summation order inside B·A)."""
     owners = {n: m for n, m in model.named_modules() if _is_lora_layer(m)}
     for name, value in distinct_tensors(model.state_dict(keep_vars=True).items()):
         if ".lora_" in name:
@@ -201,32 +301,37 @@ def merged_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor |
             continue
         owner, _, leaf = name.rpartition(".base_layer.")
         module = owners.get(owner) if leaf == "weight" else None
-        if module is None:
-            yield _base_name(name), value.detach()
-            continue
-        active = [a for a in module.active_adapters if a in module.lora_A]
         w = value.detach()
-        merged = w.to(torch.promote_types(w.dtype, torch.float32))
-        for a in active:
-            merged = merged + _delta(module, a)
-        yield _base_name(name), merged.to(w.dtype)
+        if module is None:
+            if dtype is not None and w.is_floating_point() and w.dtype != dtype:
+                w = w.to(dtype)
+            yield _base_name(name), shards.full(w)
+            continue
+        rows = shards.local(w)
+        merged = rows.to(torch.promote_types(rows.dtype, torch.float32))
+        for a in (a for a in module.active_adapters if a in module.lora_A):
+            merged = merged + _delta(module, a, shards, w)
+        merged = merged.to(w.dtype)  # rounded once to the weight's dtype, then cast as any weight is
+        if dtype is not None:
+            merged = merged.to(dtype)
+        yield _base_name(name), shards.full_from_local(merged, w)
 
 
-def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: torch.nn.Module, shards: Shards = WHOLE) -> dict[str, torch.Tensor]:
     """`merged_tensors` as a state dict (tied names share the earlier tensor)."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in merged_tensors(model):
+    for name, t in merged_tensors(model, shards=shards):
         out[name] = out[t] if isinstance(t, str) else t
     return out
 
 
-def adapter_state(peft_model: Any) -> dict[str, torch.Tensor]:
-    """The adapter tensors under peft's saved names (`base_model.model.<module>.lora_A.weight`), detached
-    contiguous copies on the CPU."""
+def adapter_state(peft_model: Any, shards: Shards = WHOLE) -> dict[str, torch.Tensor]:
+    """The adapter tensors under peft's saved names (`base_model.model.<module>.lora_A.weight`), whole
+    (gathered on a sharded model: a collective), detached contiguous copies on the CPU."""
     from peft import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(peft_model)
-    return {k: v.detach().contiguous().cpu().clone() for k, v in state.items()}
+    return {k: shards.full(v.detach()).contiguous().cpu().clone() for k, v in state.items()}
 
 
 def load_adapter_state(peft_model: Any, folder: str | Path) -> None:
@@ -260,16 +365,20 @@ def load_adapter_state(peft_model: Any, folder: str | Path) -> None:
             params[live].copy_(t)
 
 
-def save_adapter(peft_model: Any, out_dir: str | Path) -> Path:
+def save_adapter(
+    peft_model: Any, out_dir: str | Path, state: Mapping[str, torch.Tensor] | None = None
+) -> Path:
     """The adapter-only export in peft's format: `adapter_config.json` + `adapter_model.safetensors` (loadable
-    with `peft.PeftModel.from_pretrained(base, out_dir)`)."""
+    with `peft.PeftModel.from_pretrained(base, out_dir)`); `state` the adapter tensors when given (a sharded
+    model's, gathered by `adapter_state(peft_model, shards)`), else `adapter_state(peft_model)`."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = peft_model.peft_config[peft_model.active_adapter]
     config.save_pretrained(str(out))
-    save_file(adapter_state(peft_model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    tensors = dict(state) if state is not None else adapter_state(peft_model)
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return out
 
 

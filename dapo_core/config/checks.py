@@ -178,8 +178,8 @@ def _restart_problems(tr: dict, warns: list[str]) -> list[str]:
 
 def _lora_problems(model: dict, strategy: str) -> list[str]:
     """LoRA keys of `actor_rollout_ref.model`: a rank >= 0, a positive alpha, `target_modules` all-linear or
-    a list of names, and a training engine that builds adapters (torch). Whether the names match modules of
-    the model is checked when the model is loaded (`dapo_core.compute.lora`)."""
+    a list of names, and a training engine that builds adapters (torch, fsdp2). Whether the names match
+    modules of the model is checked when the model is loaded (`dapo_core.compute.lora`)."""
     key = "actor_rollout_ref.model"
     rank, alpha, targets = model["lora_rank"], model["lora_alpha"], model["target_modules"]
     errs = []
@@ -203,12 +203,12 @@ def _lora_problems(model: dict, strategy: str) -> list[str]:
         errs.append(
             f"{key}.exclude_modules: {excl!r} must be null, a regex string or a list of module names."
         )
-    if strategy != "torch":
+    if strategy not in ("torch", "fsdp", "fsdp2"):  # dapo_core.compute.lora.LORA_STRATEGIES
         errs.append(
-            f"{key}.lora_rank: {rank} asks for LoRA adapters, which only the torch training engine builds so "
-            f"far, and actor_rollout_ref.actor.strategy={strategy!r} — set "
-            "actor_rollout_ref.actor.strategy=torch (one process, CPU or one GPU) for LoRA, or lora_rank=0 "
-            "to train every weight with this strategy."
+            f"{key}.lora_rank: {rank} asks for LoRA adapters, which the torch and fsdp2 training engines "
+            f"build and actor_rollout_ref.actor.strategy={strategy!r} does not — set "
+            "actor_rollout_ref.actor.strategy=fsdp2 (sharded over the data-parallel ranks) or strategy=torch "
+            "(one process, CPU or one GPU) for LoRA, or lora_rank=0 to train every weight with this strategy."
         )
     return errs
 

@@ -12,6 +12,23 @@ Checkpoint written by `save(dir)`: per rank `model.rank<r>.safetensors` (its par
 `fsdp2.json` (world size, each parameter's global shape and each rank's rows) and a full HF export written
 by rank 0 (`model.safetensors`, config, tokenizer) for evaluation. Resuming needs the same world size.
 docs/ARCHITECTURE.md (Engines) says why FSDP2 rather than ZeRO-3.
+
+LoRA (`lora=LoraSpec`, `dapo_core.compute.lora`): the peft adapters are injected into the meta model before
+sharding, so each adapted decoder layer's FSDP unit holds its frozen base weights and its `lora_A` / `lora_B`
+together, and FSDP2 shards the adapters with their layer (dim 0, like every parameter) rather than
+replicating them: FSDP2 keeps one sharded parameter per original, each with its own `requires_grad`, gathers a
+unit's frozen and trainable parameters in one all-gather and reduce-scatters only the gradients that exist.
+Sharding keeps the adapters' gradients and AdamW state at 1/dp per rank (a 32B model's all-linear adapters at
+rank 64 are 0.54 B parameters: 8.6 GB of float32 weights, gradients and AdamW moments if replicated) and
+needs no gradient all-reduce of our own. Every rank initialises the whole adapters on the CPU from the seeded
+RNG exactly as the torch engine does (`lora.add_lora_on_meta`) and keeps its rows, so dp ranks equal one
+torch-engine process. Only the adapters reach the optimizer. The base rows are read under the HF names
+(`q_proj.base_layer.weight` from `q_proj.weight`). `ref_mode` disables the adapters (the reference policy).
+A weight push and the HF export send `W + B·A·alpha/r` under the base names (`lora.merged_tensors`): each
+rank merges its own rows (its rows of W and B, the whole A, in float32) and the merged rows are gathered in
+the push dtype, so a push moves the bytes it moves without LoRA. The export adds the adapter-only peft folder
+`lora_adapter/`; a checkpoint's `model.rank<r>.safetensors` and `optim.rank<r>` hold the adapter shards and
+their AdamW state alone (the base is the model folder's).
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dapo_core.compute import dist as dpd
+from dapo_core.compute import lora as lora_lib
 from dapo_core.compute.engines.train import (
     TrainEngine,
     adamw_kwargs,
@@ -45,9 +63,12 @@ from dapo_core.errors import DapoUserError
 from dapo_core.seeding import get_rng_state, set_rng_state
 
 __all__ = [
+    "SHARDS",
+    "DTensorShards",
     "FSDP2TrainEngine",
     "ShardedCheckpointMismatch",
     "load_hf_shards",
+    "load_rows",
     "materialize",
     "parameters_on_meta",
 ]
@@ -116,14 +137,19 @@ def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
 @torch.no_grad()
 def load_hf_shards(model: torch.nn.Module, folder: Path, rank: int, size: int, prefix: str = "") -> None:
     """Copy rank `rank`'s rows (FSDP2's dim-0 shard of `size`) of every parameter of `model` from the HF
-    safetensors of `folder`, where parameter `name` is stored as `prefix + name`; only those rows are read."""
+    safetensors of `folder`, where parameter `name` is stored as `prefix + name`; only those rows are read.
+    In a LoRA-injected model the base weights are read under their HF names (`lora.hf_name`) and the
+    adapters, which the folder lacks, are left for `load_rows`."""
     from safetensors import safe_open
 
     where = _tensor_files(folder)
     handles: dict[Path, Any] = {}
     try:
         for name, p in model.named_parameters():
-            key = prefix + name
+            hf = lora_lib.hf_name(name)
+            if hf is None:
+                continue
+            key = prefix + hf
             if key not in where:
                 raise KeyError(f"{folder}: no tensor {key!r}; it was written for a different model")
             h = handles.get(where[key]) or handles.setdefault(
@@ -135,6 +161,44 @@ def load_hf_shards(model: torch.nn.Module, folder: Path, rank: int, size: int, p
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
+
+
+@torch.no_grad()
+def load_rows(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], rank: int, size: int) -> None:
+    """Copy rank `rank`'s rows of each whole tensor of `tensors` into the sharded parameter of that name."""
+    params = dict(model.named_parameters())
+    for name, t in tensors.items():
+        start, stop = _rows(t.shape[0], rank, size)
+        p = params[name]
+        (p.to_local() if isinstance(p, DTensor) else p).copy_(t[start:stop])
+
+
+class DTensorShards(lora_lib.Shards):
+    """`lora.Shards` of a model sharded by FSDP2: its parameters are DTensors (dim 0 over the mesh); a plain
+    tensor is treated as unsharded."""
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def full_from_local(self, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if not isinstance(like, DTensor):
+            return rows
+        return DTensor.from_local(
+            rows, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
+        ).full_tensor()
+
+    def rows(self, whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if not isinstance(like, DTensor):
+            return whole
+        rank, size = like.device_mesh.get_local_rank(), like.device_mesh.size()
+        start, stop = _rows(whole.shape[0], rank, size)
+        return whole[start:stop]
+
+
+SHARDS = DTensorShards()
 
 
 class FSDP2TrainEngine(TrainEngine):
@@ -154,11 +218,12 @@ class FSDP2TrainEngine(TrainEngine):
         gradient_checkpointing: bool = False,
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        lora: lora_lib.LoraSpec | None = None,
     ) -> None:
         """Shards in `dtype`; with `compute_dtype` set, FSDP2 gathers the shards in `compute_dtype` for
         forward and backward and reduce-scatters the gradients in `reduce_dtype`, which defaults to `dtype`
         (float32) whatever the compute dtype (`MixedPrecisionPolicy`; the optimizer steps the `dtype`
-        shards)."""
+        shards). `lora`: train LoRA adapters, sharded with their layers, on the frozen model."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.dp = dpd.current() or _single_process_group(device)
@@ -175,6 +240,12 @@ class FSDP2TrainEngine(TrainEngine):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        self.lora = lora
+        self.peft: Any = None
+        """The `peft.PeftModel` around `model` when LoRA is on (the adapters are inside `model`)."""
+        adapter_init: dict[str, torch.Tensor] = {}
+        if lora is not None:
+            self.peft, adapter_init = lora_lib.add_lora_on_meta(model, lora)
         mesh = init_device_mesh(self.device.type, (self.dp.size,))
         compute = None if compute_dtype in (None, dtype) else compute_dtype
         reduce = reduce_dtype or dtype
@@ -191,8 +262,10 @@ class FSDP2TrainEngine(TrainEngine):
         materialize(model, self.device)
         self.model = model
         load_hf_shards(model, self.model_path, self.dp.rank, self.dp.size)
+        load_rows(model, adapter_init, self.dp.rank, self.dp.size)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(optim_cfg))
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, **adamw_kwargs(optim_cfg))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda_for(optim_cfg, self.total_steps)
         )
@@ -227,8 +300,13 @@ class FSDP2TrainEngine(TrainEngine):
     # -- weights -----------------------------------------------------------------------------------------
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """Full weights under HF names on rank 0 (gathered one tensor at a time); {} on the other ranks.
-        A collective: every rank must call it."""
+        With LoRA the merged weights (tied names share a tensor). A collective: every rank must call it."""
         out: dict[str, torch.Tensor] = {}
+        if self.peft is not None:
+            for k, t in lora_lib.merged_tensors(self.model, shards=SHARDS):
+                if self.dp.rank == 0:
+                    out[k] = out[t] if isinstance(t, str) else t.to("cpu")
+            return out
         for k, v in self.model.state_dict().items():
             full = v.full_tensor() if isinstance(v, DTensor) else v
             if self.dp.rank == 0:
@@ -238,7 +316,11 @@ class FSDP2TrainEngine(TrainEngine):
     def iter_sync_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | str]]:
         """Each weight gathered from its shards one at a time (a collective: every rank iterates), in `dtype`
         when given (the shards are cast before the all-gather, so it moves `dtype` bytes); tied names as
-        the earlier name."""
+        the earlier name. With LoRA the merged weights under the base names: each rank merges its rows of an
+        adapted weight in float32 (`lora.merged_tensors`), casts them and the gather moves `dtype` bytes."""
+        if self.peft is not None:
+            yield from lora_lib.merged_tensors(self.model, dtype, SHARDS)
+            return
         for name, v in distinct_tensors(self.model.state_dict(keep_vars=True).items()):
             if isinstance(v, str):
                 yield name, v
@@ -248,18 +330,25 @@ class FSDP2TrainEngine(TrainEngine):
                 t = t.to(dtype)
             yield name, t.full_tensor() if isinstance(t, DTensor) else t
 
+    def ref_mode(self) -> contextlib.AbstractContextManager[Any]:
+        """The base model (adapters off) while open: the reference policy of a LoRA run."""
+        if self.peft is None:
+            return super().ref_mode()
+        return lora_lib.adapters_disabled(self.peft)
+
     def export_hf(self, out_dir: str | Path) -> Path:
         """Rank 0 writes the weights as an HF folder (config and tokenizer copied from the model path),
         streaming them into `model.safetensors` one gathered tensor at a time: no rank holds the whole model.
-        A collective."""
+        With LoRA the merged weights under the base names, and the adapter in peft's format in
+        `lora_adapter/`. A collective."""
         out = Path(out_dir)
         state = self.model.state_dict(keep_vars=True)
         tied = getattr(self.model.config, "tie_word_embeddings", False)
-        entries = [
-            (name, v.dtype, tuple(v.shape))
-            for name, v in distinct_tensors(state.items())
-            if not isinstance(v, str) and not (tied and name == "lm_head.weight")
-        ]
+        entries = []
+        for name, v in distinct_tensors(state.items()):
+            hf = lora_lib.hf_name(name)
+            if hf is not None and not isinstance(v, str) and not (tied and hf == "lm_head.weight"):
+                entries.append((hf, v.dtype, tuple(v.shape)))
         writer = StreamedSafetensors(out / "model.safetensors", entries) if self.dp.rank == 0 else None
         try:
             for name, t in self.iter_sync_tensors():
@@ -271,6 +360,10 @@ class FSDP2TrainEngine(TrainEngine):
             raise
         if writer is not None:
             writer.close()
+        if self.peft is not None:
+            adapter = lora_lib.adapter_state(self.peft, SHARDS)
+            if self.dp.rank == 0:
+                lora_lib.save_adapter(self.peft, out / lora_lib.ADAPTER_SUBDIR, adapter)
         if self.dp.rank == 0:
             self.model.config.save_pretrained(str(out))
             for name in (
@@ -290,8 +383,18 @@ class FSDP2TrainEngine(TrainEngine):
         return out
 
     # -- checkpoints -------------------------------------------------------------------------------------
+    def _checkpointed(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters a checkpoint holds: every one, or with LoRA the adapters alone."""
+        params = dict(self.model.named_parameters())
+        return params if self.peft is None else {n: p for n, p in params.items() if p.requires_grad}
+
+    @property
+    def _lora_rank(self) -> int:
+        return 0 if self.lora is None else self.lora.rank
+
     def save(self, out_dir: str | Path) -> Path:
-        """Every rank writes its shards and states; rank 0 the manifest and the full HF export."""
+        """Every rank writes its shards (with LoRA: of the adapters) and states; rank 0 the manifest and the
+        full HF export."""
         from safetensors.torch import save_file
 
         from dapo_core.store.state_files import save_state
@@ -300,7 +403,8 @@ class FSDP2TrainEngine(TrainEngine):
         out.mkdir(parents=True, exist_ok=True)
         r = self.dp.rank
         names = {id(p): n for n, p in self.model.named_parameters()}
-        shards = {n: self._local(p).detach().contiguous().cpu() for n, p in self.model.named_parameters()}
+        kept = self._checkpointed()
+        shards = {n: self._local(p).detach().contiguous().cpu() for n, p in kept.items()}
         save_file(shards, str(out / f"model.rank{r}.safetensors"))
         optim = {
             names[id(p)]: {
@@ -324,12 +428,13 @@ class FSDP2TrainEngine(TrainEngine):
             manifest = {
                 "engine": "fsdp2",
                 "world_size": self.dp.size,
+                "lora_rank": self._lora_rank,
                 "params": {
                     n: {
                         "shape": list(p.shape),
                         "rows": [list(_rows(p.shape[0], k, self.dp.size)) for k in range(self.dp.size)],
                     }
-                    for n, p in self.model.named_parameters()
+                    for n, p in kept.items()
                 },
             }
             (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -339,7 +444,8 @@ class FSDP2TrainEngine(TrainEngine):
 
     @torch.no_grad()
     def load(self, ckpt_dir: str | Path) -> None:
-        """Restore this rank's shards, optimizer state, scheduler, counters and RNG (same world size only)."""
+        """Restore this rank's shards (with LoRA: of the adapters; the frozen base is the model folder's),
+        optimizer state, scheduler, counters and RNG (same world size and lora_rank only)."""
         from safetensors.torch import load_file
 
         from dapo_core.store.state_files import load_state
@@ -363,10 +469,28 @@ class FSDP2TrainEngine(TrainEngine):
                     "or start a new run from the checkpoint's HF export (actor_rollout_ref.model.path)"
                 ),
             )
+        if int(man.get("lora_rank", 0)) != self._lora_rank:
+            raise ShardedCheckpointMismatch(
+                f"checkpoint {d} was written with actor_rollout_ref.model.lora_rank="
+                f"{man.get('lora_rank', 0)} and this run has lora_rank={self._lora_rank} (a LoRA checkpoint "
+                "holds only the adapters)",
+                where="actor_rollout_ref.model.lora_rank",
+                fix="set lora_rank (and lora_alpha, target_modules) as in the run that wrote it, or start a "
+                "new run from the checkpoint's merged HF export (actor_rollout_ref.model.path)",
+            )
         r = self.dp.rank
         shards = load_file(str(d / f"model.rank{r}.safetensors"))
+        kept = self._checkpointed()
+        if set(shards) != set(kept):
+            diff = sorted(set(shards) ^ set(kept))[:3]
+            raise ShardedCheckpointMismatch(
+                f"checkpoint {d} holds parameters that differ from this model's ({diff})",
+                where="actor_rollout_ref.model",
+                fix="set the model path and the LoRA keys (target_modules, exclude_modules) as in the run "
+                "that wrote it, or start a new run",
+            )
         params = dict(self.model.named_parameters())
-        for n, p in params.items():
+        for n, p in kept.items():
             self._local(p).copy_(shards[n])
         optim = load_state(d, f"optim.rank{r}")
         for n, st in optim.items():

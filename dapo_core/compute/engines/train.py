@@ -581,10 +581,10 @@ def make_train_engine(
         "dtype": dtype,
         "gradient_checkpointing": gradient_checkpointing,
     }
-    if lora is not None:  # LoRA adapters (`dapo_core.compute.lora`): the torch engine only
+    if lora is not None:  # LoRA adapters (`dapo_core.compute.lora`): the torch and fsdp2 engines
         from dapo_core.compute.lora import check_strategy
 
-        check_strategy(strategy, lora, TRAIN_ENGINES[strategy] == TRAIN_ENGINES["torch"])
+        check_strategy(strategy, lora)
         kwargs["lora"] = lora
     if strategy == "deepspeed":
         kwargs["deepspeed_cfg"] = deepspeed_cfg

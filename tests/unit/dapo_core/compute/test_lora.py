@@ -1,5 +1,6 @@
 """Tests for LoRA on the torch training engine: the config keys and their refusals, only adapters training,
-the reference through disabled adapters, the merged push / export and the adapter-only export."""
+the reference through disabled adapters, the merged push / export and the adapter-only export (the FSDP2
+engine's LoRA: engines/test_fsdp2_lora.py)."""
 
 from __future__ import annotations
 
@@ -89,16 +90,17 @@ def test_negative_rank_is_one_paragraph_naming_the_key():
     assert "actor_rollout_ref.model.lora_rank" in msg and "-4" in msg and ">= 0" in msg
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
-def test_lora_on_other_strategies_is_refused_naming_torch(strategy):
+def test_lora_on_deepspeed_is_refused_naming_the_strategies_that_build_adapters():
+    _config("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.strategy=fsdp2")  # accepted
     with pytest.raises(ConfigError) as ei:
-        _config("actor_rollout_ref.model.lora_rank=8", f"actor_rollout_ref.actor.strategy={strategy}")
+        _config("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.strategy=deepspeed")
     msg = str(ei.value)
-    assert "lora_rank" in msg and strategy in msg and "actor_rollout_ref.actor.strategy=torch" in msg
+    assert "lora_rank" in msg and "deepspeed" in msg
+    assert "actor_rollout_ref.actor.strategy=fsdp2" in msg and "strategy=torch" in msg
 
 
-def test_engine_refuses_lora_outside_torch(tiny_dir):
-    with pytest.raises(ConfigError, match="strategy=torch"):
+def test_engine_refuses_lora_outside_torch_and_fsdp2(tiny_dir):
+    with pytest.raises(ConfigError, match="strategy=fsdp2"):
         make_train_engine("deepspeed", tiny_dir, {"lr": 1e-3}, total_steps=1, grad_clip=1.0, lora=SPEC)
 
 
