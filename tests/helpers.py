@@ -343,6 +343,7 @@ def measure_actor_update(
     import pyarrow as pa
     import torch
 
+    from dapo_core.compute.lora import LoraSpec
     from dapo_core.compute.peak_memory import rss_bytes
     from dapo_core.compute.plan import make_plan
     from dapo_core.compute.workers.actor import ActorWorker
@@ -362,6 +363,7 @@ def measure_actor_update(
         gradient_checkpointing=bool(arr.model.enable_gradient_checkpointing),
         use_remove_padding=bool(arr.model.use_remove_padding),
         use_shared_prompt=bool(arr.model.use_shared_prompt),
+        lora=LoraSpec.from_model_config(arr.model),
     )
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 99, (rows, P + R), generator=g)

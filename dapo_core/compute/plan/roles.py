@@ -1,6 +1,8 @@
 """The plan of every role and of what they share: the actor, reference, critic and rollout tables, the GPU
 the roles share (colocated layouts), the host RAM of each node, and `make_plan`, which puts them together
-into a `MemoryPlan`."""
+into a `MemoryPlan`. With LoRA (`actor_rollout_ref.model.lora_rank > 0`) the actor holds the frozen base and
+the adapters' gradients and AdamW state, no reference role is planned (the actor computes the reference with
+its adapters off; an assumption line gives the role it saves) and the push carries the merged weights."""
 
 from __future__ import annotations
 
@@ -15,7 +17,16 @@ from dapo_core.compute.plan.formulas import (
     activation_bytes,
 )
 from dapo_core.compute.plan.layout import Layout, _layout_line, _opt, resolve_layout
-from dapo_core.compute.plan.shape import _DTYPE_NAMES, GiB, ModelShape, PlanError, _gib, resolve_shape
+from dapo_core.compute.plan.shape import (
+    _DTYPE_NAMES,
+    GiB,
+    LoraShape,
+    ModelShape,
+    PlanError,
+    _gib,
+    lora_shape,
+    resolve_shape,
+)
 from dapo_core.compute.plan.states import PROCESS_BYTES, _nccl_row, _place, _train_states
 from dapo_core.compute.plan.sync import SyncPlan, _push, _receiver_rows, _sender_rows, _sync_plan
 from dapo_core.compute.plan.tables import RolePlan, Row, _render_role
@@ -85,7 +96,7 @@ def make_plan(
 ) -> MemoryPlan:
     """The estimate of every role of the resolved config `cfg` (a DapoConfig): per GPU (per process on CPU)
     and per node's host RAM. `dp` is the what-if ZeRO world of the one-process engines (torch, DeepSpeed)."""
-    from dapo_core.config.loading import need_reference_policy, use_critic
+    from dapo_core.config.loading import need_ref_worker, need_reference_policy, use_critic
 
     if dp < 1:
         raise PlanError(f"--dp {dp} must be >= 1.")
@@ -104,9 +115,23 @@ def make_plan(
     else:
         assumptions.append("CPU: each role is one process; its rows are that process's resident memory")
     ckpt, packed = bool(arr.model.enable_gradient_checkpointing), bool(arr.model.use_remove_padding)
-    roles = [_actor_plan(cfg, s, lay, width, ckpt, packed, gpu_mem)]
-    if need_reference_policy(cfg):
+    lora = lora_shape(s, arr.model)
+    if lora is not None:
+        assumptions.append(
+            f"LoRA: rank {lora.rank} on {lora.adapted} linear layers, P_lora = Σ r·(in + out) = "
+            f"{lora.params:,} trained parameters; the {s.num_params:,} base weights frozen"
+        )
+    roles = [_actor_plan(cfg, s, lay, width, ckpt, packed, gpu_mem, lora)]
+    if need_ref_worker(cfg):
         roles.append(_ref_plan(cfg, s, lay, width, packed, gpu_mem))
+    elif need_reference_policy(cfg):
+        saved = _ref_plan(cfg, s, lay, width, packed, gpu_mem)
+        held = sum(r.bytes for r in saved.rows if not r.phase)
+        assumptions.append(
+            f"reference: the LoRA actor with its adapters off, no ref role (a reference model would hold "
+            f"{_gib(held)} per {'process' if lay.device == 'cpu' else 'GPU'} throughout, "
+            f"{_gib(saved.total)} at its peak)"
+        )
     if use_critic(cfg):
         roles.append(_critic_plan(cfg, s, lay, width, ckpt, gpu_mem))
     roles.append(_rollout_plan(cfg, s, lay, gpu_mem, width, assumptions))
@@ -119,18 +144,25 @@ def make_plan(
             if r.role != "rollout":
                 r.budget = None  # checked together on the shared GPU
     plan.hosts = _host_plans(cfg, s, lay, roles, host_mem)
-    plan.sync = _sync_plan(s, lay, _push(cfg, s, lay))
+    plan.sync = _sync_plan(s, lay, _push(cfg, s, lay), lora)
     return plan
 
 
 def _actor_plan(
-    cfg: Any, s: ModelShape, lay: Layout, width: int, ckpt: bool, packed: bool, gpu_mem: int | None
+    cfg: Any,
+    s: ModelShape,
+    lay: Layout,
+    width: int,
+    ckpt: bool,
+    packed: bool,
+    gpu_mem: int | None,
+    lora: LoraShape | None = None,
 ) -> RolePlan:
     arr = cfg.actor_rollout_ref
     actor, ro = arr.actor, arr.rollout
     n = int(ro.n)
     a = RolePlan("actor", budget=gpu_mem, procs_per_node=lay.per_node if lay.colocated else 1)
-    st = _train_states(s, lay, actor, params=s.num_params, trained=True)
+    st = _train_states(s, lay, actor, params=s.num_params, trained=True, lora=lora)
     _place(a, st, lay)
     scores = lay.device == "cpu"
     mini_rows = int(actor.ppo_mini_batch_size) * n
@@ -161,14 +193,15 @@ def _actor_plan(
         entropy=True,
         **common,  # type: ignore[arg-type]
     )
+    grads = "1 layer's adapter grads" if lora is not None else "1 layer's grads"
     per_pass = [
-        ("gathered layers", st.gathered, "FSDP: (2 layers + embedding + head)·b + 1 layer's grads"),
+        ("gathered layers", st.gathered, f"FSDP: (2 layers + embedding + head)·b + {grads}"),
         ("autocast copies", st.autocast, "P·2 B: autocast's bf16 casts of the weights, per pass"),
     ]
     for name, nbytes, formula in per_pass:
         if nbytes:
             a.rows.extend(Row(name, nbytes, formula, phase) for phase in ("update", "log-prob"))
-    _sender_rows(a, s, lay, _push(cfg, s, lay), st.weight_bytes)
+    _sender_rows(a, s, lay, _push(cfg, s, lay), st.weight_bytes, lora)
     return a
 
 

@@ -1,5 +1,6 @@
 """The model's shape (the sizes memory depends on), where the plan finds it, and byte sizes: `ModelShape`,
-`resolve_shape`, the built-in shapes, `parse_bytes` and the bytes per value of each dtype name."""
+`resolve_shape`, the built-in shapes, `parse_bytes` and the bytes per value of each dtype name; `LoraShape`,
+the LoRA adapters' sizes (`lora_shape`)."""
 
 from __future__ import annotations
 
@@ -176,6 +177,85 @@ def resolve_shape(cfg: Any, model_config: str | None = None) -> ModelShape:
         f"actor_rollout_ref.model.path={path!r} has no config.json here and is not a built-in shape "
         f"({sorted(BUILTIN_SHAPES)}); pass --model-config <its config.json>."
     )
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """The sizes of the LoRA adapters of `actor_rollout_ref.model`'s `lora_rank`, `target_modules` and
+    `exclude_modules` on a `ModelShape`: r·(in + out) per adapted linear layer."""
+
+    rank: int
+    params: int
+    """Adapter parameters of the whole model (A: r × in, B: out × r per adapted layer)."""
+    layer_params: int
+    """Adapter parameters of the decoder layer with the most."""
+    largest_adapted: int
+    """Elements of the largest adapted base weight (merged into a new tensor for a push)."""
+    adapted: int
+    """Adapted linear layers of the model."""
+    base_params: int
+    """Elements of the adapted base weights (merged with their adapters for a push)."""
+    a_params: int
+    """Elements of the A matrices (r × in each): what an FSDP2 rank gathers whole to merge its rows."""
+
+
+def _linears(s: ModelShape) -> dict[str, tuple[int, int]]:
+    """(in, out) of a decoder layer's linear layers by their module path below the layer."""
+    h, kv, i, q = s.hidden_size, s.kv_dim, s.intermediate_size, s.num_attention_heads * s.head_dim
+    return {
+        "self_attn.q_proj": (h, q),
+        "self_attn.k_proj": (h, kv),
+        "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (q, h),
+        "mlp.gate_proj": (h, i),
+        "mlp.up_proj": (h, i),
+        "mlp.down_proj": (i, h),
+    }
+
+
+def _matches(key: str, names: Any) -> bool:
+    """peft's module matching: a regex string matches the whole module path; a name of a list matches a
+    path equal to it or ending with `.name`."""
+    if isinstance(names, str):
+        return re.fullmatch(names, key) is not None
+    return any(key == n or key.endswith("." + n) for n in names)
+
+
+def lora_shape(s: ModelShape, model_cfg: Any) -> LoraShape | None:
+    """The adapters `lora.add_lora` builds for `model_cfg` (`actor_rollout_ref.model`) on `s`; None when
+    `lora_rank` is 0. `all-linear` is what peft makes of it: every linear layer of the decoder layers (q, k,
+    v, o, gate, up, down), not the LM head (peft leaves the output layer out) nor the embedding; a list
+    names modules as peft matches them, and may add `lm_head`."""
+    rank = int(getattr(model_cfg, "lora_rank", 0) or 0)
+    if rank <= 0:
+        return None
+    targets = getattr(model_cfg, "target_modules", "all-linear")
+    excl = getattr(model_cfg, "exclude_modules", None)
+    if not isinstance(targets, str):
+        targets = list(targets)
+    if excl is not None and not isinstance(excl, str):
+        excl = list(excl)
+    modules = {
+        f"model.layers.{layer}.{name}": dims
+        for layer in range(s.num_hidden_layers)
+        for name, dims in _linears(s).items()
+    }
+    modules["lm_head"] = (s.hidden_size, s.vocab_size)
+    per_layer: dict[str, int] = {}
+    total = largest = adapted = base = a_total = 0
+    for key, (n_in, n_out) in modules.items():
+        wanted = key != "lm_head" if targets == "all-linear" else _matches(key, targets)
+        if not wanted or (excl is not None and _matches(key, excl)):
+            continue
+        total += rank * (n_in + n_out)
+        largest = max(largest, n_in * n_out)
+        base += n_in * n_out
+        a_total += rank * n_in
+        adapted += 1
+        layer = key.rsplit(".", 2)[0] if key != "lm_head" else key
+        per_layer[layer] = per_layer.get(layer, 0) + rank * (n_in + n_out)
+    layer_max = max((v for k, v in per_layer.items() if k != "lm_head"), default=0)
+    return LoraShape(rank, total, layer_max, largest, adapted, base, a_total)
 
 
 def parse_bytes(text: str) -> int:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dapo_core.compute.plan.layout import Layout
-from dapo_core.compute.plan.shape import GiB, ModelShape
+from dapo_core.compute.plan.shape import GiB, LoraShape, ModelShape
 from dapo_core.compute.plan.tables import RolePlan, Row
 from dapo_core.compute.plan_advice import FSDP_STRATEGIES
 
@@ -52,7 +52,14 @@ def _mixed_bf16(section: Any) -> bool:
 
 
 def _train_states(
-    s: ModelShape, lay: Layout, section: Any, *, params: int, trained: bool, dtype_bytes: int = 4
+    s: ModelShape,
+    lay: Layout,
+    section: Any,
+    *,
+    params: int,
+    trained: bool,
+    dtype_bytes: int = 4,
+    lora: LoraShape | None = None,
 ) -> _States:
     """Rows of the weights, gradients and AdamW state of one rank under `lay.strategy` (and where they live).
 
@@ -62,8 +69,17 @@ def _train_states(
     in full while it runs (with the next one prefetched), float32 compute. Under bf16 mixed precision
     (`fsdp_config.mixed_precision.param_dtype`) the passes compute in 2 bytes: FSDP2 gathers bf16 layers,
     the torch engine's autocast holds a bf16 copy of every weight through a pass.
+
+    With `lora` (the torch and fsdp2 engines) the P base weights are frozen in the engine's dtype (float32:
+    neither engine casts them) beside the adapters' P_lora, and only the adapters have gradients and AdamW
+    state; FSDP2 shards the adapters with their layers and gathers a layer's adapters with it.
     """
     P, big, st = params, s.embedding_params, _States()
+    A = lora.params if lora is not None and trained else 0
+    LA = lora.layer_params if lora is not None and trained else 0
+    PA = f"(P + P_lora {A:,})" if A else "P"
+    G = "P_lora" if A else "P"
+    opt = A if A else P
     ds = section is not None and lay.strategy == "deepspeed" and hasattr(section, "deepspeed")
     fsdp = lay.strategy in FSDP_STRATEGIES and section is not None
     mixed = trained and _mixed_bf16(section) and not ds
@@ -77,12 +93,14 @@ def _train_states(
         st.dev.append(
             Row("load", big * wb // dp, f"meta device, then its rows of one tensor: V·h·{wb} B / dp", "load")
         )
-        st.dev.append(Row("weights", P * wb // dp, f"P·{wb} B / dp {dp}"))
+        st.dev.append(Row("weights", (P + A) * wb // dp, f"{PA}·{wb} B / dp {dp}"))
         if trained:
-            st.dev.append(Row("gradients", P * 4 // dp, f"P·4 B / dp {dp}"))
-            st.dev.append(Row("optimizer", P * 8 // dp, f"P·8 B (AdamW m + v) / dp {dp}"))
+            st.dev.append(Row("gradients", opt * 4 // dp, f"{G}·4 B / dp {dp}"))
+            st.dev.append(Row("optimizer", opt * 8 // dp, f"{G}·8 B (AdamW m + v) / dp {dp}"))
         head = 0 if s.tie_word_embeddings else big
-        st.gathered = (2 * s.layer_params + big + head) * gb + (s.layer_params * 4 if trained else 0)
+        layer = s.layer_params + LA
+        grads = (LA if A else s.layer_params) * 4 if trained else 0
+        st.gathered = (2 * layer + big + head) * gb + grads
         return st
     if ds and trained:
         d = section.deepspeed
@@ -135,13 +153,13 @@ def _train_states(
     wb = 4 if trained else dtype_bytes
     st.compute_bytes = st.weight_bytes = wb
     if mixed:
-        st.compute_bytes, st.autocast = 2, P * 2
+        st.compute_bytes, st.autocast = 2, (P + A) * 2
     if lay.device == "cuda":
         st.host.append(Row("load", P * wb, f"P·{wb} B: read into host RAM, then moved", "load"))
-    st.dev.append(Row("weights", P * wb, f"P·{wb} B" + ("" if trained else " (forward only)")))
+    st.dev.append(Row("weights", (P + A) * wb, f"{PA}·{wb} B" + ("" if trained else " (forward only)")))
     if trained:
-        st.dev.append(Row("gradients", P * 4, "P·4 B"))
-        st.dev.append(Row("optimizer", P * 8, "P·8 B (AdamW m + v)"))
+        st.dev.append(Row("gradients", opt * 4, f"{G}·4 B"))
+        st.dev.append(Row("optimizer", opt * 8, f"{G}·8 B (AdamW m + v)"))
     return st
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dapo_core.compute.plan.layout import Layout, _opt
-from dapo_core.compute.plan.shape import _DTYPE_NAMES, ModelShape, _gib
+from dapo_core.compute.plan.shape import _DTYPE_NAMES, LoraShape, ModelShape, _gib
+from dapo_core.compute.plan.states import FSDP_BYTES
 from dapo_core.compute.plan.tables import RolePlan, Row
 from dapo_core.compute.plan_advice import FSDP_STRATEGIES
 
@@ -106,15 +107,45 @@ def _alloc_formula(push: _Push, gpu: bool) -> str:
     return f"bucket {push.bucket >> 20} MiB" if gpu else f"touched pages: {_fill_formula(push)}"
 
 
-def _sender_rows(role: RolePlan, s: ModelShape, lay: Layout, push: _Push, weight_bytes: int) -> None:
+def _sender_rows(
+    role: RolePlan, s: ModelShape, lay: Layout, push: _Push, weight_bytes: int, lora: LoraShape | None = None
+) -> None:
     """The push's pass on an actor rank that sends (rank 0 of a broadcast; every rank of same_device links):
     the tensor in flight (FSDP2: its shard cast to the push dtype and all-gathered; one-process engines: a
     cast copy when the weights are not in the push dtype) and the bucket(s). On GPU they are device memory,
-    on CPU the process's."""
+    on CPU the process's. With LoRA the pushed weights are merged (`lora.merged_tensors`): an adapted weight
+    W + B·A in float32 beside its B·A, then cast to the push dtype (FSDP2: a rank's rows of them, then the
+    cast rows all-gathered); a weight without adapters travels as without LoRA."""
     b, gpu = push.dtype_bytes, lay.device == "cuda"
     if not gpu:
         role.rows.append(_link_row())
-    if lay.strategy in FSDP_STRATEGIES:
+    fsdp = lay.strategy in FSDP_STRATEGIES
+    if lora is not None:
+        dp, cast = lay.dp, b if weight_bytes != b else 0
+        if fsdp:
+            plain = s.largest_params * b + s.largest_params * b // dp
+            merged = lora.largest_adapted * b + lora.largest_adapted * (8 + b) // dp
+            formula = (
+                f"max(largest·{b}·(1 + 1/dp), largest adapted·({b} + (4 + 4 + {b})/dp)) B: a weight without "
+                "adapters cast and all-gathered; a rank's rows of an adapted one, W + B·A and B·A in "
+                "float32, cast, all-gathered"
+            )
+        else:
+            plain = s.largest_params * cast
+            merged = lora.largest_adapted * (8 + cast)
+            formula = (
+                f"max(largest·{cast}, largest adapted·(4 + 4 + {cast})) B: W + B·A and B·A in float32"
+                + (", cast to the push dtype" if cast else "")
+            )
+        role.rows.append(
+            Row(
+                "merged tensor",
+                max(plain, merged),
+                f"{formula} ({s.largest_params:,} and {lora.largest_adapted:,} values)",
+                "sync",
+            )
+        )
+    elif fsdp:
         role.rows.append(
             Row(
                 "gathered tensor",
@@ -257,10 +288,11 @@ class SyncPlan:
         return out
 
 
-def _sync_plan(s: ModelShape, lay: Layout, push: _Push) -> SyncPlan:
+def _sync_plan(s: ModelShape, lay: Layout, push: _Push, lora: LoraShape | None = None) -> SyncPlan:
     """Bytes and seconds of one push at the assumed bandwidths: the FSDP2 all-gather each rank takes part
-    in, then the links (same_device: every rank copies into its replica at once; broadcast: rank 0 sends once
-    to every replica)."""
+    in (with LoRA: the merged weights' rows and each adapter's A), then the links
+    (same_device: every rank copies into its replica at once; broadcast: rank 0 sends once to every replica).
+    The links carry the P merged weights, LoRA or not."""
     b, P = push.dtype_bytes, push.params
     sp = SyncPlan(push.kind, push.links, push.receivers, b, push.bucket, push.per_link)
     gpu, multi = lay.device == "cuda", lay.nnodes > 1
@@ -268,7 +300,20 @@ def _sync_plan(s: ModelShape, lay: Layout, push: _Push) -> SyncPlan:
         (NVLINK_BYTES_PER_S, "NVLINK_BYTES_PER_S") if gpu else (LOOPBACK_BYTES_PER_S, "LOOPBACK_BYTES_PER_S")
     )
     link = (NETWORK_BYTES_PER_S, "NETWORK_BYTES_PER_S") if multi else intra
-    if lay.strategy in FSDP_STRATEGIES and lay.dp > 1:
+    if lay.strategy in FSDP_STRATEGIES and lay.dp > 1 and lora is not None:
+        bw, name = link
+        wb = FSDP_BYTES
+        sp.lines.append(
+            SyncLine(
+                "all-gather per rank",
+                (lay.dp - 1) * (P * b + lora.a_params * wb) // lay.dp,
+                f"(dp−1)/dp·(P·{b} + A·{wb}) B = {lay.dp - 1}/{lay.dp}·({P:,}·{b} + {lora.a_params:,}·{wb}) "
+                "(FSDP2, the merged rows in the push dtype; each adapter's A whole, in the shards' dtype)",
+                bw,
+                name,
+            )
+        )
+    elif lay.strategy in FSDP_STRATEGIES and lay.dp > 1:
         bw, name = link
         sp.lines.append(
             SyncLine(

@@ -96,10 +96,13 @@ def _measure(overrides: list[str], what: str = "measure_actor_update") -> dict[s
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
+
+
 @pytest.mark.parametrize(
     "features",
-    [[f"{SHARED}=false"], MEMORY_ON, [f"{SHARED}=true"], [f"{SHARED}=true", f"{MIXED}=bf16"]],
-    ids=["padded", "ckpt+packed+budget", "shared prompt", "shared prompt, bf16 autocast"],
+    [[f"{SHARED}=false"], MEMORY_ON, [f"{SHARED}=true"], [f"{SHARED}=true", f"{MIXED}=bf16"], LORA],
+    ids=["padded", "ckpt+packed+budget", "shared prompt", "shared prompt, bf16 autocast", "lora"],
 )
 def test_estimate_is_within_tolerance_of_the_measured_cpu_peak(features):
     r = _measure(SHAPE + features)
@@ -243,6 +246,67 @@ def test_32b_configs_state_the_recipe_layout(name, capsys):
     assert "GPU shared by all roles needs" in capsys.readouterr().err
     assert (
         main(["plan", "--config", str(CONFIGS / name), "--gpu-mem", "141GiB", *flags, f"{MIXED}=fp32"]) == 0
+    )
+
+
+VERL_LORA = [  # verl's LoRA keys as a verl script sets them
+    "actor_rollout_ref.model.lora_rank=64",
+    "actor_rollout_ref.model.lora_alpha=32",
+    "actor_rollout_ref.model.target_modules=all-linear",
+]
+
+
+@pytest.mark.parametrize(
+    ("targets", "exclude"),
+    [("all-linear", None), (["q_proj", "v_proj", "lm_head"], None), ("all-linear", ["down_proj"])],
+)
+def test_planned_adapters_are_the_ones_peft_builds(targets, exclude, tmp_path):
+    from dapo_core.compute.lora import LoraSpec, add_lora
+    from dapo_core.compute.models import build_tiny_model, load_model
+    from dapo_core.compute.plan.shape import lora_shape
+
+    cfg = typed(load_config(CONFIGS / "tiny_cpu.yaml", LORA))
+    model = cfg.actor_rollout_ref.model
+    model.target_modules, model.exclude_modules = targets, exclude
+    folder = build_tiny_model(str(tmp_path), dict(vars(model.tiny)), seed=0)
+    built = add_lora(load_model(folder), LoraSpec.from_model_config(model))
+    trained = sum(p.numel() for p in built.parameters() if p.requires_grad)
+    planned = lora_shape(resolve_shape(cfg), model)
+    assert planned is not None and planned.params == trained
+
+
+def test_verl_lora_override_on_the_32b_recipe_plans_a_smaller_actor_and_no_reference(capsys):
+    """The 32B recipe (fsdp2 over 128 GPUs) with verl's LoRA keys: `dapo config` and `dapo plan` pass; the
+    actor's gradients and AdamW state are the adapters' (P_lora = Σ r·(in + out) over q, k, v, o, gate, up,
+    down of 64 layers), the frozen base stays float32 shards, and with KL on the LoRA plan has no reference
+    role while full fine-tuning has one."""
+    path = str(CONFIGS / "dapo_qwen2.5_32b.yaml")
+    flags = ["--gpu-mem", "80GiB", "--host-mem", "1800GiB"]
+    assert main(["config", "--config", path, *VERL_LORA]) == 0
+    assert main(["plan", "--config", path, *flags, *VERL_LORA]) == 0
+    out = capsys.readouterr().out
+    assert "P_lora = Σ r·(in + out) = 536,870,912" in out and "[ref]" not in out
+    kl = ["actor_rollout_ref.actor.use_kl_loss=true"]
+    gpu, host = parse_bytes("80GiB"), parse_bytes("1800GiB")
+    full = make_plan(typed(load_config(path, kl)), gpu_mem=gpu, host_mem=host)
+    lora = make_plan(typed(load_config(path, kl + VERL_LORA)), gpu_mem=gpu, host_mem=host)
+    P, A = full.shape.num_params, 64 * 64 * (2 * 10240 + 2 * 6144 + 3 * 32768)
+    assert A == 536_870_912
+    rows = {(r.phase, r.name): r.bytes for r in lora.roles[0].rows}
+    assert rows[("", "weights")] == (P + A) * 4 // 128
+    assert (rows[("", "gradients")], rows[("", "optimizer")]) == (A * 4 // 128, A * 8 // 128)
+    assert [r.role for r in full.roles] == ["actor", "ref", "rollout"]
+    assert [r.role for r in lora.roles] == ["actor", "rollout"]
+    ref = full.roles[1]
+    held = sum(r.bytes for r in ref.rows if not r.phase)
+    saving = f"no ref role (a reference model would hold {held / GiB:.2f} GiB per GPU throughout"
+    assert any(saving in a for a in lora.assumptions), lora.assumptions
+    assert lora.roles[0].total < full.roles[0].total - 4 * GiB
+    # on the shared GPU the passes never overlap: the saving is the reference's shards, and the actor's
+    assert full.gpu is not None and lora.gpu is not None and lora.gpu.total < full.gpu.total - held
+    # the push carries the merged weights: the same bytes per link as full fine-tuning
+    assert (
+        lora.sync is not None and full.sync is not None and lora.sync.per_link == full.sync.per_link == P * 2
     )
 
 
