@@ -18,6 +18,7 @@ collectives, every rank calls in the same order):
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -169,16 +170,55 @@ def _check_names(model: torch.nn.Module, spec: LoraSpec) -> None:
             )
 
 
+def _matches(name: str, names: str | tuple[str, ...] | None) -> bool:
+    """peft's module matching: a regex string matches the whole module path; a listed name matches a path
+    equal to it or ending with `.name`."""
+    if names is None:
+        return False
+    if isinstance(names, str):
+        return re.fullmatch(names, name) is not None
+    return any(name == n or name.endswith("." + n) for n in names)
+
+
+def _shown(names: str | tuple[str, ...]) -> str:
+    return names if isinstance(names, str) else f"[{', '.join(names)}]"
+
+
+def _check_tied_head(model: torch.nn.Module, spec: LoraSpec) -> None:
+    """Refuse an adapter on an LM head tied to the input embedding: its merged weight would differ from the
+    embedding, which a tied model (the rollout's, the export's) cannot hold."""
+    config = getattr(model, "config", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if (
+        not getattr(config, "tie_word_embeddings", False)
+        or get_head is None
+        or spec.target_modules == "all-linear"
+    ):
+        return
+    head = get_head()
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if name and _matches(name, spec.target_modules) and not _matches(name, spec.exclude_modules):
+        raise ConfigError(
+            f"{_KEY}.target_modules={_shown(spec.target_modules)} adapts {name}, which this model ties to "
+            "its input embedding (tie_word_embeddings); the merged head would differ from the embedding, "
+            "which the tied rollout and exported models cannot hold",
+            where=f"{_KEY}.target_modules",
+            fix=f"leave {name} out of target_modules (all-linear leaves it out)",
+        )
+
+
 def add_lora(model: torch.nn.Module, spec: LoraSpec) -> Any:
     """Inject LoRA adapters into `model` in place and freeze everything else; return the `peft.PeftModel`
     around it (its `disable_adapter()` is `adapters_disabled`). The adapters' A is initialised from torch's
     global RNG (seed it first for a reproducible run) and B is zero, so the adapted model starts equal to
-    the base one. A listed module name that matches nothing raises `ConfigError`."""
+    the base one. A listed module name that matches nothing, or an adapter on an LM head tied to the input
+    embedding, raises `ConfigError`."""
     from peft import LoraConfig, get_peft_model
 
     if spec.rank <= 0:
         raise ConfigError(f"{_KEY}.lora_rank={spec.rank} builds no adapter", fix="set lora_rank > 0")
     _check_names(model, spec)
+    _check_tied_head(model, spec)
     targets = spec.target_modules if isinstance(spec.target_modules, str) else list(spec.target_modules)
     excl = spec.exclude_modules
     config = LoraConfig(

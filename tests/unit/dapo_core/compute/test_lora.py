@@ -112,6 +112,14 @@ def test_unknown_target_module_names_the_key_and_the_layers(tiny_dir):
     assert "q_proj" in msg.split("Fix:")[1]  # the fix lists the model's own layer names
 
 
+def test_an_adapter_on_a_tied_lm_head_is_refused_naming_the_key(tiny_dir):
+    with pytest.raises(ConfigError) as ei:
+        _engine(tiny_dir, LoraSpec(rank=4, alpha=8, target_modules=("q_proj", "lm_head")))
+    msg = str(ei.value)
+    assert "actor_rollout_ref.model.target_modules" in msg and "tie_word_embeddings" in msg
+    assert "leave lm_head out" in msg
+
+
 # ---------------------------------------------------------------------------------------------- training
 def test_only_adapters_train_and_base_weights_stay_bitwise(tiny_dir):
     engine = _engine(tiny_dir)

@@ -265,7 +265,8 @@ def test_planned_adapters_are_the_ones_peft_builds(targets, exclude, tmp_path):
     from dapo_core.compute.models import build_tiny_model, load_model
     from dapo_core.compute.plan.shape import lora_shape
 
-    cfg = typed(load_config(CONFIGS / "tiny_cpu.yaml", LORA))
+    untied = "actor_rollout_ref.model.tiny.tie_word_embeddings=false"  # a tied lm_head is refused
+    cfg = typed(load_config(CONFIGS / "tiny_cpu.yaml", [*LORA, untied]))
     model = cfg.actor_rollout_ref.model
     model.target_modules, model.exclude_modules = targets, exclude
     folder = build_tiny_model(str(tmp_path), dict(vars(model.tiny)), seed=0)
