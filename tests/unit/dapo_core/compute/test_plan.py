@@ -311,6 +311,20 @@ def test_verl_lora_override_on_the_32b_recipe_plans_a_smaller_actor_and_no_refer
     )
 
 
+def test_lora_advice_offers_only_engines_that_build_adapters():
+    from dapo_core.compute.plan_advice import candidates
+
+    gpu = ["trainer.device=cuda", "trainer.nnodes=1", "actor_rollout_ref.actor.strategy=torch"]
+
+    def strategies(overrides: list[str]) -> set[str]:
+        cfg = typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", gpu + overrides))
+        options = (o for cand in candidates(cfg, "actor", 40) for opts in cand for o in opts)
+        return {o.rsplit("=", 1)[1] for o in options if o.startswith("actor_rollout_ref.actor.strategy=")}
+
+    assert strategies([]) == {"fsdp2", "deepspeed"}
+    assert strategies(VERL_LORA) == {"fsdp2"}  # the deepspeed engine builds no adapters
+
+
 def test_fsdp2_advice_adds_nodes_and_lowers_a_budget_above_the_width():
     short = ["data.max_response_length=4096", "reward_model.overlong_buffer.len=1024"]
     fp32 = [f"{MIXED}=fp32"]
