@@ -81,7 +81,8 @@ warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecat
 
 
 class ShardedCheckpointMismatch(DapoUserError):
-    """A sharded checkpoint was written by a different number of data-parallel ranks."""
+    """A sharded checkpoint does not fit this engine: written by another number of data-parallel ranks, with
+    another `lora_rank`, or for other parameters."""
 
 
 @contextlib.contextmanager
