@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 
-from dapo_core.errors import DapoUserError
+from dapo_core.errors import EXIT_USER_ERROR, DapoUserError
 from flows.ablation import (
     ExpRecord,
     MetricFiles,
@@ -75,6 +75,8 @@ class Lineage:
     """Where the table's numbers are."""
     steps: int | None
     """The params file's `trainer.total_training_steps` (the default budget)."""
+    plots: tuple[str, ...] = ()
+    """The train stage's plots (the curves `dvc plots diff` overlays)."""
 
 
 def _paths(entries: Any) -> list[str]:
@@ -108,6 +110,7 @@ def read_lineage(root: Path, pipeline: str) -> Lineage:
         return os.path.normpath(folder / stage.get("wdir", ".") / p)
 
     train = [rel(stages["train"], p) for p in _paths(stages["train"].get("metrics"))]
+    plots = tuple(rel(stages["train"], p) for p in _paths(stages["train"].get("plots")))
     evals = [rel(stages["evaluate"], p) for p in _paths(stages["evaluate"].get("metrics"))]
     sampled = [p for p in evals if "greedy" not in Path(p).name]
     greedy = [p for p in evals if "greedy" in Path(p).name]
@@ -131,6 +134,7 @@ def read_lineage(root: Path, pipeline: str) -> Lineage:
         tuple(f"{pipeline}:{s}" for s in EXP_STAGES),
         MetricFiles(train[0], sampled[0], greedy[0] if greedy else None),
         int(steps) if steps is not None else None,
+        plots,
     )
 
 
@@ -282,7 +286,8 @@ def run_ablation(
             fix="correct the cause and run the same command again: finished experiments are kept",
         )
     shown = " ".join(e.name for e in experiments)
-    print(f"curves: dvc plots diff {shown}\nall numbers: dvc exp show", flush=True)
+    targets = f" --targets {' '.join(lineage.plots)}" if lineage.plots else ""
+    print(f"curves: dvc plots diff {shown}{targets}\nall numbers: dvc exp show", flush=True)
     return table
 
 
@@ -308,10 +313,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_args(args: argparse.Namespace) -> int:
-    """Run the grid with parsed options; every ending is one paragraph (`flows.run_guard.run_reported`)."""
-    from flows.run_guard import debug_enabled, run_reported
-
-    def body() -> int:
+    """Run the grid with parsed options: exit 0 when every experiment finished; a problem the user can fix is
+    one paragraph and exit 2 (the traceback too with `--debug` or DAPO_DEBUG=1); Ctrl-C exits 130 with how to
+    resume. Nothing here imports Prefect or torch: the stages' own processes do."""
+    try:
         run_ablation(
             Path.cwd(),
             args.pipeline,
@@ -322,9 +327,19 @@ def run_args(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             dry_run=args.dry_run,
         )
-        return 0
-
-    return run_reported("ablate", body, debug=debug_enabled(args.debug), state={})
+    except DapoUserError as e:
+        if args.debug or os.environ.get("DAPO_DEBUG") == "1":
+            raise
+        print(f"dapo ablate: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(
+            "dapo ablate: stopped. Experiments already handed to the queue go on in the background "
+            "(`dvc queue status`; `dvc queue kill <name>` stops one); the same command resumes the grid.",
+            file=sys.stderr,
+        )
+        return 130
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
