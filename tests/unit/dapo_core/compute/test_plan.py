@@ -270,7 +270,9 @@ def test_planned_adapters_are_the_ones_peft_builds(targets, exclude, tmp_path):
     model = cfg.actor_rollout_ref.model
     model.target_modules, model.exclude_modules = targets, exclude
     folder = build_tiny_model(str(tmp_path), dict(vars(model.tiny)), seed=0)
-    built = add_lora(load_model(folder), LoraSpec.from_model_config(model))
+    spec = LoraSpec.from_model_config(model)
+    assert spec is not None
+    built = add_lora(load_model(folder), spec)
     trained = sum(p.numel() for p in built.parameters() if p.requires_grad)
     planned = lora_shape(resolve_shape(cfg), model)
     assert planned is not None and planned.params == trained
