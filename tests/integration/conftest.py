@@ -73,6 +73,15 @@ def train_cmd(overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "flows.cli", "train", "--flow-only", "--config", str(CONFIG), *overrides]
 
 
+def train_here(overrides: list[str]) -> dict:
+    """The training `train_cmd(overrides)` runs, in this process (the dapo-train flow; run id =
+    `trainer.experiment_name`): a crash test's resume where the command line is not what the test checks."""
+    from dapo_core.config import load_config, to_yaml
+    from flows.dapo_train import dapo_train
+
+    return dapo_train(to_yaml(load_config(CONFIG, overrides)), "")
+
+
 def actor_weights(run: Path, step: int) -> dict:
     """The actor's tensors of checkpoint `step` of the run folder `run` (torch imported only here)."""
     from safetensors.torch import load_file
@@ -100,17 +109,19 @@ def kill_and_resume(
     kill: Callable[[subprocess.Popen], None] | None = None,
     resume_cmd: list[str] | None = None,
     resume_env: dict[str, str] | None = None,
+    resume: Callable[[], object] | None = None,
     reference: Path | None = None,
     step: int = 3,
     log: Path | None = None,
     timeout_s: float = 600,
-) -> subprocess.CompletedProcess:
+) -> subprocess.CompletedProcess | None:
     """The crash test: start `cmd` (a training of the run folder `run`) in its own session, with its output in
     `log` (discarded without one); once `run / marker` exists, SIGKILL its process group (or call `kill` on
     it, which must leave it ended); call `after_kill(run)`, the checks of what the kill left; run `resume_cmd`
-    (default `cmd`; environment `resume_env`, default `env`) to the end, which must exit 0; with `reference`,
-    assert the actor weights of checkpoint `step` equal the reference run's bit for bit. Returns the finished
-    resume (output captured as text)."""
+    (default `cmd`; environment `resume_env`, default `env`) to the end, which must exit 0, or call `resume`
+    instead (the resume in this process, which saves a process start when the command line is not what the
+    test checks); with `reference`, assert the actor weights of checkpoint `step` equal the reference run's
+    bit for bit. Returns the finished resume command (output captured as text), or None after `resume`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if env is None else env
     out = log.open("w") if log is not None else subprocess.DEVNULL
     try:
@@ -137,9 +148,15 @@ def kill_and_resume(
             victim.wait()
     if after_kill is not None:
         after_kill(run)
-    again = resume_env if resume_env is not None else env
-    done = subprocess.run(resume_cmd or cmd, env=again, cwd=ROOT, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = None
+    if resume is not None:
+        resume()
+    else:
+        again = resume_env if resume_env is not None else env
+        done = subprocess.run(
+            resume_cmd or cmd, env=again, cwd=ROOT, capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     if reference is not None:
         assert_same_weights(reference, run, step)
     return done

@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from dapo_core.store import RunStore
-from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
+from tests.integration.conftest import (
+    CONFIG,
+    SHORT_RUN,
+    kill_and_resume,
+    tiny_overrides,
+    train_cmd,
+    train_here,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +38,12 @@ ASYNC = {
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _overrides(assets: Path, name: str, **extra) -> list[str]:
+    return tiny_overrides(assets, **{**SHORT_RUN, **ASYNC, **extra, "trainer.experiment_name": name})
+
+
 def _cmd(assets: Path, name: str, **extra) -> list[str]:
-    return train_cmd(
-        tiny_overrides(assets, **{**SHORT_RUN, **ASYNC, **extra, "trainer.experiment_name": name})
-    )
+    return train_cmd(_overrides(assets, name, **extra))
 
 
 def _metrics(run: Path) -> dict[int, dict]:
@@ -85,6 +94,7 @@ def test_async_run_killed_with_a_batch_in_flight_resumes_bitwise(tiny_assets, as
         "step_000002/prompts_ga.manifest.json",  # step 3's batch is being made
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         after_kill=killed_after_checkpoint_1,
+        resume=lambda: train_here(_overrides(tiny_assets, "async_resumed")),
         reference=async_straight,
         log=tiny_assets / "async_resumed.log",
     )

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from dapo_core.config import load_config, to_yaml
 from dapo_core.store import RunStore
+from tests.helpers import build_once
 from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
 
 pytestmark = pytest.mark.slow
@@ -53,10 +54,15 @@ def _train(assets: Path, name: str, dp2: bool) -> Path:
     return Path(out["run_dir"])
 
 
-@pytest.fixture(scope="module")
-def dp2_run(tiny_assets) -> Path:
-    """The dp=2 run (on a local Ray), trained once for this module; its run folder."""
-    return _train(tiny_assets, "dp2", dp2=True)
+@pytest.fixture
+def dp2_run(tiny_assets, tmp_path_factory) -> Path:
+    """The dp=2 run (on a local Ray), trained once per test run (`build_once`: the module's tests may run on
+    different xdist workers); its run folder. Read it only."""
+
+    def build(folder: Path) -> None:
+        (folder / "run_dir.txt").write_text(str(_train(tiny_assets, "dp2", dp2=True)))
+
+    return Path((build_once(tmp_path_factory, "dp2", build) / "run_dir.txt").read_text())
 
 
 @pytest.mark.timeout(900)
@@ -99,8 +105,8 @@ def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets, dp2_run):
 
 @pytest.mark.timeout(900)
 def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets, dp2_run):
-    """`dapo train` of the module's dp=2 run, SIGKILLed once step 2's generation is committed and run again,
-    ends with every rank's shard equal bit for bit to the uninterrupted run's."""
+    """`dapo train` of the dp=2 run's config, SIGKILLed once step 2's generation is committed and resumed (in
+    this process), ends with every rank's shard equal bit for bit to the uninterrupted run's."""
 
     def checkpoint_1_has_both_ranks(run: Path) -> None:
         assert (run / "ckpt" / "latest").read_text().strip() == "1"
@@ -113,6 +119,7 @@ def test_dp2_killed_and_resumed_run_ends_bitwise_equal(tiny_assets, dp2_run):
         run,
         "step_000002/generate_g0.manifest.json",
         after_kill=checkpoint_1_has_both_ranks,
+        resume=lambda: _train(tiny_assets, "dp2_resumed", dp2=True),
         log=tiny_assets / "dp2_resumed.log",
     )
     for rank in (0, 1):

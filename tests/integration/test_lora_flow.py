@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from dapo_core.config import load_config, to_yaml
-from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
+from tests.integration.conftest import (
+    CONFIG,
+    SHORT_RUN,
+    kill_and_resume,
+    tiny_overrides,
+    train_cmd,
+    train_here,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -66,10 +73,12 @@ def test_lora_run_learns_without_ref_worker_and_resumes_bitwise(tiny_assets):
 
     # a run killed inside step 3 and resumed: the same adapter and merged weights, bit for bit
     resumed = tiny_assets / "runs" / "lora_resumed"
+    ov = tiny_overrides(tiny_assets, **LORA_RUN, **{"trainer.experiment_name": "lora_resumed"})
     kill_and_resume(
-        train_cmd(tiny_overrides(tiny_assets, **LORA_RUN, **{"trainer.experiment_name": "lora_resumed"})),
+        train_cmd(ov),
         resumed,
         "step_000003/generate_g0.manifest.json",
+        resume=lambda: train_here(ov),
         reference=run,
     )
     again = load_file(str(resumed / "ckpt" / "step_3" / "actor" / ADAPTER_SUBDIR / ADAPTER_WEIGHTS))

@@ -14,7 +14,14 @@ import pytest
 
 from dapo_core.config import load_config, typed
 from dapo_core.store import RunStore
-from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
+from tests.integration.conftest import (
+    CONFIG,
+    SHORT_RUN,
+    kill_and_resume,
+    tiny_overrides,
+    train_cmd,
+    train_here,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -49,11 +56,13 @@ def test_ledger_after_a_kill_between_prompt_commit_and_generation_equals_the_str
         assert (run / "ckpt" / "latest").read_text().strip() == "1"
 
     run = tiny_assets / "runs" / "ledger-killed"
+    ov = tiny_overrides(tiny_assets, **COMMON, **{"trainer.experiment_name": "ledger-killed"})
     kill_and_resume(
-        train_cmd(tiny_overrides(tiny_assets, **COMMON, **{"trainer.experiment_name": "ledger-killed"})),
+        train_cmd(ov),
         run,
         "step_000002/prompts_g0.manifest.json",
         after_kill=killed_after_step_2s_prompts,
+        resume=lambda: train_here(ov),
         reference=straight,
     )
     assert _ledger(run) == ledger

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from dapo_core.config import ConfigError, load_config, to_yaml
 from flows.artifacts import STEP_COLUMNS, artifact_key, step_row
 from tests.helpers import wait_for
-from tests.integration.conftest import CONFIG, tiny_overrides
+from tests.integration.conftest import CONFIG, SHORT_RUN, tiny_overrides
 from tests.integration.prefect_server import prefect_server, stop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,14 +184,9 @@ def test_fault_switch_is_inert_when_unset(prefect_home, monkeypatch):
 # ----------------------------------------------------------------------------- a real Prefect server
 ZOMBIE_WITHIN_S = 60
 """Seconds without a heartbeat before the automation crashes a run (tests: two 30 s beats)."""
-SERVED = {  # the tiny deployment: 3 steps, a checkpoint after each, no validation, in-process workers
-    "trainer.total_training_steps": 3,
-    "trainer.save_freq": 1,
-    "trainer.test_freq": -1,
-    "trainer.val_before_train": "false",
-    "trainer.use_ray": "false",
-    "algorithm.filter_groups.enable": "false",
-}
+SERVED = SHORT_RUN
+"""The tiny deployment: the reference run's 3 steps, a checkpoint after each, no validation, in-process
+workers."""
 
 
 @contextmanager
@@ -301,9 +296,10 @@ def _weights(run: Path, step: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_retry_from_the_ui_continues_the_failed_run(server, tiny_assets):
+def test_retry_from_the_ui_continues_the_failed_run(server, tiny_assets, short_reference):
     """A stage fails at step 2 (DAPO_FAULT); Retry as the UI does it (set_state AwaitingRetry) finishes the
-    run without recomputing what was committed, and the weights equal an uninterrupted run's."""
+    run without recomputing what was committed, and the weights equal the uninterrupted reference run's (the
+    deployment serves `SHORT_RUN`, as the reference was trained)."""
     from prefect.client.schemas.objects import StateType
     from prefect.states import AwaitingRetry
 
@@ -313,8 +309,6 @@ def test_retry_from_the_ui_continues_the_failed_run(server, tiny_assets):
             dep = _deployment(client, "ci", serve)
             assert dep.parameters["config"] == "tiny_cpu" and dep.parameters["run_id"] == ""
             assert "trainer.total_training_steps=3" in dep.parameters["overrides"]
-            ref = client.create_flow_run_from_deployment(dep.id, parameters={"run_id": "straight-ui"})
-            assert _final_state(client, ref.id, 600, serve).type == StateType.COMPLETED
 
             # run_id left empty: a new run named after the flow run, `retry-me-<8 hex of its id>`
             failing = client.create_flow_run_from_deployment(dep.id, name="retry-me")
@@ -347,7 +341,7 @@ def test_retry_from_the_ui_continues_the_failed_run(server, tiny_assets):
         after[k] == v for k, v in kept.items()
     )  # committed before the failure: not recomputed
     assert "step_000003/update_actor.manifest.json" in after
-    a, b = _weights(tiny_assets / "runs" / "straight-ui", 3), _weights(run, 3)
+    a, b = _weights(short_reference, 3), _weights(run, 3)
     assert a.keys() == b.keys()
     for k in a:
         assert (a[k] == b[k]).all(), k

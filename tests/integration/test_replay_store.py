@@ -20,7 +20,14 @@ import pytest
 from dapo_core.store import RunStore
 from dapo_core.store.replay import referenced_steps
 from tests.helpers import store_accounting
-from tests.integration.conftest import CONFIG, SHORT_RUN, kill_and_resume, tiny_overrides, train_cmd
+from tests.integration.conftest import (
+    CONFIG,
+    SHORT_RUN,
+    kill_and_resume,
+    tiny_overrides,
+    train_cmd,
+    train_here,
+)
 
 STEPS = 3
 COMMON = {
@@ -86,11 +93,13 @@ def test_killed_mid_step_with_default_retention_resumes_bitwise(reference, tiny_
             assert store.is_committed(2, "batch")
 
     run = tiny_assets / "runs" / name
+    ov = tiny_overrides(tiny_assets, **extra)
     kill_and_resume(
-        train_cmd(tiny_overrides(tiny_assets, **extra)),
+        train_cmd(ov),
         run,
         "step_000002/update_actor_p0.manifest.json",  # between step 2's two local updates
         after_kill=killed_in_step_2,
+        resume=lambda: train_here(ov),
         reference=reference[0],
         step=STEPS,
     )
