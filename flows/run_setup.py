@@ -12,6 +12,8 @@ import copy
 import json
 import re
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -209,24 +211,35 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
 
 
 def start_workers(
-    cfg: DapoConfig, cluster: Cluster, model_path: str, tokenizer_path: str, pad: int
+    cfg: DapoConfig, cluster: Cluster, model_path: str, tokenizer_path: str, pad: int, at_once: bool = False
 ) -> dict[str, Any]:
     """Start the run's workers on `cluster`, in this order: [the colocated GPU pool], rollout replicas, actor,
     reward, [ref], [critic]; returns them by their `TrainRun` field names. With LoRA the actor is the
-    reference (its adapters off): no second model."""
+    reference (its adapters off): no second model. `at_once` (Ray workers on CPU only): every role starts
+    at the same time, so their processes' imports and model loads overlap (on a GPU, vLLM sizes its cache
+    from the memory free as it starts, so the roles start one after another)."""
     device = resolve_device(cfg)
     if device == "cuda" and cfg.trainer.use_ray and colocated(cfg, device):
         cluster.pool = device_pool(cfg, cluster)
-    rollout = rollout_replicas(cfg, cluster, model_path, device)
-    actor = actor_worker(cfg, cluster, model_path, pad, device)
-    reward = reward_worker(cfg, cluster, tokenizer_path)
-    ref = (
-        ref_worker(cfg, cluster, model_path, pad, device)
-        if need_ref_worker(cfg)
-        else (actor if need_reference_policy(cfg) else None)
-    )
-    critic = critic_worker(cfg, cluster, model_path, pad, device) if use_critic(cfg) else None
-    return {"rollout": rollout, "actor": actor, "reward": reward, "ref": ref, "critic": critic}
+    roles: dict[str, Callable[[], Any]] = {
+        "rollout": lambda: rollout_replicas(cfg, cluster, model_path, device),
+        "actor": lambda: actor_worker(cfg, cluster, model_path, pad, device),
+        "reward": lambda: reward_worker(cfg, cluster, tokenizer_path),
+    }
+    if need_ref_worker(cfg):
+        roles["ref"] = lambda: ref_worker(cfg, cluster, model_path, pad, device)
+    if use_critic(cfg):
+        roles["critic"] = lambda: critic_worker(cfg, cluster, model_path, pad, device)
+    if at_once and cluster.use_ray and device == "cpu":
+        with ThreadPoolExecutor(len(roles), thread_name_prefix="dapo-start") as pool:
+            started = {name: pool.submit(make) for name, make in roles.items()}
+            workers = {name: f.result() for name, f in started.items()}
+    else:
+        workers = {name: make() for name, make in roles.items()}
+    if "ref" not in workers:
+        workers["ref"] = workers["actor"] if need_reference_policy(cfg) else None
+    workers.setdefault("critic", None)
+    return workers
 
 
 def restart_workers(rt: TrainRun) -> None:
@@ -240,7 +253,7 @@ def restart_workers(rt: TrainRun) -> None:
     wait = cluster.start_timeout_s
     cluster.start_timeout_s = cfg.trainer.restart_wait_s
     try:
-        workers = start_workers(cfg, cluster, rt.model_path, rt.tokenizer_path, rt.pad_token_id)
+        workers = start_workers(cfg, cluster, rt.model_path, rt.tokenizer_path, rt.pad_token_id, at_once=True)
     finally:
         cluster.start_timeout_s = wait
     for name, worker in workers.items():
