@@ -686,15 +686,13 @@ class TrainerConfig:
     lease_wait_s: float = 0.0
     """How long a second writer of a run waits for the lease before it is refused (0: refuse at once)."""
     max_restarts: int = 0
-    """Automatic restarts after a worker died or hung (new workers resume from the last checkpoint and the
-    committed stages) allowed within restart_window_s; 0: such a fault ends the run."""
+    """Restarts from the last checkpoint after a worker died or hung, per restart_window_s (0: none)."""
     restart_window_s: float = 3600.0
     """The sliding window (seconds) in which max_restarts counts restarts."""
     restart_wait_s: float = 600.0
     """How long a restart waits for the new workers to be placed and built before the run ends."""
     stage_timeout_s: float = 0.0
-    """A Ray worker call that does not return within this many seconds is a hang, handled as a death (0: no
-    limit; in-process workers cannot time out)."""
+    """A Ray worker call silent this long is a hang, handled as a death (0: off; not in-process)."""
     num_threads: int = 1
     """Torch threads per process on CPU (SFT, workers, eval); 0 = share the cores (numbers vary by host)."""
     deterministic: bool = False
