@@ -11,8 +11,8 @@ lineage and print the results table.
    again.
 3. `dvc exp run --queue -n <name> -s <train> <evaluate> -S ...` for each experiment left, then
    `dvc exp run --run-all -j <jobs>`, which runs the queue in temporary copies of the repository
-   (`.dvc/tmp/exps/`) and waits for it. Stage commands reach the project's venv through `$DVC_ROOT`, which DVC
-   sets to this repository in those copies too.
+   (`.dvc/tmp/exps/`) and waits for it (started again if the queue's worker stops: `Dvc.run_queue`). Stage
+   commands reach the project's venv through `$DVC_ROOT`, which DVC sets to this repository in those copies.
 4. `dvc exp show --json` again: the table (`flows.ablation.format_table`), and the `dvc plots diff` command
    that overlays the experiments' curves.
 
@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -55,6 +56,9 @@ EXP_STAGES = ("train", "evaluate")
 
 DEFAULT_PIPELINE = "pipelines/smollm2/dvc.yaml"
 """The real-model lineage."""
+
+MAX_QUEUE_RESTARTS = 3
+"""How often a stalled queue (its worker stopped with experiments waiting) is started again."""
 
 
 class AblationError(DapoUserError):
@@ -197,6 +201,43 @@ class Dvc:
             )
         return exp_records(json.loads(p.stdout))
 
+    def run_queue(self, jobs: int, names: set[str], *, poll_s: float = 10.0, stall_s: float = 60.0) -> None:
+        """`dvc exp run --run-all -j <jobs>`: start the queue's workers and wait for the queue. The queue's
+        worker can stop while experiments wait (kombu's filesystem broker, a race on its message files),
+        and `--run-all` then waits for ever; so while it runs, `dvc exp show` is polled every `poll_s`
+        seconds, and when experiments of `names` have been queued with none running for `stall_s` seconds,
+        it is stopped and started again (a new worker), at most `MAX_QUEUE_RESTARTS` times."""
+        args = ["exp", "run", "--run-all", "-j", str(jobs)]
+        print("$ dvc " + " ".join(args), flush=True)
+        if self.dry_run:
+            return
+        for _ in range(MAX_QUEUE_RESTARTS + 1):
+            proc = subprocess.Popen([self.exe, *args], cwd=self.root, env=self.env)
+            idle_since: float | None = None
+            while proc.poll() is None:
+                time.sleep(poll_s)
+                states = [r.state for r in self.show() if r.name in names]
+                if "running" in states or "queued" not in states:
+                    idle_since = None
+                    continue
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > stall_s:
+                    print(
+                        f"dapo ablate: experiments wait in the queue and none has run for {stall_s:.0f} s "
+                        "(the queue's worker stopped: .dvc/tmp/exps/celery/*.out says why); starting it again",
+                        flush=True,
+                    )
+                    proc.terminate()
+                    proc.wait()
+                    break
+            else:
+                return
+        raise AblationError(
+            f"the DVC queue's worker stopped {MAX_QUEUE_RESTARTS + 1} times with experiments waiting",
+            where=str(self.root / ".dvc" / "tmp" / "exps" / "celery"),
+            fix="read the worker's log there, then run the same command again: finished experiments are kept",
+        )
+
 
 def pending(records: Sequence[ExpRecord], names: set[str]) -> dict[str, list[str]]:
     """Per name of `names`, the states of its unfinished records (queued, running, failed)."""
@@ -271,7 +312,7 @@ def run_ablation(
             *param_args(exp, lineage.params_file),
         )
     if len(done) < len(experiments):
-        dvc.run("exp", "run", "--run-all", "-j", str(jobs))
+        dvc.run_queue(jobs, names)
     if dry_run:
         return ""
     records = dvc.show()
