@@ -224,7 +224,8 @@ class Dvc:
                 if time.monotonic() - idle_since > stall_s:
                     print(
                         f"dapo ablate: experiments wait in the queue and none has run for {stall_s:.0f} s "
-                        "(the queue's worker stopped: .dvc/tmp/exps/celery/*.out says why); starting it again",
+                        "(the queue's worker stopped: .dvc/tmp/exps/celery/*.out says why); starting it "
+                        "again",
                         flush=True,
                     )
                     proc.terminate()
