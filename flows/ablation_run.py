@@ -201,7 +201,7 @@ class Dvc:
             )
         return exp_records(json.loads(p.stdout))
 
-    def run_queue(self, jobs: int, names: set[str], *, poll_s: float = 10.0, stall_s: float = 60.0) -> None:
+    def run_queue(self, jobs: int, names: set[str], *, poll_s: float = 20.0, stall_s: float = 60.0) -> None:
         """`dvc exp run --run-all -j <jobs>`: start the queue's workers and wait for the queue. The queue's
         worker can stop while experiments wait (kombu's filesystem broker, a race on its message files),
         and `--run-all` then waits for ever; so while it runs, `dvc exp show` is polled every `poll_s`
@@ -214,8 +214,7 @@ class Dvc:
         for _ in range(MAX_QUEUE_RESTARTS + 1):
             proc = subprocess.Popen([self.exe, *args], cwd=self.root, env=self.env)
             idle_since: float | None = None
-            while proc.poll() is None:
-                time.sleep(poll_s)
+            while not _ended(proc, poll_s):
                 states = [r.state for r in self.show() if r.name in names]
                 if "running" in states or "queued" not in states:
                     idle_since = None
@@ -238,6 +237,15 @@ class Dvc:
             where=str(self.root / ".dvc" / "tmp" / "exps" / "celery"),
             fix="read the worker's log there, then run the same command again: finished experiments are kept",
         )
+
+
+def _ended(proc: subprocess.Popen, wait_s: float) -> bool:
+    """Whether `proc` ended within `wait_s` seconds (returns as soon as it does)."""
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def pending(records: Sequence[ExpRecord], names: set[str]) -> dict[str, list[str]]:
