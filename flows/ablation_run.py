@@ -80,7 +80,7 @@ class Lineage:
     steps: int | None
     """The params file's `trainer.total_training_steps` (the default budget)."""
     plots: tuple[str, ...] = ()
-    """The train stage's plots (the curves `dvc plots diff` overlays)."""
+    """The dvc.yaml's own plots and the train stage's (what `dvc plots diff` overlays)."""
 
 
 def _paths(entries: Any) -> list[str]:
@@ -114,7 +114,8 @@ def read_lineage(root: Path, pipeline: str) -> Lineage:
         return os.path.normpath(folder / stage.get("wdir", ".") / p)
 
     train = [rel(stages["train"], p) for p in _paths(stages["train"].get("metrics"))]
-    plots = tuple(rel(stages["train"], p) for p in _paths(stages["train"].get("plots")))
+    top = [k for entry in spec.get("plots") or [] for k in ([entry] if isinstance(entry, str) else entry)]
+    plots = tuple(top) + tuple(rel(stages["train"], p) for p in _paths(stages["train"].get("plots")))
     evals = [rel(stages["evaluate"], p) for p in _paths(stages["evaluate"].get("metrics"))]
     sampled = [p for p in evals if "greedy" not in Path(p).name]
     greedy = [p for p in evals if "greedy" in Path(p).name]

@@ -20,16 +20,33 @@ def test_the_real_model_lineage():
     assert lin.metrics.sampled == "metrics/smollm2/eval.json"
     assert lin.metrics.greedy == "metrics/smollm2/eval_greedy.json"
     assert lin.steps == 20
+    curves = "metrics/smollm2/train_curves.csv"
+    assert lin.plots == ("held-out-accuracy", "entropy", "response-length", "clip-fractions", curves)
     # the data and the imported model, not the base model's evaluation (no experiment needs it)
-    assert upstream_stages(ROOT, lin) == [
+    assert sorted(upstream_stages(ROOT, lin)) == [
         "pipelines/smollm2/dvc.yaml:import",
         "pipelines/smollm2/dvc.yaml:prepare",
     ]
 
 
+def test_the_real_model_lineage_plots_every_curve_of_the_table_against_the_step():
+    import yaml  # type: ignore[import-untyped]
+
+    plots = yaml.safe_load((ROOT / "pipelines/smollm2/dvc.yaml").read_text())["plots"]
+    fields: set[str] = set()
+    for entry in plots:
+        (spec,) = entry.values()
+        assert spec["x"] == "step"
+        for path, ys in spec["y"].items():
+            assert path == "../../metrics/smollm2/train_curves.csv"  # relative to the dvc.yaml
+            fields.update([ys] if isinstance(ys, str) else ys)
+    assert fields == {"val_acc", "entropy", "response_len", "clipfrac", "clipfrac_lower"}
+
+
 def test_the_tiny_lineage_has_no_greedy_evaluation():
     lin = read_lineage(ROOT, "dvc.yaml")
     assert lin.params_file == "params.yaml" and lin.stages == ("dvc.yaml:train", "dvc.yaml:evaluate")
+    assert lin.plots == ("metrics/train_curves.csv",)
     assert (lin.metrics.train, lin.metrics.sampled, lin.metrics.greedy) == (
         "metrics/train.json",
         "metrics/eval.json",
