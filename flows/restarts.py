@@ -24,7 +24,7 @@ from typing import Any
 from dapo_core.compute.rpc import WorkerHung
 from flows.artifacts import RunArtifacts
 from flows.run_setup import DriverState, TrainRun, restart_workers, restore
-from tasks.faults import StageHung, WorkerDied, WorkerFault
+from tasks.faults import StageHung, WorkerDied, WorkerFault, died_worker
 
 
 class RestartBudget:
@@ -76,7 +76,7 @@ def worker_fault(exc: BaseException, step: int) -> WorkerFault | None:
             what = f"a worker hung in step {step} ({cur})"
             return StageHung(what, step=step, cause=str(cur))
         if isinstance(cur, RayActorError):
-            first = (str(cur).strip().splitlines() or [type(cur).__name__])[0][:200]
+            first = died_worker(cur) + (str(cur).strip().splitlines() or [type(cur).__name__])[0][:200]
             return WorkerDied(f"a worker process died in step {step} ({first})", step=step, cause=first)
         cur = cur.__cause__ or cur.__context__
     return None

@@ -5,6 +5,8 @@ worker process that died (`WorkerDied`) or stopped making progress (`StageHung`)
 
 from __future__ import annotations
 
+import re
+
 from dapo_core.compute.faults import FAULT_ENV, faults_from_env
 from dapo_core.compute.rpc import WorkerHung
 from dapo_core.errors import DapoUserError
@@ -13,7 +15,7 @@ from tasks.runtime import Runtime
 
 class WorkerFault(DapoUserError, RuntimeError):
     """A worker process failed the run mid-stage (it died, or it hung); `stage` and `step` say where (empty
-    and 0 outside a stage), `cause` is the first line of what was seen."""
+    and 0 outside a stage), `cause` is what was seen (which worker, when known, and the first line)."""
 
     kind = "failed"
     """How it failed, in the log's words ("died", "hung")."""
@@ -75,11 +77,24 @@ def worker_died(exc: BaseException, rt: Runtime, step: int, stage: str) -> Worke
         return StageHung(what, stage=stage, step=step, cause=cause, fix=_fix(rt, "what it waited for"))
     what = (
         f"a worker process of run {rt.run_id} died during stage {stage!r} of step {step} (killed, out of "
-        f"memory, or crashed: {first}); the stages committed before it are kept"
+        f"memory, or crashed: {died_worker(cur)}{first}); the stages committed before it are kept"
     )
-    return WorkerDied(
-        what, stage=stage, step=step, cause=first, fix=_fix(rt, "what stopped it (memory, a kill)")
-    )
+    fix = _fix(rt, "what stopped it (memory, a kill)")
+    return WorkerDied(what, stage=stage, step=step, cause=died_worker(cur) + first, fix=fix)
+
+
+_ACTOR_NAME = re.compile(r"^\s*name:\s*dapo/[^/\s]+/(\S+)\s*$", re.M)
+_ACTOR_PID = re.compile(r"^\s*pid:\s*(\d+)\s*$", re.M)
+
+
+def died_worker(exc: BaseException) -> str:
+    """`worker '<role>', pid <n>: ` from Ray's actor-died message when it names one of our actors (a group's
+    rank as `<role>/<rank>`), else ""."""
+    text = str(exc)
+    name, pid = _ACTOR_NAME.search(text), _ACTOR_PID.search(text)
+    if name is None:
+        return ""
+    return f"worker '{name.group(1)}'" + (f", pid {pid.group(1)}" if pid else "") + ": "
 
 
 def _fix(rt: Runtime, find: str) -> str:

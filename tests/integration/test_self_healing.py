@@ -52,6 +52,22 @@ def test_killed_rollout_and_reward_workers_restart_and_train_the_same_weights(
     second = re.search(r"restart 2 of 2 .*: a worker died at stage 'reward_g0' of step 3 .*", text)
     assert first and "resuming from checkpoint step 1" in first.group(0), text[-3000:]
     assert second and "resuming from checkpoint step 2" in second.group(0), text[-3000:]
+    assert "(worker 'rollout" in first.group(0) and "(worker 'reward', pid" in second.group(0)
+    summary = _newest_artifact("dapo-healed-summary")  # the Prefect UI's summary card
+    assert "automatic restarts: 2" in summary and "restart 2 of 2" in summary, summary
+
+
+def _newest_artifact(key: str) -> str:
+    """The newest version of artifact `key` on the Prefect API the tests use."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC
+        )
+    return str(found[0].data) if found else ""
 
 
 @pytest.mark.timeout(600)

@@ -10,7 +10,7 @@ from ray.exceptions import ActorDiedError
 
 from dapo_core.compute.rpc import WorkerHung
 from flows.restarts import Restart, RestartBudget, Restarts, worker_fault
-from tasks.faults import StageHung, WorkerDied
+from tasks.faults import StageHung, WorkerDied, died_worker
 
 
 class Clock:
@@ -86,3 +86,12 @@ def test_a_spent_budget_names_the_stage_and_step_of_every_restart():
     assert line.startswith("restart 2 of 2") and "resuming from checkpoint step 4" in line
     assert restarts.metrics() == {"fault/restarts": 2.0}
     assert _restarts(0).metrics() == {}
+
+
+def test_the_dead_worker_is_named_from_rays_message():
+    message = (
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: _RankHost\n\tactor_id: 1f\n"
+        "\tpid: 941\n\tname: dapo/run-1/actor/1\n\tnamespace: dapo\n\tip: 127.0.0.1"
+    )
+    assert died_worker(RuntimeError(message)) == "worker 'actor/1', pid 941: "
+    assert died_worker(RuntimeError("The actor died unexpectedly before finishing this task.")) == ""
