@@ -34,8 +34,9 @@ def _train(root: Path, runs: Path, name: str, **extra) -> dict:
 def test_killed_rollout_and_reward_workers_restart_and_train_the_same_weights(
     tiny_assets, short_reference, tmp_path, monkeypatch, caplog
 ):
-    # the rollout worker dies while generating step 2, the reward worker while scoring step 3 (after the
-    # restart at step 2 resumed from checkpoint 1 and replayed nothing: step 2 had committed no stage)
+    # the rollout worker dies while generating step 2 (the restart resumes from checkpoint 1, replaying the
+    # step's committed prompts), the reward worker while scoring step 3 (resumed from checkpoint 2 and the
+    # committed generation)
     monkeypatch.setenv("DAPO_FAULT", "kill@generate_g0:2,kill@reward_g0:3")
     out = _train(tiny_assets, tmp_path / "runs", "healed")
     assert out["train_step"] == 3
