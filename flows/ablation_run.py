@@ -250,11 +250,12 @@ def _ended(proc: subprocess.Popen, wait_s: float) -> bool:
 
 
 def pending(records: Sequence[ExpRecord], names: set[str]) -> dict[str, list[str]]:
-    """Per name of `names`, the states of its unfinished records (queued, running, failed)."""
+    """Per name of `names`, the states of its unfinished records: queued, running, failed (in the queue), or
+    error (an experiment with an error that the queue no longer lists)."""
     out: dict[str, list[str]] = {}
     for r in records:
         if r.name in names and not r.ok:
-            out.setdefault(r.name, []).append(r.state or "failed")
+            out.setdefault(r.name, []).append(r.state or "error")
     return out
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.ablation_run import AblationError, read_lineage, upstream_stages
+from flows.ablation import ExpRecord
+from flows.ablation_run import AblationError, pending, read_lineage, upstream_stages
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -64,3 +65,19 @@ def test_a_lineage_without_the_stages_or_file_is_refused(tmp_path):
     (tmp_path / "dvc.yaml").write_text("stages:\n  train:\n    cmd: echo\n  evaluate:\n    cmd: echo\n")
     with pytest.raises(AblationError, match="metrics"):
         read_lineage(tmp_path, "dvc.yaml")
+
+
+def test_pending_lists_the_unfinished_records_of_the_grid_only():
+    records = [
+        ExpRecord("a", {}, {}, True, "success"),
+        ExpRecord("b", {}, {}, False, "queued"),
+        ExpRecord("c", {}, {}, False, "failed"),
+        ExpRecord("c", {}, {}, False, "running"),
+        ExpRecord("d", {}, {}, False, None),
+        ExpRecord("other", {}, {}, False, "queued"),
+    ]
+    assert pending(records, {"a", "b", "c", "d"}) == {
+        "b": ["queued"],
+        "c": ["failed", "running"],
+        "d": ["error"],
+    }
