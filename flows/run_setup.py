@@ -211,13 +211,13 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
 
 
 def start_workers(
-    cfg: DapoConfig, cluster: Cluster, model_path: str, tokenizer_path: str, pad: int, at_once: bool = False
+    cfg: DapoConfig, cluster: Cluster, model_path: str, tokenizer_path: str, pad: int
 ) -> dict[str, Any]:
-    """Start the run's workers on `cluster`, in this order: [the colocated GPU pool], rollout replicas, actor,
-    reward, [ref], [critic]; returns them by their `TrainRun` field names. With LoRA the actor is the
-    reference (its adapters off): no second model. `at_once` (Ray workers on CPU only): every role starts
-    at the same time, so their processes' imports and model loads overlap (on a GPU, vLLM sizes its cache
-    from the memory free as it starts, so the roles start one after another)."""
+    """Start the run's workers on `cluster`: [the colocated GPU pool], rollout replicas, actor, reward, [ref],
+    [critic]; returns them by their `TrainRun` field names. With LoRA the actor is the reference (its
+    adapters off): no second model. Ray workers on CPU start all at once, so their processes' imports and
+    model loads overlap; on a GPU (vLLM sizes its cache from the memory free as it starts) and in-process
+    they start one after another, in that order."""
     device = resolve_device(cfg)
     if device == "cuda" and cfg.trainer.use_ray and colocated(cfg, device):
         cluster.pool = device_pool(cfg, cluster)
@@ -230,7 +230,7 @@ def start_workers(
         roles["ref"] = lambda: ref_worker(cfg, cluster, model_path, pad, device)
     if use_critic(cfg):
         roles["critic"] = lambda: critic_worker(cfg, cluster, model_path, pad, device)
-    if at_once and cluster.use_ray and device == "cpu":
+    if cluster.use_ray and device == "cpu":
         with ThreadPoolExecutor(len(roles), thread_name_prefix="dapo-start") as pool:
             started = {name: pool.submit(make) for name, make in roles.items()}
             workers = {name: f.result() for name, f in started.items()}
@@ -253,7 +253,7 @@ def restart_workers(rt: TrainRun) -> None:
     wait = cluster.start_timeout_s
     cluster.start_timeout_s = cfg.trainer.restart_wait_s
     try:
-        workers = start_workers(cfg, cluster, rt.model_path, rt.tokenizer_path, rt.pad_token_id, at_once=True)
+        workers = start_workers(cfg, cluster, rt.model_path, rt.tokenizer_path, rt.pad_token_id)
     finally:
         cluster.start_timeout_s = wait
     for name, worker in workers.items():

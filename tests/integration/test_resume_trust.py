@@ -176,7 +176,7 @@ def test_killed_worker_stops_with_one_paragraph_and_the_run_resumes(tiny_assets)
         ours = psutil.Process(proc.pid).children(recursive=True)  # only this run's Ray processes
         workers = [p for p in ours if any("_RayHost" in part for part in p.cmdline())]  # "ray::_RayHost"
         assert len(workers) >= 3, [p.cmdline()[:1] for p in ours]
-        min(workers, key=lambda p: p.pid).kill()  # one worker: the first started (the rollout worker)
+        min(workers, key=lambda p: p.pid).kill()  # one worker (each is used in step 2)
         assert proc.wait(timeout=600) == 2, log.read_text()[-3000:]  # the run stops by itself
 
     def stopped_with_one_paragraph(_run: Path) -> None:
