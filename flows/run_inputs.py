@@ -76,6 +76,11 @@ def input_fingerprints(
     return out
 
 
+def default_config_fingerprint() -> dict[str, str]:
+    """`config_fingerprint` of the schema's defaults (`DapoConfig()`)."""
+    return config_fingerprint(OmegaConf.to_container(OmegaConf.structured(DapoConfig())))  # type: ignore[arg-type]
+
+
 def check_inputs(store: RunStore, cfg: DapoConfig, inputs: dict) -> list[str]:
     """Compare this attempt's inputs with the run's record: [] when equal or when the run is new; the
     changes when `trainer.allow_changed_inputs` (after a warning); else :class:`InputsChanged` naming them."""
@@ -87,7 +92,7 @@ def check_inputs(store: RunStore, cfg: DapoConfig, inputs: dict) -> list[str]:
                 f"attempt's inputs are recorded now; changes made before it cannot be detected"
             )
         return []
-    diff = changes(old, inputs)
+    diff = changes(old, inputs, defaults=default_config_fingerprint())
     if not diff:
         return []
     listed = "; ".join(diff)

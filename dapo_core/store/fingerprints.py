@@ -188,8 +188,13 @@ def _file_changes(label: str, old: Sequence[Mapping], new: Sequence[Mapping]) ->
     return out
 
 
-def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """What differs between two `inputs.json` records, one line per input (empty: nothing changed)."""
+def changes(
+    old: Mapping[str, Any], new: Mapping[str, Any], defaults: Mapping[str, str] | None = None
+) -> list[str]:
+    """What differs between two `inputs.json` records, one line per input (empty: nothing changed).
+    `defaults`: the `config_fingerprint` of the schema's defaults. A config key the old record lacks (the
+    run was started by a version without it) is no change when it is at its default, which keeps the old
+    behaviour."""
     out: list[str] = []
     for part in ("train", "val"):
         o, n = old.get("data", {}).get(part), new.get("data", {}).get(part)
@@ -214,8 +219,12 @@ def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
         if diff:
             shown = ", ".join(diff[:5]) + (f" (+{len(diff) - 5} more)" if len(diff) > 5 else "")
             out.append(f"base {part} {n.get('path')}: {shown} changed, added or removed")
-    oc, nc = old.get("config", {}), new.get("config", {})
-    keys = sorted(k for k in set(oc) | set(nc) if oc.get(k) != nc.get(k))
+    oc, nc, dc = old.get("config", {}), new.get("config", {}), defaults or {}
+    keys = sorted(
+        k
+        for k in set(oc) | set(nc)
+        if oc.get(k) != nc.get(k) and not (k not in oc and k in dc and nc.get(k) == dc[k])
+    )
     if keys:
         shown = ", ".join(keys[:8]) + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else "")
         out.append(f"config: {shown}")
