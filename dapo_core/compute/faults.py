@@ -20,9 +20,10 @@
 Examples: `kill@generate_g0:2`, `kill-always@update_actor#1:1`, `hang@reward_g0:1,kill@old_log_prob:2`,
 `update_actor:2:nightly-*`.
 
-Worker actions act only inside a Ray worker process (an in-process worker would take the driver with it), so
-without Ray they do nothing. The workers call `fault_point` as a stage starts; a local Ray's workers inherit
-the driver's environment.
+`kill` acts only inside a Ray worker process (an in-process worker would take the driver with it); `hang`
+also holds an in-process worker, and with it the driver, until the process is killed (a run held at a known
+point, e.g. for a test of losing its host). The workers call `fault_point` as a stage starts; a local Ray's
+workers inherit the driver's environment.
 """
 
 from __future__ import annotations
@@ -134,11 +135,12 @@ def faults_from_env() -> list[FaultSpec]:
 
 def fault_point(root: str, stage: str, step: int) -> None:
     """The worker-side hook, called as a worker starts computing (step, stage) of the run folder `root`: kill
-    or hang this process when `DAPO_FAULT` says so (nothing otherwise, and nothing outside a Ray worker). A
+    or hang this process when `DAPO_FAULT` says so (nothing otherwise; a kill only in a Ray worker). A
     replica's share (`<stage>_r<i>of<M>`) is its stage on rank i; in a data-parallel group the rank is the
     process's."""
-    if not os.environ.get(FAULT_ENV) or not _in_ray_worker():
+    if not os.environ.get(FAULT_ENV):
         return
+    in_ray_worker = _in_ray_worker()
     rank = _rank()
     share = _SHARE.match(stage)
     if share is not None:
@@ -146,6 +148,8 @@ def fault_point(root: str, stage: str, step: int) -> None:
     run_id = Path(root).name
     for fault in faults_from_env():
         if not fault.in_worker or not fault.matches(stage, step, run_id, rank):
+            continue
+        if fault.action.startswith("kill") and not in_ray_worker:
             continue
         if fault.once:
             marker = fault.marker(root)

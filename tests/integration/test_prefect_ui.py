@@ -350,25 +350,25 @@ def test_retry_from_the_ui_continues_the_failed_run(server, tiny_assets, short_r
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_host_loss_marks_the_run_crashed(server, tiny_assets):
-    """Kill the serving process and the flow-run process together (SIGKILL): the heartbeat automation of
-    infra/zombie_automation.py marks the run Crashed within a bounded time; once `dapo deploy` serves again,
-    Retry (the UI's button) continues the crashed run to the end, replaying what it had committed."""
+    """Kill the serving process and the flow-run process together (SIGKILL) while the run is held in step 2
+    (`DAPO_FAULT=hang@...`, once): the heartbeat automation of infra/zombie_automation.py marks the run
+    Crashed within a bounded time; once `dapo deploy` serves again, Retry (the UI's button) continues the
+    crashed run to the end, replaying what it had committed."""
     from prefect.client.schemas.objects import StateType
     from prefect.states import AwaitingRetry
 
-    serve = _serve(server, tiny_assets, "zombie", PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30")
+    held = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30", "DAPO_FAULT": "hang@generate_g0:2:zombie"}
+    serve = _serve(server, tiny_assets, "zombie", **held)
     try:
         with _client(server.api) as client:
             dep = _deployment(client, "zombie", serve)
             fr = client.create_flow_run_from_deployment(
                 dep.id,
-                parameters={
-                    "run_id": "zombie",
-                    "overrides": [*tiny_overrides(tiny_assets, **SERVED), "trainer.total_training_steps=20"],
-                },
+                parameters={"run_id": "zombie"},
             )
             marker = tiny_assets / "runs" / "zombie" / "step_000001" / "generate_g0.manifest.json"
-            wait_for(marker.exists, "the run's first generation", 300, alive=serve)
+            hung = tiny_assets / "runs" / "zombie" / "faults" / "hang@generate_g0#0:2.done"
+            wait_for(hung.exists, "the run to be held in step 2's generation", 300, alive=serve)
             assert client.read_flow_run(fr.id).state.type == StateType.RUNNING
             wait_for(
                 lambda: _heartbeats(server.api, fr.id),
@@ -392,7 +392,7 @@ def test_host_loss_marks_the_run_crashed(server, tiny_assets):
             print(f"marked Crashed {took:.0f} s after the kill")
 
             committed = marker.read_text()
-            serve = _serve(server, tiny_assets, "zombie", PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30")
+            serve = _serve(server, tiny_assets, "zombie", **held)  # the hang acted once: it passes
             result = client.set_flow_run_state(fr.id, AwaitingRetry(message="Retry from the UI"), force=False)
             assert result.status.value == "ACCEPT", result
             state = _final_state(client, fr.id, 900, serve)
@@ -402,7 +402,7 @@ def test_host_loss_marks_the_run_crashed(server, tiny_assets):
             assert not [t.name for t in left if t.state_type == StateType.RUNNING]  # none runs forever
             crashed = [t for t in left if t.state_type == StateType.CRASHED]
             assert all("attempt 2" in (t.state.message or "") for t in crashed), crashed
-            assert (tiny_assets / "runs" / "zombie" / "ckpt" / "step_20" / "actor").is_dir()
+            assert (tiny_assets / "runs" / "zombie" / "ckpt" / "step_3" / "actor").is_dir()
     finally:
         stop(serve, signal.SIGKILL)
 

@@ -1,5 +1,5 @@
 """The DAPO_FAULT grammar: items, actions, ranks, run patterns, once-only markers, refused spellings; and the
-worker hook is inert outside a Ray worker."""
+worker hook outside a Ray worker (a kill is inert, a hang holds the caller)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,19 @@ def test_bad_spellings_are_refused_naming_the_variable(spec):
         parse_faults(spec)
 
 
-def test_the_worker_hook_does_nothing_outside_a_ray_worker(tmp_path, monkeypatch):
-    monkeypatch.setenv("DAPO_FAULT", "kill-always@generate_g0:1,hang-always@reward_g0:1")
-    fault_point(str(tmp_path), "generate_g0", 1)  # this process is no Ray actor: it must survive
-    fault_point(str(tmp_path), "reward_g0_r0of2", 1)
-    assert not (tmp_path / "faults").exists()
+def test_outside_a_ray_worker_a_kill_does_nothing_and_a_hang_holds_the_caller_once(tmp_path, monkeypatch):
+    import dapo_core.compute.faults as faults
+
+    class Held(Exception):
+        """Raised by the patched sleep: the hook started to hang."""
+
+    def held(_seconds: float) -> None:
+        raise Held
+
+    monkeypatch.setattr(faults.time, "sleep", held)
+    monkeypatch.setenv("DAPO_FAULT", "kill-always@generate_g0:1,hang@reward_g0:1")
+    fault_point(str(tmp_path), "generate_g0", 1)  # this process is no Ray actor: a kill would end it
+    with pytest.raises(Held):
+        fault_point(str(tmp_path), "reward_g0_r0of2", 1)  # replica 0's share of reward_g0
+    assert (tmp_path / "faults" / "hang@reward_g0#0:1.done").exists()
+    fault_point(str(tmp_path), "reward_g0", 1)  # once: the marker lets the next attempt pass
