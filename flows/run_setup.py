@@ -215,9 +215,10 @@ def start_workers(
 ) -> dict[str, Any]:
     """Start the run's workers on `cluster`: [the colocated GPU pool], rollout replicas, actor, reward, [ref],
     [critic]; returns them by their `TrainRun` field names. With LoRA the actor is the reference (its
-    adapters off): no second model. Ray workers on CPU start all at once, so their processes' imports and
-    model loads overlap; on a GPU (vLLM sizes its cache from the memory free as it starts) and in-process
-    they start one after another, in that order."""
+    adapters off): no second model. On a local CPU Ray this run started, the roles start all at once, so
+    their processes' imports and model loads overlap; elsewhere one after another, in that order: on a
+    cluster, placement follows the order (a role started early could take the room a later, more particular
+    one needs), and on a GPU vLLM sizes its cache from the memory free as it starts."""
     device = resolve_device(cfg)
     if device == "cuda" and cfg.trainer.use_ray and colocated(cfg, device):
         cluster.pool = device_pool(cfg, cluster)
@@ -230,7 +231,7 @@ def start_workers(
         roles["ref"] = lambda: ref_worker(cfg, cluster, model_path, pad, device)
     if use_critic(cfg):
         roles["critic"] = lambda: critic_worker(cfg, cluster, model_path, pad, device)
-    if cluster.use_ray and device == "cpu":
+    if cluster.started_ray and device == "cpu":
         with ThreadPoolExecutor(len(roles), thread_name_prefix="dapo-start") as pool:
             started = {name: pool.submit(make) for name, make in roles.items()}
             workers = {name: f.result() for name, f in started.items()}

@@ -333,6 +333,11 @@ class Cluster:
                 out.append({"role": role, "rank": rank, **mem})
         return out
 
+    @property
+    def started_ray(self) -> bool:
+        """Whether this object started the (local) Ray it uses, rather than joining a cluster."""
+        return self._started_ray
+
     def kill_workers(self, free_within_s: float = 30.0) -> None:
         """Kill the workers this object created (dead, hung or well: Ray kills the process) and release the
         colocated pool, keeping Ray up so that new workers can start in their place (their records in
