@@ -3,7 +3,8 @@
 A training engine owns one HF causal LM plus its optimizer and LR scheduler: `forward` (teacher-forced
 per-token log-probs of the response, optional entropy), `backward(loss)`, `step()` (clip, optimizer step,
 zero grad), `lr_step()` (one scheduler step per TRAIN step), checkpoint `save`/`load` and `export_hf`.
-Implementations: `TorchTrainEngine` ("torch") and `DeepSpeedTrainEngine` ("deepspeed", ZeRO 1/2/3).
+Implementations (`TRAIN_ENGINES`): `TorchTrainEngine` ("torch", and verl's "fsdp"), `FSDP2TrainEngine`
+("fsdp2", sharded over data-parallel ranks) and `DeepSpeedTrainEngine` ("deepspeed", ZeRO 1/2/3).
 
 The PPO update loop over an engine is `dapo_core.compute.engines.ppo`. Memory features, all off by default:
 gradient checkpointing, token-budget micro-batches (`ppo_update(max_token_len=)`) and packed forwards
