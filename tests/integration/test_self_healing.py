@@ -75,10 +75,10 @@ def _newest_artifact(key: str) -> str:
 def test_a_hang_is_restarted_and_a_crash_on_every_attempt_spends_the_budget(
     tiny_assets, tmp_path, monkeypatch
 ):
-    # the rollout worker hangs once generating step 1 (caught after 8 s: restart 1 of 1), then the reward
+    # the rollout worker hangs once generating step 1 (caught after 20 s: restart 1 of 1), then the reward
     # worker dies whenever it scores step 1 (a deterministic crash: no restart is left)
     monkeypatch.setenv("DAPO_FAULT", "hang@generate_g0:1,kill-always@reward_g0:1")
-    extra = {"trainer.max_restarts": 1, "trainer.stage_timeout_s": 8, "trainer.total_training_steps": 1}
+    extra = {"trainer.max_restarts": 1, "trainer.stage_timeout_s": 20, "trainer.total_training_steps": 1}
     with pytest.raises(WorkerDied) as err:
         _train(tiny_assets, tmp_path / "runs", "doomed", **extra)
     text = str(err.value)
