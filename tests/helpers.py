@@ -85,6 +85,25 @@ SMALL_MODEL: dict[str, Any] = {
 """`actor_rollout_ref.model.tiny` keys of a two-layer model with 64 hidden units."""
 
 
+def spawn_ranks(target: Callable[..., None], *args: Any, world: int = 2, timeout_s: float = 500) -> Any:
+    """Run `target(rank, port, *args, queue)` in `world` spawned processes (a gloo group on a free loopback
+    port) and return the first thing one of them puts on `queue`, after the processes have ended."""
+    import multiprocessing as mp
+
+    from dapo_core.compute.dist import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=target, args=(r, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=timeout_s)
+    for p in procs:
+        p.join(timeout=60)
+    return result
+
+
 def tiny_model_cfg(**overrides: Any) -> dict[str, Any]:
     """`SMALL_MODEL` with some keys replaced (e.g. `hidden_size=32` for the fastest tests)."""
     unknown = set(overrides) - set(SMALL_MODEL)

@@ -4,15 +4,14 @@ disabled adapters, the merged push and export, and an adapter-only checkpoint th
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 
 import pytest
 import torch
 
-from dapo_core.compute.dist import free_port
 from dapo_core.compute.lora import ADAPTER_SUBDIR, ADAPTER_WEIGHTS, LoraSpec
 from dapo_core.compute.models import build_tiny_model
+from tests.helpers import spawn_ranks
 from tests.unit.dapo_core.compute.engines.test_fsdp2_train import _base, _update
 from tests.unit.dapo_core.compute.engines.test_train import OPTIM, TINY, make_batch
 
@@ -91,15 +90,7 @@ def test_fsdp2_lora_dp2_equals_torch_engine_merges_and_resumes_bitwise(tmp_path)
 
     model = str(build_tiny_model(tmp_path / "tiny", TINY, seed=1))
     ckpt = tmp_path / "ckpt"
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, port, model, str(ckpt), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=500)
-    for p in procs:
-        p.join(timeout=60)
+    result = spawn_ranks(_rank, model, str(ckpt))
     assert result[0] == "ok", result[1]
     _, checks, metrics, merged, adapters, ref_lp = result
     assert all(checks.values()), checks

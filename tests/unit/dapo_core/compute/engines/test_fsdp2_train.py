@@ -3,7 +3,6 @@ token-mean update equal to one process's, the ordered gather, and sharded checkp
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from pathlib import Path
 
@@ -11,8 +10,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo_core.compute.dist import dp_split, free_port
+from dapo_core.compute.dist import dp_split
 from dapo_core.compute.models import build_tiny_model
+from tests.helpers import spawn_ranks
 from tests.unit.dapo_core.compute.engines.test_train import OPTIM, TINY, make_batch, token_mean_pg_loss
 
 
@@ -88,7 +88,7 @@ def _rank(rank: int, port: int, model: str, out: str, queue) -> None:
         queue.put(("error", traceback.format_exc()))
 
 
-def _single(port: int, model: str, ckpt: str, queue) -> None:
+def _single(_rank: int, _port: int, model: str, ckpt: str, queue) -> None:
     try:
         torch.set_num_threads(1)
         from dapo_core.compute.engines.train import make_train_engine
@@ -110,15 +110,7 @@ def test_fsdp2_dp2_update_equals_one_process_and_checkpoints_by_shard(tmp_path):
 
     model = str(build_tiny_model(tmp_path / "tiny", TINY, seed=1))
     ckpt = tmp_path / "ckpt"
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, port, model, str(ckpt), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=500)
-    for p in procs:
-        p.join(timeout=60)
+    result = spawn_ranks(_rank, model, str(ckpt))
     assert result[0] == "ok", result[1]
     _, metrics, weights, rows, again, mixed_metrics, mixed, beyond_bf16 = result
     assert beyond_bf16 > 0, "the gradients were reduced in bf16"
@@ -152,10 +144,7 @@ def test_fsdp2_dp2_update_equals_one_process_and_checkpoints_by_shard(tmp_path):
     assert names == ["model.rank0.safetensors", "model.rank1.safetensors"]
 
     # a different world size is refused with the keys to change
-    single = ctx.Process(target=_single, args=(port, model, str(ckpt), queue))
-    single.start()
-    outcome = queue.get(timeout=300)
-    single.join(timeout=60)
+    outcome = spawn_ranks(_single, model, str(ckpt), world=1, timeout_s=300)
     assert outcome[0] == "refused", outcome
     assert "2 shards" in outcome[1] and "trainer.n_gpus_per_node" in outcome[1], outcome[1]
 
@@ -239,18 +228,7 @@ def test_critic_dp2_values_update_and_sharded_checkpoint_equal_one_process(tmp_p
     over the whole mini-batch's tokens) and weights; each rank checkpoints its shards and a reload repeats
     the next update exactly."""
     model = str(build_tiny_model(tmp_path / "tiny", TINY, seed=1))
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port("127.0.0.1")
-    procs = [
-        ctx.Process(target=_critic_rank, args=(r, port, model, str(tmp_path / "dp2"), queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=500)
-    for p in procs:
-        p.join(timeout=60)
+    result = spawn_ranks(_critic_rank, model, str(tmp_path / "dp2"))
     assert result[0] == "ok", result[1]
     _, values, metrics, weights, third, reloaded = result
     weights, third = ({k: torch.from_numpy(v) for k, v in w.items()} for w in (weights, third))
