@@ -61,7 +61,7 @@ which would add the adapter a second time to the merged weights."""
 
 _KEY = "actor_rollout_ref.model"
 
-LORA_STRATEGIES = ("torch", "fsdp", "fsdp2")
+LORA_STRATEGIES = ("torch", "fsdp", "fsdp2", "deepspeed")
 """The `actor.strategy` values whose training engine builds adapters ("fsdp" is the torch engine's alias)."""
 
 
@@ -135,12 +135,12 @@ def check_strategy(strategy: str, spec: LoraSpec) -> None:
     paragraph naming the strategies that do."""
     if strategy not in LORA_STRATEGIES:
         raise ConfigError(
-            f"{_KEY}.lora_rank={spec.rank} asks for LoRA adapters, which the torch and fsdp2 training "
-            f"engines build and actor_rollout_ref.actor.strategy={strategy!r} does not",
+            f"{_KEY}.lora_rank={spec.rank} asks for LoRA adapters, which the {', '.join(LORA_STRATEGIES)} "
+            f"training engines build and actor_rollout_ref.actor.strategy={strategy!r} does not",
             where="actor_rollout_ref.actor.strategy",
-            fix="set actor_rollout_ref.actor.strategy=fsdp2 (sharded over the data-parallel ranks) or "
-            "strategy=torch (one process, CPU or one GPU) for LoRA, or lora_rank=0 to train every weight "
-            "with this strategy",
+            fix="set actor_rollout_ref.actor.strategy=fsdp2 (sharded over the data-parallel ranks), "
+            "strategy=deepspeed (ZeRO) or strategy=torch (one process, CPU or one GPU) for LoRA, or "
+            "lora_rank=0 to train every weight with this strategy",
         )
 
 

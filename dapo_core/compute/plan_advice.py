@@ -120,8 +120,7 @@ def candidates(cfg: Any, check: str, heads: int) -> list[list[list[str]]]:
         if actor.strategy in FSDP_STRATEGIES:
             nn = int(cfg.trainer.nnodes)
             numbers("trainer.nnodes", [nn * 2, nn * 4, nn * 8])
-        lora = int(getattr(arr.model, "lora_rank", 0) or 0) > 0  # the deepspeed engine builds no adapters
-        for strategy in ("fsdp2",) if lora else ("fsdp2", "deepspeed"):
+        for strategy in ("fsdp2", "deepspeed"):  # both build LoRA adapters too
             if strategy != actor.strategy and strategy in TRAIN_ENGINES and str(cfg.trainer.device) != "cpu":
                 extra = [f"{A}actor.deepspeed.bf16=true"] if strategy == "deepspeed" else []
                 out.append([[f"{A}actor.strategy={strategy}", *extra]])

@@ -11,6 +11,16 @@ JIT-compiles `deepspeed_shm_comm` (cached afterwards).
 `save(dir)` writes the torch engine's files (the full weights as an HF folder, gathered under ZeRO-3, and
 `extra_state.{json,tensors}`: scheduler, counters, RNG states; no pickle) except that the optimizer state is
 DeepSpeed's own, in `deepspeed/` (model + optimizer state, restored bitwise by `load`), not `optim.*`.
+
+LoRA (`lora=LoraSpec`, `dapo_core.compute.lora`): the peft adapters are injected into the model (from the
+seeded RNG, as the torch engine does) before `deepspeed.initialize`, and only the adapters reach our AdamW, so
+ZeRO's fp32 master copies, gradient partitions and AdamW moments cover the adapters alone; the frozen base
+weights are the module's (in bf16 with `deepspeed.bf16`; partitioned with the rest under ZeRO-3). `ref_mode`
+disables the adapters (the reference policy). A weight push, `state_dict_for_sync` and the HF export give the
+merged weights `W + B·A·alpha/r` under the base names (`lora.merged_tensors`, inside the ZeRO-3 gather); the
+export adds the adapter-only peft folder `lora_adapter/`. A checkpoint's `deepspeed/` holds the adapters and
+their optimizer state only (`save_checkpoint(exclude_frozen_parameters=True)`; the base is the model
+folder's).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import Any
 
 import torch
 
+from dapo_core.compute import lora as lora_lib
 from dapo_core.compute.engines.train import (
     TrainEngine,
     adamw_kwargs,
@@ -128,7 +139,9 @@ class DeepSpeedTrainEngine(TrainEngine):
         dtype: torch.dtype = torch.float32,
         gradient_checkpointing: bool = False,
         deepspeed_cfg: Mapping[str, Any] | None = None,
+        lora: lora_lib.LoraSpec | None = None,
     ) -> None:
+        """`lora`: train LoRA adapters (`lora.add_lora`) on the frozen model instead of every weight."""
         import deepspeed
 
         self.model_path = Path(model_path)
@@ -149,8 +162,14 @@ class DeepSpeedTrainEngine(TrainEngine):
         model = load_model(self.model_path, dtype=dtype, device=load_device)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        self.lora = lora
+        self.peft: Any = None
+        """The `peft.PeftModel` around `model` when LoRA is on (the adapters are inside `model`)."""
+        if lora is not None:
+            self.peft = lora_lib.add_lora(model, lora)
         model.train()
-        base_opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(optim_cfg))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        base_opt = torch.optim.AdamW(trainable, **adamw_kwargs(optim_cfg))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             base_opt, lr_lambda_for(optim_cfg, self.total_steps)
         )
@@ -159,8 +178,29 @@ class DeepSpeedTrainEngine(TrainEngine):
         )
         self.base_optimizer = base_opt
         self.model = self.engine.module
+        if lora is not None:
+            self._keep_frozen_out_of_checkpoints()
         self.optimizer_steps = 0
         self.skipped_steps = 0
+
+    def _keep_frozen_out_of_checkpoints(self) -> None:
+        """Make the DeepSpeed engine's module state (what `save_checkpoint` writes) leave out every frozen
+        weight under each of its names: `exclude_frozen_parameters` drops a tied weight under one name only
+        (a tied LM head, the size of the embedding, would stay)."""
+        from deepspeed import DeepSpeedEngine
+
+        engine = self.engine
+        frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+        def module_state_dict(
+            destination: Any = None, prefix: str = "", keep_vars: bool = False, **kwargs: Any
+        ) -> dict[str, torch.Tensor]:
+            sd = DeepSpeedEngine.module_state_dict(engine, destination, prefix, keep_vars, **kwargs)
+            for name in frozen:
+                sd.pop(prefix + name, None)
+            return sd
+
+        engine.module_state_dict = module_state_dict
 
     def _module(self) -> torch.nn.Module:
         return self.engine
@@ -211,31 +251,67 @@ class DeepSpeedTrainEngine(TrainEngine):
             yield
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """Full weights under HF names (copies under ZeRO-3, detached views otherwise)."""
+        """Full weights under HF names (copies under ZeRO-3, detached views otherwise); with LoRA the merged
+        weights (`lora.merged_state_dict`)."""
         with self._full_params():
-            sd = self.model.state_dict()
+            if self.peft is not None:
+                sd = lora_lib.merged_state_dict(self.model)
+            else:
+                sd = {k: v.detach() for k, v in self.model.state_dict().items()}
             if self.zero_stage == 3:
-                return {k: v.detach().clone() for k, v in sd.items()}
-            return {k: v.detach() for k, v in sd.items()}
+                return {k: v.clone() for k, v in sd.items()}
+            return sd
 
     def iter_sync_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | str]]:
         """The weights one at a time, inside the gather of the full parameters (ZeRO-3 gathers them all at
-        once: a per-layer gather is not implemented)."""
+        once: a per-layer gather is not implemented); with LoRA the merged ones, one adapted layer at a
+        time."""
         with self._full_params():
-            yield from super().iter_sync_tensors(dtype)
+            if self.peft is None:
+                yield from super().iter_sync_tensors(dtype)
+            else:
+                yield from lora_lib.merged_tensors(self.model)
+
+    def ref_mode(self) -> contextlib.AbstractContextManager[Any]:
+        """The base model (adapters off) while open: the reference policy of a LoRA run."""
+        if self.peft is None:
+            return super().ref_mode()
+        return lora_lib.adapters_disabled(self.peft)
 
     def export_hf(self, out_dir: str | Path) -> Path:
-        """Write the full (gathered) weights as an HF folder with the tokenizer."""
+        """Write the full (gathered) weights as an HF folder with the tokenizer; with LoRA the merged weights
+        under the base names, and the adapter in peft's format in its `lora_adapter/` sub-folder."""
         with self._full_params():
-            return super().export_hf(out_dir)
+            if self.peft is None:
+                return super().export_hf(out_dir)
+            from dapo_core.compute.models import load_tokenizer, save_model
+
+            try:
+                tokenizer = load_tokenizer(self.model_path)
+            except FileNotFoundError:
+                tokenizer = None
+            merged = lora_lib.merged_state_dict(self.model)
+            out = save_model(self.model, tokenizer, out_dir, state_dict=merged)
+            lora_lib.save_adapter(self.peft, out / lora_lib.ADAPTER_SUBDIR)
+            return out
+
+    @property
+    def _lora_rank(self) -> int:
+        return 0 if self.lora is None else self.lora.rank
 
     def save(self, out_dir: str | Path) -> Path:
-        """Write HF weights, DeepSpeed model + optimizer state, scheduler and RNG states to `out_dir`."""
+        """Write HF weights, DeepSpeed model + optimizer state, scheduler and RNG states to `out_dir`; with
+        LoRA DeepSpeed's state covers the adapters alone (the HF weights are the merged ones)."""
         from dapo_core.store.state_files import save_state
 
         out = self.export_hf(out_dir)
         rng = get_rng_state()  # DeepSpeed must not perturb what we save
-        self.engine.save_checkpoint(str(out / DS_SUBDIR), tag=DS_TAG, save_latest=False)
+        self.engine.save_checkpoint(
+            str(out / DS_SUBDIR),
+            tag=DS_TAG,
+            save_latest=False,
+            exclude_frozen_parameters=self.peft is not None,
+        )
         save_state(
             out,
             "extra_state",
@@ -246,6 +322,7 @@ class DeepSpeedTrainEngine(TrainEngine):
                 "rng": rng,
                 "engine": "deepspeed",
                 "zero_stage": self.zero_stage,
+                "lora_rank": self._lora_rank,
             },
         )
         return out
@@ -280,8 +357,19 @@ class DeepSpeedTrainEngine(TrainEngine):
                 f"this engine is deepspeed zero_stage={self.zero_stage}. Set "
                 "actor_rollout_ref.actor.deepspeed.zero_stage to match."
             )
+        if int(extra.get("lora_rank", 0)) != self._lora_rank:
+            raise ValueError(
+                f"{d} was written with actor_rollout_ref.model.lora_rank={extra.get('lora_rank', 0)} and "
+                f"this run has lora_rank={self._lora_rank}; set lora_rank as in the run that wrote it (a "
+                "LoRA checkpoint holds only the adapter), or start a new run from its exported HF weights "
+                "(model.safetensors)."
+            )
         path, _ = self.engine.load_checkpoint(
-            str(d / DS_SUBDIR), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            str(d / DS_SUBDIR),
+            tag=DS_TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+            load_module_strict=self.peft is None,  # a LoRA checkpoint lacks the frozen base weights
         )
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load {d / DS_SUBDIR}; see the log above.")

@@ -582,7 +582,7 @@ def make_train_engine(
         "dtype": dtype,
         "gradient_checkpointing": gradient_checkpointing,
     }
-    if lora is not None:  # LoRA adapters (`dapo_core.compute.lora`): the torch and fsdp2 engines
+    if lora is not None:  # LoRA adapters (`dapo_core.compute.lora`): every engine builds them
         from dapo_core.compute.lora import check_strategy
 
         check_strategy(strategy, lora)

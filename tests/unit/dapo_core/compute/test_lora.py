@@ -1,6 +1,6 @@
 """Tests for LoRA on the torch training engine: the config keys and their refusals, only adapters training,
 the reference through disabled adapters, the merged push / export and the adapter-only export (the FSDP2
-engine's LoRA: engines/test_fsdp2_lora.py)."""
+engine's LoRA: engines/test_fsdp2_lora.py; the DeepSpeed engine's: engines/test_train.py)."""
 
 from __future__ import annotations
 
@@ -90,18 +90,21 @@ def test_negative_rank_is_one_paragraph_naming_the_key():
     assert "actor_rollout_ref.model.lora_rank" in msg and "-4" in msg and ">= 0" in msg
 
 
-def test_lora_on_deepspeed_is_refused_naming_the_strategies_that_build_adapters():
-    _config("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.strategy=fsdp2")  # accepted
+def test_lora_is_accepted_on_every_training_strategy():
+    for strategy in ("torch", "fsdp2", "deepspeed"):
+        c = _config("actor_rollout_ref.model.lora_rank=8", f"actor_rollout_ref.actor.strategy={strategy}")
+        assert c.actor_rollout_ref.model.lora_rank == 8
+
+
+def test_every_training_engine_builds_adapters_and_another_strategy_is_refused():
+    from dapo_core.compute.engines.train import TRAIN_ENGINES
+    from dapo_core.compute.lora import LORA_STRATEGIES, check_strategy
+
+    assert set(TRAIN_ENGINES) <= set(LORA_STRATEGIES)  # the deepspeed engine: engines/test_train.py
     with pytest.raises(ConfigError) as ei:
-        _config("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.strategy=deepspeed")
+        check_strategy("megatron", SPEC)
     msg = str(ei.value)
-    assert "lora_rank" in msg and "deepspeed" in msg
-    assert "actor_rollout_ref.actor.strategy=fsdp2" in msg and "strategy=torch" in msg
-
-
-def test_engine_refuses_lora_outside_torch_and_fsdp2(tiny_dir):
-    with pytest.raises(ConfigError, match="strategy=fsdp2"):
-        make_train_engine("deepspeed", tiny_dir, {"lr": 1e-3}, total_steps=1, grad_clip=1.0, lora=SPEC)
+    assert "strategy='megatron'" in msg and "strategy=fsdp2" in msg and "strategy=deepspeed" in msg
 
 
 def test_unknown_target_module_names_the_key_and_the_layers(tiny_dir):

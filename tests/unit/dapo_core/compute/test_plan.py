@@ -324,7 +324,7 @@ def test_lora_advice_offers_only_engines_that_build_adapters():
         return {o.rsplit("=", 1)[1] for o in options if o.startswith("actor_rollout_ref.actor.strategy=")}
 
     assert strategies([]) == {"fsdp2", "deepspeed"}
-    assert strategies(VERL_LORA) == {"fsdp2"}  # the deepspeed engine builds no adapters
+    assert strategies(VERL_LORA) == {"fsdp2", "deepspeed"}  # both build adapters
 
 
 def test_fsdp2_advice_adds_nodes_and_lowers_a_budget_above_the_width():

@@ -346,3 +346,70 @@ def test_deepspeed_matches_torch_and_round_trips(tiny_dir, tmp_path, zero_stage)
         assert max_param_diff(after, dict(load_model(ds.export_hf(tmp_path / "hf")).state_dict())) == 0.0
     finally:
         ds.close()
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_deepspeed_lora_matches_torch_lora_and_round_trips(tiny_dir, tmp_path, zero_stage):
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    from dapo_core.compute.lora import ADAPTER_SUBDIR, ADAPTER_WEIGHTS, LoraSpec
+
+    spec, batch, optim = LoraSpec(rank=4, alpha=8), make_batch(), {**OPTIM, "lr": 2e-2}
+    ref = make_train_engine("torch", tiny_dir, optim, total_steps=6, grad_clip=0.5, lora=spec)
+    ds = make_train_engine(
+        "deepspeed",
+        tiny_dir,
+        optim,
+        total_steps=6,
+        grad_clip=0.5,
+        deepspeed_cfg={"zero_stage": zero_stage},
+        lora=spec,
+    )
+    try:
+        trainable = [p for p in ds.model.parameters() if p.requires_grad]
+        assert trainable and all(
+            ".lora_A." in n or ".lora_B." in n for n, p in ds.model.named_parameters() if p.requires_grad
+        )
+        base = params_of(ds)
+        for eng in (ref, ds):
+            eng.lr_step()
+        torch.manual_seed(5)
+        ref_losses = _train(ref, batch, 3)
+        torch.manual_seed(5)
+        ds_losses = _train(ds, batch, 3)
+        assert np.allclose(ref_losses, ds_losses, atol=1e-5, rtol=0)
+        moments = [
+            t for st in ds.base_optimizer.state.values() for k, t in st.items() if k.startswith("exp_")
+        ]
+        n_adapter = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
+        assert sum(t.numel() for t in moments) == 2 * n_adapter  # ZeRO's AdamW state: the adapters only
+        merged = params_of(ds)  # the merged weights W + B·A·alpha/r under the base names
+        assert set(merged) == set(base) and max_param_diff(params_of(ref), merged) <= 1e-5
+        assert max_param_diff(base, merged) > 1e-4  # the adapters trained
+        ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+        with ds.ref_mode(), ref.ref_mode(), torch.no_grad():  # the reference: adapters off, the base model
+            assert torch.allclose(
+                ds.forward(ids, mask, pos, 6)[0], ref.forward(ids, mask, pos, 6)[0], atol=1e-6
+            )
+        ds.save(tmp_path / "ckpt")
+        module_states = next((tmp_path / "ckpt" / "deepspeed").rglob("*model_states.pt"))
+        saved = torch.load(module_states, map_location="cpu", weights_only=False)["module"]
+        assert saved and all(".lora_" in k for k in saved)  # the checkpoint holds no frozen base weight
+        adapter = load_file(str(tmp_path / "ckpt" / ADAPTER_SUBDIR / ADAPTER_WEIGHTS))
+        assert len(adapter) == len(trainable)
+        exported = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+        assert max_param_diff(exported, merged) == 0.0
+        cont = _train(ds, batch, 1)
+        after = params_of(ds)
+        ds.load(tmp_path / "ckpt")
+        assert _train(ds, batch, 1) == cont and max_param_diff(after, params_of(ds)) == 0.0
+        if zero_stage == 1:
+            full = make_train_engine("deepspeed", tiny_dir, optim, total_steps=6, grad_clip=0.5)
+            try:
+                with pytest.raises(ValueError, match="lora_rank=4 and this run has lora_rank=0"):
+                    full.load(tmp_path / "ckpt")
+            finally:
+                full.close()
+    finally:
+        ds.close()
