@@ -28,8 +28,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from dapo_core.config import ConfigError, to_safe_yaml, typed
 from dapo_core.config.checks import no_op_warnings
 from flows.progress import prefect_console_env, quiet_worker_noise, start_local_prefect
@@ -220,7 +218,7 @@ def _main(args: argparse.Namespace, state: dict) -> int:
     if args.command == "train":  # a run that cannot fit or read its inputs is refused before anything starts
         state["run_id"] = run_id
         state["run_dir"] = Path(tcfg.trainer.runs_dir) / run_id
-        for line in no_op_warnings(OmegaConf.to_container(cfg, resolve=True)):  # type: ignore[arg-type]
+        for line in no_op_warnings(tcfg):
             print(f"dapo train: note: {line}", file=sys.stderr)
         code = train_checks(
             tcfg,

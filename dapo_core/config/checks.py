@@ -1,18 +1,25 @@
-"""Cross-field checks of a resolved config: enums, positive integers, batch arithmetic, loss, KL, rollout
-correction, overlong shaping, sampling, step order, optimizers and the tiny model.
+"""Cross-field checks of a loaded config (the typed `DapoConfig`): closed sets of values, positive integers,
+batch arithmetic, loss, KL, rollout correction, overlong shaping, sampling, step order, optimizers and the
+tiny model.
 
 `_collect_problems` returns (errors, warnings) as 'key: problem — fix' lines;
-`dapo_core.config.loading.validate_config` turns them into one `ConfigError` and `ConfigWarning`s.
+`dapo_core.config.loading.validate_config` turns them into one `ConfigError` and `ConfigWarning`s. A field
+typed by a closed set (`dapo_core.config.choices`) is checked against that set by `_closed_set_problems`,
+which reads the schema's annotations: a new field of such a type is checked without an entry here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from typing import Any
+import types
+import typing
+from typing import Any, Literal
 
 from dapo_core.algo.advantages import ADV_ESTIMATOR_REGISTRY
 from dapo_core.algo.kl import KL_KINDS
-from dapo_core.algo.losses import LOSS_AGG_MODES, POLICY_LOSS_REGISTRY
+from dapo_core.algo.losses import POLICY_LOSS_REGISTRY
 from dapo_core.algo.rollout_correction.config import (
     SUPPORTED_LOSS_TYPES,
     SUPPORTED_ROLLOUT_IS_LEVELS,
@@ -21,12 +28,21 @@ from dapo_core.algo.rollout_correction.config import (
     parse_rs_option_names,
     parse_rs_options,
 )
+from dapo_core.config.choices import LITERALS, allowed
+from dapo_core.config.schema import (
+    DapoConfig,
+    EvalConfig,
+    ModelConfig,
+    RolloutConfig,
+    TrainerConfig,
+    ValKwargsConfig,
+)
 from dapo_core.config.unused import NO_OPS, default_value, not_implemented_problems
 
-# The option lists are defined once, in dapo_core.algo (the code that implements the options); the checks
-# below only look them up: loss_agg_mode -> LOSS_AGG_MODES, adv_estimator -> ADV_ESTIMATOR_REGISTRY, KL
-# estimators -> KL_KINDS, policy losses -> POLICY_LOSS_REGISTRY, rollout correction -> the parsers of
-# dapo_core.algo.rollout_correction.config.
+# The option lists are defined once: the closed sets in dapo_core.config.choices (those of loss_agg_mode and
+# rollout correction are the algo layer's, which implements them), the open ones in dapo_core.algo:
+# adv_estimator -> ADV_ESTIMATOR_REGISTRY, KL estimators -> KL_KINDS, policy losses -> POLICY_LOSS_REGISTRY,
+# rollout correction's other keys -> the parsers of dapo_core.algo.rollout_correction.config.
 
 GROUP_ESTIMATORS = (
     "grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
@@ -34,7 +50,7 @@ GROUP_ESTIMATORS = (
 )  # fmt: skip
 """Estimators whose baseline comes from the other samples of a group (need rollout.n >= 2)."""
 
-TRAIN_DTYPES = ("float32", "bfloat16", "fp32", "bf16")
+TRAIN_DTYPES: tuple[str, ...] = allowed("TrainDtype")
 """Values of the actor's `fsdp_config.mixed_precision` dtypes (ours and verl's spelling)."""
 
 
@@ -46,27 +62,63 @@ def train_dtype(name: str) -> str:
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 """Dynamic-sampling metrics that always exist (others must be reward extra-info names)."""
 
-_ENUMS: dict[str, tuple[tuple[str, ...], str]] = {
-    "actor_rollout_ref.rollout.name": (("hf", "vllm"), "use hf on CPU, vllm on GPUs"),
-    "actor_rollout_ref.actor.optim.warmup_style": (("constant", "cosine"), ""),
-    "algorithm.kl_ctrl.type": (("fixed", "adaptive"), ""),
-    "algorithm.filter_groups.refill": (("fixed", "adaptive"), "fixed matches the reference"),
-    "algorithm.rollout_correction.loss_type": (SUPPORTED_LOSS_TYPES, ""),
-    "data.truncation": (("left", "right", "error"), ""),
-    "trainer.resume_mode": (("auto", "disable", "resume_path"), ""),
-    "trainer.step_order": (("sync", "async", "replay_buffer"), ""),
-    "actor_rollout_ref.rollout.dtype": (("auto", "float32", "bfloat16"), "auto: the engine's default"),
-    "actor_rollout_ref.ref.dtype": (("float32", "bfloat16"), ""),
-    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": (TRAIN_DTYPES, ""),
-    "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype": (TRAIN_DTYPES, ""),
-    "trainer.max_off_policy_strategy": (("drop", "wait"), ""),
-    "trainer.device": (("cpu", "cuda", "auto"), ""),
+_HINTS: dict[str, str] = {
+    "actor_rollout_ref.rollout.name": "use hf on CPU, vllm on GPUs",
+    "algorithm.filter_groups.refill": "fixed matches the reference",
+    "actor_rollout_ref.rollout.dtype": "auto: the engine's default",
     "actor_rollout_ref.rollout.weight_transport": (
-        ("auto", "same_device", "broadcast"),
-        "auto: same_device where each actor rank shares a device with one replica",
+        "auto: same_device where each actor rank shares a device with one replica"
     ),
 }
-"""Keys whose value must be one of a fixed set (key -> (allowed, hint))."""
+"""The fix added to a closed-set key's 'is not one of' line (key -> hint)."""
+
+_OWN_MESSAGE = (
+    "actor_rollout_ref.actor.strategy",
+    "actor_rollout_ref.actor.deepspeed.zero_stage",
+    "algorithm.rollout_correction.rollout_is",
+    "data.synthetic.kind",
+)
+"""Closed-set keys whose check below says more than 'is not one of' (list fields have their own too)."""
+
+
+@functools.cache
+def _closed_set_fields() -> tuple[tuple[str, tuple[Any, ...], bool], ...]:
+    """(dotted key, allowed values, whether a list of them) of every schema field typed by a closed set of
+    `dapo_core.config.choices` (alone, optional or as a list's items), in schema order."""
+    out: list[tuple[str, tuple[Any, ...], bool]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls, localns=LITERALS)
+        for f in dataclasses.fields(cls):
+            t, key = hints[f.name], prefix + f.name
+            if isinstance(t, type) and dataclasses.is_dataclass(t):
+                walk(t, key + ".")
+                continue
+            is_list = typing.get_origin(t) is list
+            if is_list:
+                (t,) = typing.get_args(t)
+            union = typing.get_origin(t) in (typing.Union, types.UnionType)
+            sets = [a for a in (typing.get_args(t) if union else (t,)) if typing.get_origin(a) is Literal]
+            if sets:
+                out.append((key, typing.get_args(sets[0]), is_list))
+
+    walk(DapoConfig, "")
+    return tuple(out)
+
+
+def _closed_set_problems(c: DapoConfig) -> list[str]:
+    """'key: value is not one of [...]' for every single-valued closed-set field outside its set (null passes
+    where the field is optional; the keys of `_OWN_MESSAGE` and list fields are checked with their own
+    messages)."""
+    errs = []
+    for key, values, is_list in _closed_set_fields():
+        v = _get(c, key)
+        if is_list or key in _OWN_MESSAGE or v is None or v in values:
+            continue
+        hint = _HINTS.get(key)
+        errs.append(f"{key}: {v!r} is not one of {list(values)}" + (f" — {hint}" if hint else "") + ".")
+    return errs
+
 
 _POSITIVE_INTS = (
     "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
@@ -109,10 +161,10 @@ _UNIT_INTERVAL: dict[str, tuple[bool, str]] = {
 """Keys in [0, 1] (key -> (0 allowed, what it means))."""
 
 
-def _get(c: dict, key: str) -> Any:
-    """Value at a dotted key of a plain nested dict."""
+def _get(c: Any, key: str) -> Any:
+    """Value at a dotted key of the typed config (or of one of its sections)."""
     for part in key.split("."):
-        c = c[part]
+        c = getattr(c, part)
     return c
 
 
@@ -125,30 +177,31 @@ def _problem(parse: Any, *args: Any) -> str | None:
     return None
 
 
-def _async_problems(c: dict) -> list[str]:
+def _async_problems(c: DapoConfig) -> list[str]:
     """The async order's settings: a staleness bound >= 0, the replay-buffer order's own keys at their
     defaults (the async order sets them), and a correction for the stale samples."""
-    tr, rc = c["trainer"], c["algorithm"]["rollout_correction"]
+    tr, rc = c.trainer, c.algorithm.rollout_correction
     errs = []
-    if not isinstance(tr["max_staleness"], int) or tr["max_staleness"] < 0:
+    if not isinstance(tr.max_staleness, int) or tr.max_staleness < 0:
         errs.append(
-            f"trainer.max_staleness: {tr['max_staleness']!r} must be a whole number >= 0 (DAPO async: 1)."
+            f"trainer.max_staleness: {tr.max_staleness!r} must be a whole number >= 0 (DAPO async: 1)."
         )
     for key, default in (
         ("parameter_sync_step", 1),
         ("max_off_policy_threshold", 8),
         ("max_off_policy_strategy", "drop"),
     ):
-        if tr[key] != default:
+        value = getattr(tr, key)
+        if value != default:
             errs.append(
-                f"trainer.{key}: {tr[key]!r} is the replay_buffer order's setting; step_order=async syncs "
+                f"trainer.{key}: {value!r} is the replay_buffer order's setting; step_order=async syncs "
                 f"the weights after every update and drops groups older than trainer.max_staleness — remove "
                 f"it (or use step_order=replay_buffer)."
             )
-    if tr["max_staleness"] and not (rc["rollout_is"] or rc["bypass_mode"]):  # presets are expanded by now
+    if tr.max_staleness and not (rc.rollout_is or rc.bypass_mode):  # presets are expanded by now
         errs.append(
             "algorithm.rollout_correction.rollout_is: step_order=async trains on samples up to "
-            f"trainer.max_staleness={tr['max_staleness']} weight versions old, which need a correction "
+            f"trainer.max_staleness={tr.max_staleness} weight versions old, which need a correction "
             "against the policy that sampled them — set rollout_is=token (truncated importance sampling, "
             "rollout_is_threshold 2.0; with the recomputed old log-probs this is the decoupled objective; "
             "add bypass_mode=true to skip that forward), or trainer.max_staleness=0."
@@ -156,18 +209,18 @@ def _async_problems(c: dict) -> list[str]:
     return errs
 
 
-def _restart_problems(tr: dict, warns: list[str]) -> list[str]:
+def _restart_problems(tr: TrainerConfig, warns: list[str]) -> list[str]:
     """Automatic restarts and hang detection: a whole number of restarts >= 0, a stage timeout >= 0 (0: off);
     a warning where they cannot act (in-process workers are the driver's own process)."""
     errs = []
-    if not isinstance(tr["max_restarts"], int) or tr["max_restarts"] < 0:
+    if not isinstance(tr.max_restarts, int) or tr.max_restarts < 0:
         errs.append(
-            f"trainer.max_restarts: {tr['max_restarts']!r} must be a whole number >= 0 (0: no restarts)."
+            f"trainer.max_restarts: {tr.max_restarts!r} must be a whole number >= 0 (0: no restarts)."
         )
-    timeout = tr["stage_timeout_s"]
+    timeout = tr.stage_timeout_s
     if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
         errs.append(f"trainer.stage_timeout_s: {timeout!r} must be a finite number >= 0 (0: no limit).")
-    if not tr["use_ray"] and (tr["max_restarts"] or timeout):
+    if not tr.use_ray and (tr.max_restarts or timeout):
         warns.append(
             "trainer.max_restarts / trainer.stage_timeout_s act on Ray workers only; with "
             "trainer.use_ray=false the workers run in the driver's process, whose death or hang no restart "
@@ -176,12 +229,12 @@ def _restart_problems(tr: dict, warns: list[str]) -> list[str]:
     return errs
 
 
-def _lora_problems(model: dict, strategy: str) -> list[str]:
+def _lora_problems(model: ModelConfig, strategy: str) -> list[str]:
     """LoRA keys of `actor_rollout_ref.model`: a rank >= 0, a positive alpha, `target_modules` all-linear or
-    a list of names, and a training engine that builds adapters (torch, fsdp2). Whether the names match
-    modules of the model is checked when the model is loaded (`dapo_core.compute.lora`)."""
+    a list of names, and a training engine that builds adapters (torch, fsdp2, deepspeed). Whether the names
+    match modules of the model is checked when the model is loaded (`dapo_core.compute.lora`)."""
     key = "actor_rollout_ref.model"
-    rank, alpha, targets = model["lora_rank"], model["lora_alpha"], model["target_modules"]
+    rank, alpha, targets = model.lora_rank, model.lora_alpha, model.target_modules
     errs = []
     if not isinstance(rank, int) or rank < 0:
         errs.append(
@@ -193,80 +246,78 @@ def _lora_problems(model: dict, strategy: str) -> list[str]:
     if not isinstance(alpha, (int, float)) or alpha <= 0:
         errs.append(f"{key}.lora_alpha: {alpha!r} must be > 0 — verl's default is 16; 2·lora_rank is common.")
     names_ok = isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)
-    if targets != "all-linear" and not names_ok:
+    if targets not in allowed("AllLinear") and not names_ok:
         errs.append(
             f"{key}.target_modules: {targets!r} is neither 'all-linear' nor a list of module names — use "
             "all-linear, or e.g. [q_proj, k_proj, v_proj, o_proj]."
         )
-    excl = model["exclude_modules"]
+    excl = model.exclude_modules
     if excl is not None and not isinstance(excl, (str, list)):
         errs.append(
             f"{key}.exclude_modules: {excl!r} must be null, a regex string or a list of module names."
         )
-    if strategy not in ("torch", "fsdp", "fsdp2"):  # dapo_core.compute.lora.LORA_STRATEGIES
+    if strategy not in ("torch", "fsdp", "fsdp2", "deepspeed"):  # dapo_core.compute.lora.LORA_STRATEGIES
         errs.append(
-            f"{key}.lora_rank: {rank} asks for LoRA adapters, which the torch and fsdp2 training engines "
-            f"build and actor_rollout_ref.actor.strategy={strategy!r} does not — set "
-            "actor_rollout_ref.actor.strategy=fsdp2 (sharded over the data-parallel ranks) or strategy=torch "
-            "(one process, CPU or one GPU) for LoRA, or lora_rank=0 to train every weight with this strategy."
+            f"{key}.lora_rank: {rank} asks for LoRA adapters, which the torch, fsdp2 and deepspeed training "
+            f"engines build and actor_rollout_ref.actor.strategy={strategy!r} does not — set "
+            "actor_rollout_ref.actor.strategy=fsdp2 or deepspeed (sharded over the data-parallel ranks) or "
+            "strategy=torch (one process, CPU or one GPU) for LoRA, or lora_rank=0 to train every weight "
+            "with this strategy."
         )
     return errs
 
 
-def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
-    """All cross-field problems of a resolved config dict: (errors, warnings), each 'key: problem — fix'."""
+def _collect_problems(c: DapoConfig) -> tuple[list[str], list[str]]:
+    """All cross-field problems of a loaded config: (errors, warnings), each 'key: problem — fix'."""
     errs: list[str] = []
     warns: list[str] = []
-    arr, alg = c["actor_rollout_ref"], c["algorithm"]
-    actor, rollout = arr["actor"], arr["rollout"]
-    data = c["data"]
+    arr, alg = c.actor_rollout_ref, c.algorithm
+    actor, rollout = arr.actor, arr.rollout
+    data = c.data
 
-    for key, (allowed, hint) in _ENUMS.items():
-        v = _get(c, key)
-        if v not in allowed:
-            errs.append(f"{key}: {v!r} is not one of {list(allowed)}" + (f" — {hint}" if hint else ""))
-    strategy = actor["strategy"]
+    errs.extend(_closed_set_problems(c))
+    strategy = actor.strategy
     if strategy in ("fsdp", "megatron"):
         errs.append(
             f"actor_rollout_ref.actor.strategy: {strategy!r} (a verl engine) is not available here — use "
             "'fsdp2' for data-parallel sharded training, 'deepspeed' (ZeRO, one device) or 'torch' for one "
             "device."
         )
-    elif strategy not in ("torch", "deepspeed", "fsdp2"):
+    elif strategy not in allowed("Strategy"):
         errs.append(
-            f"actor_rollout_ref.actor.strategy: {strategy!r} is not one of ['torch', 'deepspeed', 'fsdp2']."
+            f"actor_rollout_ref.actor.strategy: {strategy!r} is not one of {list(allowed('Strategy'))}."
         )
-    tr = c["trainer"]
-    ranks = tr["nnodes"] * tr["n_gpus_per_node"]
-    if tr["nnodes"] < 1 or tr["n_gpus_per_node"] < 1:
+    tr = c.trainer
+    ranks = tr.nnodes * tr.n_gpus_per_node
+    if tr.nnodes < 1 or tr.n_gpus_per_node < 1:
         errs.append("trainer.nnodes / trainer.n_gpus_per_node: must be >= 1.")
-    elif strategy == "fsdp2" and ranks > 1 and not tr["use_ray"]:
+    elif strategy == "fsdp2" and ranks > 1 and not tr.use_ray:
         errs.append(
             f"trainer.nnodes × trainer.n_gpus_per_node = {ranks} data-parallel ranks run as Ray actors, but "
             "trainer.use_ray=false — set trainer.use_ray=true, or both to 1."
         )
-    elif strategy != "fsdp2" and tr["nnodes"] > 1:
+    elif strategy != "fsdp2" and tr.nnodes > 1:
         errs.append(
-            f"trainer.nnodes: {tr['nnodes']} nodes, but actor_rollout_ref.actor.strategy={strategy!r} trains "
+            f"trainer.nnodes: {tr.nnodes} nodes, but actor_rollout_ref.actor.strategy={strategy!r} trains "
             "in one process on one node — set actor_rollout_ref.actor.strategy=fsdp2 (data-parallel ranks "
             "over trainer.nnodes × trainer.n_gpus_per_node), or trainer.nnodes=1."
         )
-    mp = actor["fsdp_config"]["mixed_precision"]
+    mp = actor.fsdp_config.mixed_precision
     if (
         strategy == "deepspeed"
-        and not actor["deepspeed"]["bf16"]
-        and mp["param_dtype"] in TRAIN_DTYPES
-        and train_dtype(mp["param_dtype"]) != "float32"
+        and not actor.deepspeed.bf16
+        and mp.param_dtype in TRAIN_DTYPES
+        and train_dtype(mp.param_dtype) != "float32"
     ):
         warns.append(
             "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype: bf16, but the deepspeed engine "
             "reads its precision from its own config and trains in float32 — set "
             "actor_rollout_ref.actor.deepspeed.bf16=true for bf16."
         )
-    errs.extend(_lora_problems(arr["model"], strategy))
-    if actor["deepspeed"]["zero_stage"] not in (0, 1, 2, 3):
+    errs.extend(_lora_problems(arr.model, strategy))
+    if actor.deepspeed.zero_stage not in allowed("ZeroStage"):
         errs.append("actor_rollout_ref.actor.deepspeed.zero_stage: must be 0, 1, 2 or 3.")
-    if actor["deepspeed"]["offload_param"] and actor["deepspeed"]["zero_stage"] != 3:
+    if actor.deepspeed.offload_param and actor.deepspeed.zero_stage != 3:
         errs.append("actor_rollout_ref.actor.deepspeed.offload_param: needs zero_stage 3 — set zero_stage=3.")
     for key in _POSITIVE_INTS:
         if _get(c, key) < 1:
@@ -277,22 +328,22 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
             errs.append(f"{key}: {v} must be >= 1 or null.")
 
     # --- batch arithmetic
-    n = rollout["n"]
-    tbs, mini = data["train_batch_size"], actor["ppo_mini_batch_size"]
-    gbs = data["gen_batch_size"] if data["gen_batch_size"] is not None else tbs
+    n = rollout.n
+    tbs, mini = data.train_batch_size, actor.ppo_mini_batch_size
+    gbs = data.gen_batch_size if data.gen_batch_size is not None else tbs
     if mini >= 1 and tbs % mini:
         errs.append(
             f"actor_rollout_ref.actor.ppo_mini_batch_size: {mini} does not divide data.train_batch_size {tbs}"
             " — choose a divisor."
         )
-    micro = actor["ppo_micro_batch_size_per_gpu"]
+    micro = actor.ppo_micro_batch_size_per_gpu
     if micro and n >= 1 and (mini * n) % micro:
         errs.append(
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: {micro} does not divide "
             f"ppo_mini_batch_size x rollout.n = {mini * n} trajectories — choose a divisor."
         )
-    cmini = c["critic"]["ppo_mini_batch_size"] or mini
-    cmicro = c["critic"]["ppo_micro_batch_size_per_gpu"]
+    cmini = c.critic.ppo_mini_batch_size or mini
+    cmicro = c.critic.ppo_micro_batch_size_per_gpu
     if tbs % cmini:
         errs.append(f"critic.ppo_mini_batch_size: {cmini} does not divide data.train_batch_size {tbs}.")
     if cmicro and (cmini * n) % cmicro:
@@ -300,53 +351,50 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
             f"critic.ppo_micro_batch_size_per_gpu: {cmicro} does not divide critic mini-batch x rollout.n"
             f" = {cmini * n} trajectories."
         )
-    fg = alg["filter_groups"]
-    if fg["enable"]:
+    fg = alg.filter_groups
+    if fg.enable:
         if gbs < tbs:
             errs.append(
                 f"data.gen_batch_size: {gbs} < data.train_batch_size {tbs} with dynamic sampling — "
                 "set gen_batch_size >= train_batch_size (DAPO: 3x)."
             )
-        if fg["max_num_gen_batches"] < 0:
+        if fg.max_num_gen_batches < 0:
             errs.append("algorithm.filter_groups.max_num_gen_batches: must be >= 0 (0 = unlimited).")
-        if not fg["metric"]:
+        if not fg.metric:
             errs.append("algorithm.filter_groups.metric: required when enabled — use acc (as the 32B runs).")
-        elif fg["metric"] not in FILTER_METRICS:
+        elif fg.metric not in FILTER_METRICS:
             warns.append(
-                f"algorithm.filter_groups.metric: {fg['metric']!r} is not one of {list(FILTER_METRICS)}; it "
+                f"algorithm.filter_groups.metric: {fg.metric!r} is not one of {list(FILTER_METRICS)}; it "
                 "must be a key the reward function returns in its extra info."
             )
 
-    # --- loss
-    for key in ("actor_rollout_ref.actor.loss_agg_mode", "critic.loss_agg_mode"):
-        if _get(c, key) not in LOSS_AGG_MODES:
-            errs.append(f"{key}: {_get(c, key)!r} is not one of {list(LOSS_AGG_MODES)}.")
-    if actor["clip_ratio_c"] <= 1.0:
+    # --- loss (loss_agg_mode: a closed set, checked above)
+    if actor.clip_ratio_c <= 1.0:
         errs.append(
-            f"actor_rollout_ref.actor.clip_ratio_c: {actor['clip_ratio_c']} must be > 1 (dual-clip lower "
+            f"actor_rollout_ref.actor.clip_ratio_c: {actor.clip_ratio_c} must be > 1 (dual-clip lower "
             "bound) — DAPO uses 10.0."
         )
     for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
-        v = actor[k]
+        v = getattr(actor, k)
         if v is not None and v < 0:
             errs.append(f"actor_rollout_ref.actor.{k}: {v} must be >= 0.")
-    low = actor["clip_ratio_low"] if actor["clip_ratio_low"] is not None else actor["clip_ratio"]
+    low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
     if low >= 1.0:
         errs.append(
             f"actor_rollout_ref.actor.clip_ratio_low: {low} must be < 1 (the lower clip is 1 - eps_low)."
         )
-    pl = actor["policy_loss"]
-    if pl["loss_mode"] not in POLICY_LOSS_REGISTRY:
+    pl = actor.policy_loss
+    if pl.loss_mode not in POLICY_LOSS_REGISTRY:
         warns.append(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode: {pl['loss_mode']!r} is not a registered loss "
+            f"actor_rollout_ref.actor.policy_loss.loss_mode: {pl.loss_mode!r} is not a registered loss "
             f"{sorted(POLICY_LOSS_REGISTRY)}; it must be registered with register_policy_loss before "
             "training."
         )
-    if pl["loss_mode"] == "dro" and pl["dro_beta"] <= 0:
+    if pl.loss_mode == "dro" and pl.dro_beta <= 0:
         errs.append("actor_rollout_ref.actor.policy_loss.dro_beta: must be > 0 for loss_mode=dro.")
 
     # --- advantage and KL
-    est = alg["adv_estimator"]
+    est = alg.adv_estimator
     if est not in ADV_ESTIMATOR_REGISTRY:
         errs.append(f"algorithm.adv_estimator: {est!r} is not one of {sorted(ADV_ESTIMATOR_REGISTRY)}.")
     elif est in GROUP_ESTIMATORS and n < 2:
@@ -354,8 +402,10 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
             f"actor_rollout_ref.rollout.n: {n} with group estimator {est!r} gives singleton groups (no "
             "baseline) — use n >= 2 (DAPO: 16)."
         )
-    for key in ("algorithm.kl_penalty", "actor_rollout_ref.actor.kl_loss_type"):
-        v = _get(c, key)
+    for key, v in (
+        ("algorithm.kl_penalty", alg.kl_penalty),
+        ("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
+    ):
         if v.removesuffix("+") not in KL_KINDS:
             fix = (
                 "'full' is not implemented by the reference"
@@ -363,120 +413,121 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
                 else f"use one of {list(KL_KINDS)}"
             )
             errs.append(f"{key}: {v!r} is not a KL estimator — {fix} (optionally with a '+' suffix).")
-    if alg["kl_ctrl"]["type"] == "adaptive" and alg["kl_ctrl"]["horizon"] <= 0:
+    if alg.kl_ctrl.type == "adaptive" and alg.kl_ctrl.horizon <= 0:
         errs.append("algorithm.kl_ctrl.horizon: must be > 0 for the adaptive controller.")
 
     # --- rollout correction (the algo layer's parsers: the same rules as at run time)
-    rc = alg["rollout_correction"]
+    rc = alg.rollout_correction
     prefix = "algorithm.rollout_correction"
     n_errs = len(errs)
-    if rc["rollout_is"] not in (None, *SUPPORTED_ROLLOUT_IS_LEVELS):
+    if rc.rollout_is not in (None, *SUPPORTED_ROLLOUT_IS_LEVELS):
         errs.append(
-            f"{prefix}.rollout_is: {rc['rollout_is']!r} must be null, "
+            f"{prefix}.rollout_is: {rc.rollout_is!r} must be null, "
             + " or ".join(SUPPORTED_ROLLOUT_IS_LEVELS)
             + "."
         )
-    if rc["rollout_is"] is not None or isinstance(rc["rollout_is_threshold"], bool):
-        problem = _problem(parse_is_threshold, rc["rollout_is_threshold"])
+    if rc.rollout_is is not None or isinstance(rc.rollout_is_threshold, bool):
+        problem = _problem(parse_is_threshold, rc.rollout_is_threshold)
         if problem:
             errs.append(f"{prefix}.rollout_is_threshold: {problem}.")
-    rs = rc["rollout_rs"]
+    rs = rc.rollout_rs
     if rs is not None and str(rs).strip():
         problem = _problem(parse_rs_option_names, rs)
         if problem:
             errs.append(f"{prefix}.rollout_rs: {problem}.")
         else:
-            problem = _problem(parse_rs_options, rs, rc["rollout_rs_threshold"])
+            problem = _problem(parse_rs_options, rs, rc.rollout_rs_threshold)
             if problem:
                 errs.append(f"{prefix}.rollout_rs_threshold: {problem}.")
-    if len(errs) == n_errs and rc["loss_type"] in SUPPORTED_LOSS_TYPES:
-        problem = _problem(RolloutCorrection.from_dict, rc)  # anything the run would still refuse
+    if len(errs) == n_errs and rc.loss_type in SUPPORTED_LOSS_TYPES:
+        # anything the run would still refuse
+        problem = _problem(RolloutCorrection.from_dict, dataclasses.asdict(rc))
         if problem:
             errs.append(f"{prefix}: {problem}.")
-    if (rc["rollout_is"] or rc["rollout_rs"] or rc["bypass_mode"]) and not rollout["calculate_log_probs"]:
+    if (rc.rollout_is or rc.rollout_rs or rc.bypass_mode) and not rollout.calculate_log_probs:
         errs.append(
             "actor_rollout_ref.rollout.calculate_log_probs: rollout correction needs the engine's log-probs "
             "— set it to true."
         )
 
     # --- overlong shaping
-    ob = c["reward_model"]["overlong_buffer"]
-    if ob["enable"]:
-        L = data["max_response_length"]
-        if not 0 < ob["len"] < L:
+    ob = c.reward_model.overlong_buffer
+    if ob.enable:
+        L = data.max_response_length
+        if not 0 < ob.len < L:
             errs.append(
-                f"reward_model.overlong_buffer.len: {ob['len']} must be > 0 and < data.max_response_length "
+                f"reward_model.overlong_buffer.len: {ob.len} must be > 0 and < data.max_response_length "
                 f"{L} — DAPO uses 4096 of 20480."
             )
-        if ob["penalty_factor"] < 0:
+        if ob.penalty_factor < 0:
             errs.append("reward_model.overlong_buffer.penalty_factor: must be >= 0 (DAPO: 1.0).")
 
     # --- sampling parameters
-    for prefix, sec in (
+    sampling: tuple[tuple[str, RolloutConfig | ValKwargsConfig | EvalConfig], ...] = (
         ("actor_rollout_ref.rollout", rollout),
-        ("actor_rollout_ref.rollout.val_kwargs", rollout["val_kwargs"]),
-        ("eval", c["eval"]),
-    ):
-        if not 0 < sec["top_p"] <= 1:
-            errs.append(f"{prefix}.top_p: {sec['top_p']} must be in (0, 1].")
-        if sec["top_k"] == 0 or sec["top_k"] < -1:
-            errs.append(f"{prefix}.top_k: {sec['top_k']} must be -1 (off) or >= 1.")
+        ("actor_rollout_ref.rollout.val_kwargs", rollout.val_kwargs),
+        ("eval", c.eval),
+    )
+    for prefix, sec in sampling:
+        if not 0 < sec.top_p <= 1:
+            errs.append(f"{prefix}.top_p: {sec.top_p} must be in (0, 1].")
+        if sec.top_k == 0 or sec.top_k < -1:
+            errs.append(f"{prefix}.top_k: {sec.top_k} must be -1 (off) or >= 1.")
         # eval has no do_sample: `dapo eval` samples when temperature > 0 and decodes greedily at 0.
-        if sec["temperature"] < 0 or (sec["temperature"] == 0 and sec.get("do_sample", prefix != "eval")):
-            errs.append(f"{prefix}.temperature: {sec['temperature']} must be > 0 when sampling.")
+        if sec.temperature < 0 or (sec.temperature == 0 and getattr(sec, "do_sample", prefix != "eval")):
+            errs.append(f"{prefix}.temperature: {sec.temperature} must be > 0 when sampling.")
 
     # --- step order
-    tr = c["trainer"]
-    if tr["step_order"] == "async":
+    if tr.step_order == "async":
         errs.extend(_async_problems(c))
-    if tr["step_order"] == "replay_buffer" and tbs % max(tr["parameter_sync_step"], 1):
+    if tr.step_order == "replay_buffer" and tbs % max(tr.parameter_sync_step, 1):
         errs.append(
-            f"trainer.parameter_sync_step: {tr['parameter_sync_step']} does not divide data.train_batch_size "
+            f"trainer.parameter_sync_step: {tr.parameter_sync_step} does not divide data.train_batch_size "
             f"{tbs} (replay_buffer order) — choose a divisor."
         )
-    if tr["resume_mode"] == "resume_path" and not tr["resume_from_path"]:
+    if tr.resume_mode == "resume_path" and not tr.resume_from_path:
         errs.append(
             "trainer.resume_from_path: required for resume_mode=resume_path — give a checkpoint folder."
         )
     errs.extend(_restart_problems(tr, warns))
-    bad_loggers = [x for x in tr["logger"] if x not in ("console", "jsonl", "tensorboard")]
+    bad_loggers = [x for x in tr.logger if x not in allowed("LoggerName")]
     if bad_loggers:
-        errs.append(f"trainer.logger: {bad_loggers} not available — use console, jsonl, tensorboard.")
+        errs.append(f"trainer.logger: {bad_loggers} not available — use {', '.join(allowed('LoggerName'))}.")
 
     # --- optimizers and small models
-    for prefix in ("actor_rollout_ref.actor.optim", "critic.optim"):
-        o = _get(c, prefix)
-        if o["lr"] <= 0:
-            errs.append(f"{prefix}.lr: {o['lr']} must be > 0.")
-        if not 0 <= o["lr_warmup_steps_ratio"] <= 1:
+    for prefix, o in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", c.critic.optim)):
+        if o.lr <= 0:
+            errs.append(f"{prefix}.lr: {o.lr} must be > 0.")
+        if not 0 <= o.lr_warmup_steps_ratio <= 1:
             errs.append(f"{prefix}.lr_warmup_steps_ratio: must be in [0, 1].")
-        if not 0 <= o["min_lr_ratio"] <= 1:
+        if not 0 <= o.min_lr_ratio <= 1:
             errs.append(f"{prefix}.min_lr_ratio: must be in [0, 1].")
-        if len(o["betas"]) != 2 or not all(0 <= b < 1 for b in o["betas"]):
-            errs.append(f"{prefix}.betas: {o['betas']} must be two numbers in [0, 1).")
-    syn = data["synthetic"]
-    if syn["min_value"] > syn["max_value"]:
+        if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+            errs.append(f"{prefix}.betas: {o.betas} must be two numbers in [0, 1).")
+    syn = data.synthetic
+    if syn.min_value > syn.max_value:
         errs.append("data.synthetic.min_value: must be <= max_value.")
-    allowed_ops = ["+", "-", "*", "/"] if syn.get("kind") == "word" else ["+", "-", "*"]
-    bad_ops = [op for op in syn["ops"] if op not in allowed_ops]
-    if bad_ops or not syn["ops"]:
-        errs.append(f"data.synthetic.ops: {syn['ops']} — use a non-empty subset of {allowed_ops}.")
-    if syn.get("kind", "arith") not in ("arith", "word"):
-        errs.append(f"data.synthetic.kind: {syn['kind']!r} — use 'arith' or 'word'.")
-    elif syn.get("kind") == "word" and not 2 <= syn["num_operands"] <= 4:
+    # "/" only in word problems (exact division); arithmetic expressions use the others
+    allowed_ops = [op for op in allowed("SyntheticOp") if syn.kind == "word" or op != "/"]
+    bad_ops = [op for op in syn.ops if op not in allowed_ops]
+    if bad_ops or not syn.ops:
+        errs.append(f"data.synthetic.ops: {syn.ops} — use a non-empty subset of {allowed_ops}.")
+    if syn.kind not in allowed("SyntheticKind"):
+        errs.append(f"data.synthetic.kind: {syn.kind!r} — use 'arith' or 'word'.")
+    elif syn.kind == "word" and not 2 <= syn.num_operands <= 4:
         errs.append("data.synthetic.num_operands: word problems take 2..4 numbers (1 to 3 operations).")
-    tiny = arr["model"]["tiny"]
-    if tiny["num_key_value_heads"] >= 1 and tiny["num_attention_heads"] % tiny["num_key_value_heads"]:
+    tiny = arr.model.tiny
+    if tiny.num_key_value_heads >= 1 and tiny.num_attention_heads % tiny.num_key_value_heads:
         errs.append("actor_rollout_ref.model.tiny.num_key_value_heads: must divide num_attention_heads.")
-    if not arr["model"]["path"]:
-        total = data["max_prompt_length"] + data["max_response_length"]
-        if total > tiny["max_position_embeddings"]:
+    if not arr.model.path:
+        total = data.max_prompt_length + data.max_response_length
+        if total > tiny.max_position_embeddings:
             warns.append(
-                f"actor_rollout_ref.model.tiny.max_position_embeddings: {tiny['max_position_embeddings']} < "
+                f"actor_rollout_ref.model.tiny.max_position_embeddings: {tiny.max_position_embeddings} < "
                 f"max_prompt_length + max_response_length = {total} — raise it or shorten the lengths."
             )
-    sft = arr["model"]["sft"]
-    if sft["steps"] < 0 or sft["lr"] <= 0:
+    sft = arr.model.sft
+    if sft.steps < 0 or sft.lr <= 0:
         errs.append("actor_rollout_ref.model.sft: steps must be >= 0 and lr > 0.")
 
     for key, what in _POSITIVE_FLOATS.items():
@@ -490,9 +541,9 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
             errs.append(f"{key}: {v!r} must be in {'[0' if zero_ok else '(0'}, 1] — {what}.")
 
     # --- the rollout replicas' layout (dapo_core.compute.replicas.replica_layout)
-    tp, tr = rollout["tensor_model_parallel_size"], c["trainer"]
-    world = tr["nnodes"] * tr["n_gpus_per_node"]
-    if tr["n_gpus_per_node"] < 1:
+    tp = rollout.tensor_model_parallel_size
+    world = tr.nnodes * tr.n_gpus_per_node
+    if tr.n_gpus_per_node < 1:
         errs.append("trainer.n_gpus_per_node: must be >= 1 (devices per node; processes per node on CPU).")
     elif tp >= 1 and world % tp:
         errs.append(
@@ -500,10 +551,10 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
             "of trainer.nnodes × trainer.n_gpus_per_node (each rollout replica takes that many) — choose one "
             "that divides them, or change trainer.n_gpus_per_node."
         )
-    elif tp > 1 and rollout["name"] != "vllm":
+    elif tp > 1 and rollout.name != "vllm":
         errs.append(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size: {tp} needs the vllm engine "
-            f"(rollout.name={rollout['name']!r} has no tensor parallelism) — set rollout.name=vllm, or 1."
+            f"(rollout.name={rollout.name!r} has no tensor parallelism) — set rollout.name=vllm, or 1."
         )
 
     # --- keys accepted only at their default until implemented (dapo_core.config.unused)
@@ -511,10 +562,10 @@ def _collect_problems(c: dict) -> tuple[list[str], list[str]]:
     return errs, warns
 
 
-def no_op_warnings(c: dict) -> list[str]:
-    """A 'key: ... — fix' warning for every `NO_OPS` key (accepted, deliberately ignored) of the resolved
-    config dict `c` set to something other than its default (the user may expect an effect). The CLI prints
-    them once at the start of `dapo train` (not at every load, which happens in every task)."""
+def no_op_warnings(c: DapoConfig) -> list[str]:
+    """A 'key: ... — fix' warning for every `NO_OPS` key (accepted, deliberately ignored) of the loaded config
+    `c` set to something other than its default (the user may expect an effect). The CLI prints them once at
+    the start of `dapo train` (not at every load, which happens in every task)."""
     out = []
     for key, reason in NO_OPS.items():
         value = _get(c, key)

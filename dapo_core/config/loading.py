@@ -369,13 +369,13 @@ def validate_config(cfg: DictConfig) -> None:
     Questionable-but-legal settings are reported as `ConfigWarning`s instead.
     """
     try:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved = typed(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(
             f"Invalid configuration:\n  {getattr(e, 'full_key', '?')}: cannot resolve: {e} — "
             "set the environment variable or give the value directly."
         ) from None
-    errors, warns = _collect_problems(resolved)  # type: ignore[arg-type]
+    errors, warns = _collect_problems(resolved)
     for w in warns:
         warnings.warn(w, ConfigWarning, stacklevel=2)
     if errors:

@@ -68,14 +68,14 @@ def default_value(key: str) -> Any:
     return node
 
 
-def not_implemented_problems(c: dict) -> list[str]:
-    """A 'key: problem — fix' line for every `NOT_IMPLEMENTED` key of the resolved config dict `c` that is
-    not at its default."""
+def not_implemented_problems(c: DapoConfig) -> list[str]:
+    """A 'key: problem — fix' line for every `NOT_IMPLEMENTED` key of the loaded config `c` that is not at
+    its default."""
     problems = []
     for key, reason in NOT_IMPLEMENTED.items():
         value: Any = c
         for part in key.split("."):
-            value = value[part]
+            value = getattr(value, part)
         default = default_value(key)
         if value != default:
             problems.append(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -31,6 +31,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSS_REGISTRY",
     "ActorLoss",
+    "LossAggMode",
     "PolicyLossParams",
     "actor_objective",
     "agg_loss",
@@ -43,14 +44,12 @@ __all__ = [
     "register_policy_loss",
 ]
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-"""The loss aggregation modes `agg_loss` accepts."""
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+"""The loss aggregation modes `agg_loss` accepts (the config field's type)."""
+LOSS_AGG_MODES: tuple[LossAggMode, ...] = get_args(LossAggMode)
+"""The same modes as a tuple, in order."""
 
 _LOG_RATIO_BOUND = 20.0
 _SEQ_TOKEN_MEAN_EPS = 1e-8

@@ -16,20 +16,23 @@ import difflib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
 __all__ = [
     "SUPPORTED_LOSS_TYPES",
     "SUPPORTED_ROLLOUT_IS_LEVELS",
     "SUPPORTED_ROLLOUT_RS_OPTIONS",
+    "BypassLossType",
     "RolloutCorrection",
+    "RolloutIsLevel",
     "parse_is_threshold",
     "parse_rs_option_names",
     "parse_rs_options",
 ]
 
-SUPPORTED_ROLLOUT_IS_LEVELS = ("token", "sequence")
-"""Valid values of ``rollout_is`` besides ``None`` (off)."""
+RolloutIsLevel = Literal["token", "sequence"]
+"""Valid values of ``rollout_is`` besides ``None`` (off): the config field's type."""
+SUPPORTED_ROLLOUT_IS_LEVELS: tuple[RolloutIsLevel, ...] = get_args(RolloutIsLevel)
 
 SUPPORTED_ROLLOUT_RS_OPTIONS = (
     "token_k1",
@@ -46,8 +49,9 @@ SUPPORTED_ROLLOUT_RS_OPTIONS = (
 )
 """Rejection-sampling options: ``{token|seq_sum|seq_mean|seq_max}_k{1,2,3}`` (no ``seq_max_k1``)."""
 
-SUPPORTED_LOSS_TYPES = ("ppo_clip", "reinforce")
-"""Bypass-mode policy losses."""
+BypassLossType = Literal["ppo_clip", "reinforce"]
+"""Bypass-mode policy losses: the config field's type."""
+SUPPORTED_LOSS_TYPES: tuple[BypassLossType, ...] = get_args(BypassLossType)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -578,9 +578,9 @@ def test_resolve_device():
 
 def test_option_lists_are_the_algo_layers():
     from dapo_core.algo import advantages, kl, losses
-    from dapo_core.config import checks
+    from dapo_core.config import checks, choices
 
-    assert checks.LOSS_AGG_MODES is losses.LOSS_AGG_MODES and checks.KL_KINDS is kl.KL_KINDS
+    assert choices.allowed("LossAggMode") == losses.LOSS_AGG_MODES and checks.KL_KINDS is kl.KL_KINDS
     assert checks.ADV_ESTIMATOR_REGISTRY is advantages.ADV_ESTIMATOR_REGISTRY
     assert set(checks.GROUP_ESTIMATORS) <= set(advantages.ADV_ESTIMATOR_REGISTRY)
     # verl names without an implementation here are refused at load, not at the first advantage stage
