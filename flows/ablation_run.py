@@ -184,16 +184,23 @@ class Dvc:
                 fix="correct what it reports and run the same command again: finished experiments are kept",
             )
 
-    def show(self) -> list[ExpRecord]:
-        """The experiments `dvc exp show --json` reports."""
-        p = subprocess.run(
-            [self.exe, "exp", "show", "--json"],
-            cwd=self.root,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+    def show(self, *, tries: int = 6) -> list[ExpRecord]:
+        """The experiments `dvc exp show --json` reports. It is asked up to `tries` times, a second, then two,
+        four... apart: it fails for a moment while a queue worker removes its temporary copy of the
+        repository (".dvc/tmp/exps/tmp.../.dvc does not exist")."""
+        for attempt in range(tries):
+            p = subprocess.run(
+                [self.exe, "exp", "show", "--json"],
+                cwd=self.root,
+                env=self.env,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if p.returncode == 0:
+                break
+            if attempt + 1 < tries:
+                time.sleep(2.0**attempt)
         if p.returncode != 0:
             raise AblationError(
                 f"`dvc exp show --json` failed with exit code {p.returncode}: {p.stderr.strip()[-800:]}",
@@ -202,12 +209,13 @@ class Dvc:
             )
         return exp_records(json.loads(p.stdout))
 
-    def run_queue(self, jobs: int, names: set[str], *, poll_s: float = 20.0, stall_s: float = 60.0) -> None:
+    def run_queue(self, jobs: int, names: set[str], *, poll_s: float = 60.0, stall_s: float = 120.0) -> None:
         """`dvc exp run --run-all -j <jobs>`: start the queue's workers and wait for the queue. The queue's
         worker can stop while experiments wait (kombu's filesystem broker, a race on its message files),
         and `--run-all` then waits for ever; so while it runs, `dvc exp show` is polled every `poll_s`
         seconds, and when experiments of `names` have been queued with none running for `stall_s` seconds,
-        it is stopped and started again (a new worker), at most `MAX_QUEUE_RESTARTS` times."""
+        it is stopped and started again (a new worker), at most `MAX_QUEUE_RESTARTS` times. The poll is
+        rare because `exp show` costs seconds of CPU and takes the repository's lock the experiments use."""
         args = ["exp", "run", "--run-all", "-j", str(jobs)]
         print("$ dvc " + " ".join(args), flush=True)
         if self.dry_run:
@@ -216,7 +224,10 @@ class Dvc:
             proc = subprocess.Popen([self.exe, *args], cwd=self.root, env=self.env)
             idle_since: float | None = None
             while not _ended(proc, poll_s):
-                states = [r.state for r in self.show() if r.name in names]
+                try:
+                    states = [r.state for r in self.show(tries=1) if r.name in names]
+                except AblationError:  # a worker removing its temporary copy: asked again at the next poll
+                    continue
                 if "running" in states or "queued" not in states:
                     idle_since = None
                     continue
