@@ -1,4 +1,5 @@
-"""`dapo plan`: the estimate checked by hand, against measured CPU peaks, its advice applied, and the CLI.
+"""`dapo plan`: the estimate checked by hand and against measured CPU peaks, the layouts of the 32B recipe,
+LoRA's plan, the CPU plan, and the CLI.
 
 Measured peaks come from `measure_actor_update` in a fresh Python process (the resident high-water mark,
 reset after the weights are loaded, so memory freed by earlier tests cannot hide an allocation). The process
@@ -7,8 +8,7 @@ the heap by chance, and the same update's high-water mark ranged over 1.1-1.7x t
 fixed, every tensor above 128 KiB is returned when freed and the mark is the live peak the plan models, the
 same in every run. Tolerance: measured / estimated within 0.7-1.6 (on CPU the packed forward's attention
 materialises scores; the plan counts the packed pass's buffers at their budget). bench/bench_plan.py reports
-the ratios per feature. Every refusal's advice is applied through the real config loader and re-planned: it
-must fit.
+the ratios per feature. The advice is tested in test_plan_advice.py, the push's plan in plan/test_sync.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,28 +24,25 @@ from dapo_core.compute.plan import (
     BUILTIN_SHAPES,
     EXIT_UNKNOWN_BUDGET,
     PlanError,
-    advise,
     gpu_budget_problem,
     make_plan,
     parse_bytes,
     resolve_shape,
 )
-from dapo_core.compute.plan_advice import apply_overrides
 from dapo_core.config import load_config, typed
 from flows.cli import main
-
-GiB = 1 << 30
-ROOT = Path(__file__).resolve().parents[4]
-CONFIGS = ROOT / "configs"
-BIG_32B = ["dapo_qwen2.5_32b.yaml", "dapo_wo_ds_qwen2.5_32b.yaml", "dapo_early_qwen2.5_32b.yaml"]
-DS = [  # the one-process DeepSpeed engine (ZeRO-3, both offloads, bf16) on the 32B config's data and lengths
-    "trainer.nnodes=1",
-    "actor_rollout_ref.actor.strategy=deepspeed",
-    "actor_rollout_ref.actor.deepspeed.zero_stage=3",
-    "actor_rollout_ref.actor.deepspeed.offload_optimizer=true",
-    "actor_rollout_ref.actor.deepspeed.offload_param=true",
-    "actor_rollout_ref.actor.deepspeed.bf16=true",
-]
+from tests.unit.dapo_core.compute.plan.support import (
+    BIG_32B,
+    CONFIGS,
+    DS,
+    LORA,
+    MIXED,
+    ROOT,
+    SMALL,
+    VERL_LORA,
+    GiB,
+)
+from tests.unit.dapo_core.compute.plan.support import fsdp2 as _fsdp2
 
 MEASURE = """
 import json, sys, tempfile, torch
@@ -60,6 +56,7 @@ folder = build_tiny_model(tempfile.mkdtemp(), tiny, seed=0)
 print(json.dumps(measure_actor_update(cfg, str(folder))))
 """
 
+
 SHAPE = [
     "actor_rollout_ref.model.tiny.hidden_size=256",
     "actor_rollout_ref.model.tiny.intermediate_size=1024",
@@ -71,8 +68,11 @@ SHAPE = [
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
 ]
-MIXED = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"
+
+
 SHARED = "actor_rollout_ref.model.use_shared_prompt"  # the rows of a group share their prompt (tiny default)
+
+
 MEMORY_ON = [
     "actor_rollout_ref.model.enable_gradient_checkpointing=true",
     "actor_rollout_ref.model.use_remove_padding=true",
@@ -94,9 +94,6 @@ def _measure(overrides: list[str], what: str = "measure_actor_update") -> dict[s
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
 
 
 @pytest.mark.parametrize(
@@ -157,13 +154,6 @@ def test_rows_can_be_checked_by_hand():
     assert rollout.rows[0].bytes == P * 2 // 4  # bf16 weights over tensor-parallel 4
     text = plan.render()
     assert "N·(layers·h + 2·(8h+4kv+4i))·b" in text and "offload_param" in text and "host RAM" in text
-
-
-def _fsdp2(cfg, nnodes=16):
-    """The recipe's layout on a typed config: the fsdp2 actor over nnodes × 8 GPUs."""
-    cfg.actor_rollout_ref.actor.strategy = "fsdp2"
-    cfg.trainer.nnodes = nnodes
-    return cfg
 
 
 def test_recipe_layout_shards_over_128_gpus_and_says_what_does_not_fit(capsys):
@@ -249,13 +239,6 @@ def test_32b_configs_state_the_recipe_layout(name, capsys):
     )
 
 
-VERL_LORA = [  # verl's LoRA keys as a verl script sets them
-    "actor_rollout_ref.model.lora_rank=64",
-    "actor_rollout_ref.model.lora_alpha=32",
-    "actor_rollout_ref.model.target_modules=all-linear",
-]
-
-
 @pytest.mark.parametrize(
     ("targets", "exclude"),
     [("all-linear", None), (["q_proj", "v_proj", "lm_head"], None), ("all-linear", ["down_proj"])],
@@ -313,38 +296,6 @@ def test_verl_lora_override_on_the_32b_recipe_plans_a_smaller_actor_and_no_refer
     )
 
 
-def test_lora_advice_offers_only_engines_that_build_adapters():
-    from dapo_core.compute.plan_advice import candidates
-
-    gpu = ["trainer.device=cuda", "trainer.nnodes=1", "actor_rollout_ref.actor.strategy=torch"]
-
-    def strategies(overrides: list[str]) -> set[str]:
-        cfg = typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", gpu + overrides))
-        options = (o for cand in candidates(cfg, "actor", 40) for opts in cand for o in opts)
-        return {o.rsplit("=", 1)[1] for o in options if o.startswith("actor_rollout_ref.actor.strategy=")}
-
-    assert strategies([]) == {"fsdp2", "deepspeed"}
-    assert strategies(VERL_LORA) == {"fsdp2", "deepspeed"}  # both build adapters
-
-
-def test_fsdp2_advice_adds_nodes_and_lowers_a_budget_above_the_width():
-    short = ["data.max_response_length=4096", "reward_model.overlong_buffer.len=1024"]
-    fp32 = [f"{MIXED}=fp32"]
-    base = _fsdp2(typed(load_config(CONFIGS / "dapo_qwen2.5_32b.yaml", DS + short + fp32)), nnodes=1)
-    gpu = parse_bytes("80GiB")
-    plan = make_plan(base, gpu_mem=gpu)
-    assert plan.gpu is not None and [r.role for r in plan.failures()] == [plan.gpu.role]
-    knobs = advise(base, plan.gpu.role, gpu_mem=gpu, host_mem=None)
-    (knob,) = knobs  # no single change fits: one combined, trimmed change
-    changes = dict(item.split("=") for item in knob.split())
-    assert int(changes["trainer.nnodes"]) > 1
-    assert int(changes["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]) >= 2048 + 4096  # not below T
-    assert not make_plan(apply_overrides(base, knob.split()), gpu_mem=gpu).failures()
-    for key in changes:  # trimmed: without any one of its parts it does not fit
-        rest = [item for item in knob.split() if not item.startswith(key + "=")]
-        assert make_plan(apply_overrides(base, rest), gpu_mem=gpu).failures(), key
-
-
 def test_sizes_and_shapes_fail_with_the_fix():
     assert parse_bytes("80GiB") == 80 << 30 and parse_bytes("141G") == 141 << 30
     with pytest.raises(PlanError, match="--gpu-mem 'lots'"):
@@ -354,91 +305,6 @@ def test_sizes_and_shapes_fail_with_the_fix():
     )
     with pytest.raises(PlanError, match="--model-config"):
         resolve_shape(cfg)
-
-
-SMALL = [*DS, "actor_rollout_ref.model.path=Qwen2.5-0.5B"]
-ZERO1 = [
-    "actor_rollout_ref.actor.deepspeed.zero_stage=1",
-    "actor_rollout_ref.actor.deepspeed.offload_param=false",
-]
-SCENARIOS = {
-    # name: (overrides on the 32B config, GPU memory, the failing check)
-    "zero1, no offload, no checkpointing": (
-        SMALL
-        + ZERO1
-        + [
-            "actor_rollout_ref.actor.deepspeed.offload_optimizer=false",
-            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-        ],
-        "32GiB",
-        "actor",
-    ),
-    "token budget above the width": (
-        SMALL
-        + ZERO1
-        + [
-            "data.max_response_length=8192",
-            "reward_model.overlong_buffer.len=1024",
-            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=81920",
-        ],
-        "24GiB",
-        "actor",
-    ),
-    "float32 reference, two rows per forward": (
-        [
-            *SMALL,
-            "actor_rollout_ref.actor.use_kl_loss=true",
-            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=45056",
-        ],
-        "30GiB",
-        "ref",
-    ),
-    "vLLM without room for one sequence": (
-        [*SMALL, "actor_rollout_ref.rollout.gpu_memory_utilization=0.05"],
-        "32GiB",
-        "rollout",
-    ),
-}
-
-
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_every_advice_applied_through_the_loader_makes_the_plan_fit(name):
-    overrides, gpu, failing = SCENARIOS[name]
-    cfg = typed(load_config(CONFIGS / BIG_32B[0], overrides))
-    plan = make_plan(cfg, gpu_mem=parse_bytes(gpu))
-    assert [r.role for r in plan.failures()] == [failing]
-    knobs = advise(cfg, failing, gpu_mem=parse_bytes(gpu), host_mem=None)
-    assert knobs, name
-    for knob in knobs:
-        fixed = make_plan(
-            typed(load_config(CONFIGS / BIG_32B[0], overrides + knob.split())), gpu_mem=parse_bytes(gpu)
-        )
-        assert not fixed.failures(), (name, knob)
-
-
-def test_a_token_budget_at_the_width_is_not_advised_with_packing():
-    # Packed and budget = T: a row longer than the budget goes alone, so lowering the budget changes nothing.
-    overrides = SMALL + ZERO1
-    cfg = typed(load_config(CONFIGS / BIG_32B[0], overrides))
-    gpu = parse_bytes("16GiB")
-    assert [r.role for r in make_plan(cfg, gpu_mem=gpu).failures()] == ["actor"]
-    knobs = advise(cfg, "actor", gpu_mem=gpu, host_mem=None)
-    assert not any("ppo_max_token_len_per_gpu" in k for k in knobs)
-    lowered = typed(
-        load_config(
-            CONFIGS / BIG_32B[0], [*overrides, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"]
-        )
-    )
-    assert make_plan(lowered, gpu_mem=gpu).roles[0].total == make_plan(cfg, gpu_mem=gpu).roles[0].total
-    # Above the width it does lower the plan, and the advice names the largest value that fits.
-    _, gpu_text, _ = SCENARIOS["token budget above the width"]
-    knobs = advise(
-        typed(load_config(CONFIGS / BIG_32B[0], SCENARIOS["token budget above the width"][0])),
-        "actor",
-        gpu_mem=parse_bytes(gpu_text),
-        host_mem=None,
-    )
-    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10240" in knobs
 
 
 def test_weights_are_counted_once_without_offload_param():
@@ -556,17 +422,6 @@ def test_host_ram_problem_refuses_a_cpu_run_that_cannot_fit_and_its_change_fits(
     assert host_ram_problem(typed(load_config(CONFIGS / BIG_32B[0], DS)), 1) is None  # a GPU run
 
 
-def test_plan_names_the_role_and_the_change_when_it_does_not_fit(capsys):
-    overrides, gpu, _ = SCENARIOS["zero1, no offload, no checkpointing"]
-    args = ["--config", str(CONFIGS / BIG_32B[0]), "--gpu-mem", gpu, *overrides]
-    assert main(["plan", *args]) == 2
-    err = capsys.readouterr().err
-    assert "actor needs" in err and "enable_gradient_checkpointing=true" in err
-    # `dapo train` runs the plan first and refuses before any data, model or Prefect work.
-    assert main(["train", *args]) == 2
-    assert "refusing to start a run that cannot fit" in capsys.readouterr().err
-
-
 def test_model_config_flag_reads_a_config_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -586,116 +441,3 @@ def test_model_config_flag_reads_a_config_json(tmp_path, capsys):
     args += ["--gpu-mem", "80GiB", *DS]
     assert main(args) == 0
     assert "P=494,032,768 parameters" in capsys.readouterr().out
-
-
-def _resident_weights(folder: str) -> dict:
-    """The tiny model's tensors, read from its safetensors file into resident memory (a model's weights as
-    the actor and the rollout hold them), without importing transformers (the child starts faster)."""
-    import torch
-    from safetensors.torch import load_file
-
-    torch.set_num_threads(1)
-    state = {k: v.clone() for k, v in load_file(str(Path(folder) / "model.safetensors")).items()}
-    return state
-
-
-def _push_send(folder: str, links: list, out) -> None:
-    import traceback
-
-    try:
-        from dapo_core.compute import weight_transport as wt
-        from dapo_core.compute.peak_memory import rss_bytes
-
-        state = _resident_weights(folder)
-        base = rss_bytes("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        st = wt.send_all(wt.distinct_tensors(state.items()), [wt.Link(**d) for d in links], 0)
-        out.put(("sender", st.bytes, st.max_message_bytes, st.seconds, rss_bytes("VmHWM") - base))
-    except BaseException:
-        out.put(("error", traceback.format_exc()))
-
-
-def _push_receive(folder: str, link: dict, index: int, out) -> None:
-    import traceback
-
-    try:
-        from dapo_core.compute import weight_transport as wt
-        from dapo_core.compute.peak_memory import rss_bytes
-
-        state = _resident_weights(folder)
-        base = rss_bytes("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-        def load(named) -> None:  # what the HF engine's load_tensors does: a copy into each weight
-            for name, t in named:
-                state[name].copy_(t)
-
-        st = wt.receive_into(wt.Link(**link), index, load, list(state))
-        out.put(("receiver", st.bytes, st.max_message_bytes, st.seconds, rss_bytes("VmHWM") - base))
-    except BaseException:
-        out.put(("error", traceback.format_exc()))
-
-
-@pytest.mark.slow  # real processes: in the full suite, not `make test`
-@pytest.mark.parametrize("kind", ["same_device", "broadcast"])
-def test_a_real_push_of_the_tiny_model_moves_the_planned_bytes(kind, tmp_path, monkeypatch):
-    """A push of a tiny model whose MLP tensors (512 × 8192 float32, 16 MiB) split over 8 MiB buckets, over
-    `weight_transport` between real processes, planned with the same link kind: the plan's bytes per link
-    are the transport's `bytes` on every end, no message exceeds the plan's bucket, and each end's resident
-    growth during the push stays within 1.5× the plan's rows of the push's pass + 8 MiB (allocator and page
-    timing add a few MiB on a busy machine, large beside the sender's 2 MiB of rows): below the model
-    (98 MiB), which an end holding the whole set would add. The figures are printed."""
-    import multiprocessing as mp
-    from dataclasses import asdict
-
-    from dapo_core.compute import weight_transport as wt
-    from dapo_core.compute.dist import free_port
-    from dapo_core.compute.models import build_tiny_model
-
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
-    shape = [
-        "actor_rollout_ref.model.tiny.hidden_size=512",
-        "actor_rollout_ref.model.tiny.intermediate_size=8192",
-        "actor_rollout_ref.model.tiny.num_hidden_layers=2",
-        "actor_rollout_ref.rollout.update_weights_bucket_megabytes=8",
-        f"actor_rollout_ref.rollout.weight_transport={kind}",
-    ]
-    cfg = typed(load_config(CONFIGS / "tiny_cpu.yaml", shape))
-    plan = make_plan(cfg, device="cpu")
-    sync = plan.sync
-    assert sync is not None and (sync.kind, sync.bucket) == (kind, 8 << 20)
-    assert plan.shape.largest_params * 4 == 16 << 20
-    folder = str(build_tiny_model(str(tmp_path), dict(vars(cfg.actor_rollout_ref.model.tiny)), seed=0))
-    n = 1 if kind == "same_device" else 2
-    link = wt.Link(
-        kind, 0, n, "127.0.0.1", free_port("127.0.0.1"), sync.bucket, "float32", tag=f"plan-{kind}"
-    )
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_push_send, args=(folder, [asdict(link)], out))]
-    procs += [ctx.Process(target=_push_receive, args=(folder, asdict(link), i, out)) for i in range(n)]
-    for p in procs:
-        p.start()
-    try:
-        got = [out.get(timeout=300) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = [g[1] for g in got if g[0] == "error"]
-    assert not errors, errors[0]
-    rows = {role.role: {r.name: r.bytes for r in role.rows if r.phase == "sync"} for role in plan.roles}
-    sender = next(g for g in got if g[0] == "sender")
-    receivers = [g for g in got if g[0] == "receiver"]
-    print(f"{kind}: plan {sync.per_link:,} B per link, rows {rows}; measured {got}")
-    for _, nbytes, max_msg, _, _ in [sender, *receivers]:
-        assert nbytes == sync.per_link
-        assert max_msg <= sync.bucket
-    # The resident growth of each end during the push against the plan's rows of its pass.
-    for g, role in [(sender, "actor"), *((r, "rollout") for r in receivers)]:
-        planned = sum(rows[role].values())
-        assert g[4] <= 1.5 * planned + (8 << 20) < sync.per_link, (g, role, rows)
