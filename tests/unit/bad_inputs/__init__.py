@@ -1,0 +1,1 @@
+"""The bad-input table of tests/unit/test_bad_inputs.py, one module per area."""
