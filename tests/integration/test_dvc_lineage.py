@@ -21,10 +21,11 @@ pytestmark = [
     pytest.mark.skipif(not DVC.exists(), reason="dvc is installed in .venv by `make setup`"),
 ]
 
-TINY = {  # a few seconds per stage; the same shapes as tests/integration/conftest.tiny_overrides
+TINY = {  # a few seconds per stage; the shapes of tests/integration/conftest.tiny_overrides, but a 10-step
+    # SFT warm-up: the lineage's checks read which stages ran and what they wrote, not how well the model does
     "data": {"train_batch_size": 4, "gen_batch_size": 8, "synthetic": {"num_train": 400, "num_val": 16}},
     "actor_rollout_ref": {
-        "model": {"sft": {"steps": 40}},
+        "model": {"sft": {"steps": 10}},
         "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 8},
         "rollout": {"n": 4},
     },
