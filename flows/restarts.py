@@ -24,7 +24,7 @@ from typing import Any
 from dapo_core.compute.rpc import WorkerHung
 from flows.artifacts import RunArtifacts
 from flows.run_setup import DriverState, TrainRun, restart_workers, restore
-from tasks.faults import StageHung, WorkerDied, WorkerFault, died_worker
+from tasks.faults import StageHung, WorkerDied, WorkerFault, dead_peer, died_worker
 
 
 class RestartBudget:
@@ -111,9 +111,13 @@ class Restarts:
         """After `exc` ended step `step`: restart the run's workers and return the state `restore` resumes
         from, as often as the budget allows (a fault during the restart counts too). Raises `exc` when it is
         not a worker fault, and the fault's paragraph with the restart history once the budget is spent."""
+        if not (self.budget.allows() or self.history):
+            raise exc  # no restarts at all: the run ends as without this module
         fault = worker_fault(exc, step)
-        if fault is None or not (self.budget.allows() or self.history):
-            raise exc  # not a worker fault, or no restarts at all: the run ends as without this module
+        if fault is None and (peer := dead_peer(exc, rt.cluster)) is not None:
+            fault = worker_fault(peer, step)  # e.g. a weight push that lost a dead rank's collective
+        if fault is None:
+            raise exc  # not a worker fault
         while True:
             if not self.budget.allows():
                 raise self.spent(fault) from exc
@@ -132,6 +136,8 @@ class Restarts:
                 return restore(rt)
             except Exception as again:
                 fault = worker_fault(again, step)  # the new workers died or hung too: another restart
+                if fault is None and (peer := dead_peer(again, rt.cluster)) is not None:
+                    fault = worker_fault(peer, step)
                 if fault is None:
                     raise
 

@@ -6,11 +6,15 @@ worker process that died (`WorkerDied`) or stopped making progress (`StageHung`)
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from dapo_core.compute.faults import FAULT_ENV, faults_from_env
 from dapo_core.compute.rpc import WorkerHung
 from dapo_core.errors import DapoUserError
 from tasks.runtime import Runtime
+
+if TYPE_CHECKING:
+    from dapo_core.compute.cluster import Cluster
 
 
 class WorkerFault(DapoUserError, RuntimeError):
@@ -54,10 +58,11 @@ class StageHung(WorkerFault):
 
 
 def worker_died(exc: BaseException, rt: Runtime, step: int, stage: str) -> WorkerFault | None:
-    """A `WorkerDied` (Ray's actor-died error) or `StageHung` (`WorkerHung`, a call past
-    `trainer.stage_timeout_s`) paragraph — what failed, where, how to resume — when `exc` is or wraps one,
-    else None (also when it wraps a `WorkerFault` already, which is raised as it is). What the stages
-    committed before stays; a restart or a resume starts new workers."""
+    """A `WorkerDied` (Ray's actor-died error, or a worker's error while another of the run's workers is
+    dead: `dead_peer`) or `StageHung` (`WorkerHung`, a call past `trainer.stage_timeout_s`) paragraph — what
+    failed, where, how to resume — when `exc` is or wraps one, else None (also when it wraps a `WorkerFault`
+    already, which is raised as it is). What the stages committed before stays; a restart or a resume
+    starts new workers."""
     from ray.exceptions import RayActorError
 
     cur: BaseException | None = exc
@@ -65,8 +70,12 @@ def worker_died(exc: BaseException, rt: Runtime, step: int, stage: str) -> Worke
         if cur is None or isinstance(cur, (RayActorError, WorkerHung, WorkerFault)):
             break
         cur = cur.__cause__ or cur.__context__
-    if not isinstance(cur, (RayActorError, WorkerHung)):
+    if isinstance(cur, WorkerFault):
         return None
+    if not isinstance(cur, (RayActorError, WorkerHung)):
+        cur = dead_peer(exc, rt.cluster)
+        if cur is None:
+            return None
     first = (str(cur).strip().splitlines() or [type(cur).__name__])[0][:200]
     if isinstance(cur, WorkerHung):
         cause = f"worker '{cur.role}' did not return from {cur.method} within {cur.timeout_s:g}s"
@@ -81,6 +90,22 @@ def worker_died(exc: BaseException, rt: Runtime, step: int, stage: str) -> Worke
     )
     fix = _fix(rt, "what stopped it (memory, a kill)")
     return WorkerDied(what, stage=stage, step=step, cause=died_worker(cur) + first, fix=fix)
+
+
+def dead_peer(exc: BaseException, cluster: Cluster) -> BaseException | None:
+    """When `exc` is an error a Ray worker raised (a rank whose collective lost its peer: gloo's "Connection
+    reset by peer") and one of the run's workers is dead, that worker's actor-died error; else None."""
+    from ray.exceptions import RayError
+
+    cur: BaseException | None = exc
+    for _ in range(10):
+        if cur is None or isinstance(cur, RayError):
+            break
+        cur = cur.__cause__ or cur.__context__
+    if not isinstance(cur, RayError):
+        return None
+    dead = cluster.dead_workers()
+    return dead[0] if dead else None
 
 
 _ACTOR_NAME = re.compile(r"^\s*name:\s*dapo/[^/\s]+/(\S+)\s*$", re.M)

@@ -24,9 +24,10 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from dapo_core.compute.host import WORKER_LOGS_ENV, HostOptions, _RayHost
 from dapo_core.compute.placement import RESOURCES_KEY, PlacementError, check_feasible, checked_resources
@@ -34,6 +35,8 @@ from dapo_core.compute.rpc import Handle
 from dapo_core.compute.signals import _main_thread_sigterm_handler, _ray_get, _restore_sigterm_handler
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 NAMESPACE = "dapo"
 _LOCAL_REGISTRY: dict[tuple[str, str], Handle] = {}
@@ -333,6 +336,35 @@ class Cluster:
                 out.append({"role": role, "rank": rank, **mem})
         return out
 
+    def dead_workers(self, timeout_s: float = 15.0) -> list[BaseException]:
+        """Ray's actor-died errors of the workers this object owns that are dead (each rank of a group on its
+        own), from a ping to each, waited for at most `timeout_s` in all (one that does not answer in time
+        counts as alive). Empty without Ray. A rank that failed a collective because a peer died says so
+        only as its own error; this names the dead peer."""
+        if not self.use_ray:
+            return []
+        import ray
+        from ray.exceptions import RayActorError
+
+        dead: list[BaseException] = []
+        refs = []
+        for handle in self._owned.values():
+            ranks = getattr(handle, "ranks", None) or ([handle.ray_actor] if handle.is_ray else [])
+            for actor in list(ranks):
+                try:
+                    refs.append(actor.ping.remote())
+                except RayActorError as exc:
+                    dead.append(exc)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as exc:
+                dead.append(exc)
+            except Exception as exc:  # a worker that answers with an error is alive
+                log.debug("ping: %s", exc)
+        return dead
+
     @property
     def started_ray(self) -> bool:
         """Whether this object started the (local) Ray it uses, rather than joining a cluster."""
@@ -394,10 +426,66 @@ class Cluster:
         self.shutdown()
 
 
+def start_when_placed(
+    start: Callable[[float], T],
+    wait_s: float,
+    *,
+    what: str,
+    nodes: Callable[[], list[Mapping[str, Any]]],
+    clean_up: Callable[[], None] = lambda: None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    poll_s: float = 1.0,
+) -> T:
+    """`start(seconds_left)`, which starts workers within the seconds it is given, once the cluster can place
+    them, waiting up to `wait_s` seconds in all (`trainer.restart_wait_s`; `what` names the waiter, e.g. "the
+    restart of run X"). While `start` raises `PlacementError` (no live node offers what a worker asks for: its
+    node is gone, or the one that would fit has not joined), log one paragraph saying what it waits for (the
+    error names the role, the resources and the live nodes) and for how long, call `clean_up` (kill what was
+    started), and try again once the live nodes (`nodes()`, `ray.nodes()`'s entries) or what they offer
+    change. When the time runs out, a `PlacementError` paragraph says what was waited for and how long."""
+    deadline = clock() + wait_s
+    said = ""
+    while True:
+        try:
+            return start(max(deadline - clock(), 1.0))
+        except PlacementError as exc:
+            clean_up()
+            seen = _capacity(nodes())
+            left = deadline - clock()
+            if left <= 0:
+                raise PlacementError(
+                    f"{what} found no room for its workers within trainer.restart_wait_s={wait_s:g}s: "
+                    f"{exc.what.rstrip('.')}; the run ends here",
+                    where=exc.where,
+                    fix=f"{exc.fix.rstrip('.') or 'add capacity'}, then resume with the same command and run "
+                    "id (or raise trainer.restart_wait_s)",
+                ) from None
+            if exc.what != said:
+                said = exc.what
+                log.warning(
+                    "%s waits up to %.0fs more (trainer.restart_wait_s) for capacity: %s. It goes on as soon "
+                    "as the cluster can place it (%s)",
+                    what,
+                    left,
+                    exc.what.rstrip("."),
+                    exc.fix.rstrip(".") or "add a node",
+                )
+            while clock() < deadline and _capacity(nodes()) == seen:
+                sleep(poll_s)
+
+
+def _capacity(nodes: list[Mapping[str, Any]]) -> frozenset[tuple[str, frozenset[tuple[str, float]]]]:
+    """What the live nodes offer: (node id, its total resources) for each."""
+    return frozenset(
+        (str(n.get("NodeID", "")), frozenset((k, float(v)) for k, v in n.get("Resources", {}).items()))
+        for n in nodes
+        if n.get("Alive", True)
+    )
+
+
 def _await_names_free(names: list[str], timeout_s: float) -> None:
     """Wait until no live actor holds any of `names` (after `ray.kill`), for at most `timeout_s`."""
-    import time
-
     import ray
 
     deadline = time.monotonic() + timeout_s

@@ -54,8 +54,19 @@ def test_killed_rollout_and_reward_workers_restart_and_train_the_same_weights(
     assert first and "resuming from checkpoint step 1" in first.group(0), text[-3000:]
     assert second and "resuming from checkpoint step 2" in second.group(0), text[-3000:]
     assert "(worker 'rollout" in first.group(0) and "(worker 'reward', pid" in second.group(0)
+    for fault in ("kill@generate_g0#0:2", "kill@reward_g0#0:3"):
+        print(f"{fault}: {kill_to_commit_s(run, fault)} s from the kill to the next commit")
     summary = _newest_artifact("dapo-healed-summary")  # the Prefect UI's summary card
     assert "automatic restarts: 2" in summary and "restart 2 of 2" in summary, summary
+
+
+def kill_to_commit_s(run: Path, fault: str) -> float:
+    """Seconds from the moment the worker fault `fault` (a `DAPO_FAULT` item as its marker names it, e.g.
+    `kill@update_actor#1:2`) acted in the run folder `run` to the first stage committed after it."""
+    acted = float((run / "faults" / f"{fault}.done").read_text().split(" at ")[1])
+    after = [t for p in run.glob("step_*/*.manifest.json") if (t := p.stat().st_mtime) > acted]
+    assert after, f"no stage of {run} was committed after {fault} acted"
+    return round(min(after) - acted, 1)
 
 
 def _newest_artifact(key: str) -> str:

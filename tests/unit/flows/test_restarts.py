@@ -95,3 +95,86 @@ def test_the_dead_worker_is_named_from_rays_message():
     )
     assert died_worker(RuntimeError(message)) == "worker 'actor/1', pid 941: "
     assert died_worker(RuntimeError("The actor died unexpectedly before finishing this task.")) == ""
+
+
+def _node(node_id: str, **resources: float) -> dict:
+    return {"NodeID": node_id, "Alive": True, "NodeManagerAddress": "127.0.0.1", "Resources": resources}
+
+
+def test_a_restart_waits_for_a_node_that_fits_and_says_what_it_waits_for(caplog):
+    from dapo_core.compute.cluster import start_when_placed
+    from dapo_core.compute.placement import check_feasible
+
+    clock = Clock()
+    cluster = [_node("head", CPU=3.0)]  # the node that offered train_node is gone
+    tries: list[float] = []
+    cleaned: list[int] = []
+
+    def start(left_s: float) -> str:
+        tries.append(left_s)
+        check_feasible("reward", {"CPU": 1.0, "train_node": 1.0}, cluster)
+        return "started"
+
+    def sleep(s: float) -> None:
+        clock.now += s
+        if clock.now >= 1030:  # a node offering it joins after 30 s
+            cluster[:] = [_node("head", CPU=3.0), _node("third", CPU=2.0, train_node=1.0)]
+
+    caplog.set_level("WARNING")
+    out = start_when_placed(
+        start,
+        90,
+        what="the restart of run r",
+        nodes=lambda: list(cluster),
+        clean_up=lambda: cleaned.append(1),
+        clock=clock,
+        sleep=sleep,
+    )
+    assert out == "started" and tries == [90, 60] and cleaned == [1]
+    [said] = [r.getMessage() for r in caplog.records]  # one paragraph, not one per poll
+    assert said.startswith("the restart of run r waits up to 90s more (trainer.restart_wait_s) for capacity")
+    assert "worker 'reward' asks for CPU=1, train_node=1" in said and "no node of the cluster offers" in said
+
+
+def test_a_restart_that_finds_no_room_in_time_ends_with_one_paragraph():
+    from dapo_core.compute.cluster import start_when_placed
+    from dapo_core.compute.placement import PlacementError, check_feasible
+
+    clock = Clock()
+
+    def sleep(s: float) -> None:
+        clock.now += s
+
+    def start(left_s: float) -> None:
+        check_feasible("reward", {"CPU": 1.0, "train_node": 1.0}, [_node("head", CPU=3.0)])
+
+    with pytest.raises(PlacementError) as err:
+        start_when_placed(start, 20, what="the restart of run r", nodes=list, clock=clock, sleep=sleep)
+    text = str(err.value)
+    assert clock.now == 1020
+    assert text.startswith(
+        "the restart of run r found no room for its workers within trainer.restart_wait_s=20s"
+    )
+    assert "worker 'reward' asks for CPU=1, train_node=1" in text and "the run ends here" in text
+    assert "resume with the same command and run id" in text
+
+
+def test_a_ranks_error_while_a_peer_of_the_run_is_dead_is_that_peers_death():
+    from ray.exceptions import RayTaskError
+
+    from tasks.faults import dead_peer, worker_died
+
+    message = "The actor died unexpectedly.\n\tpid: 77\n\tname: dapo/r/actor/1\n\tnamespace: dapo"
+    peer = ActorDiedError()
+    peer.error_msg = message  # what str() shows
+    gloo = RayTaskError("call", "trace", RuntimeError("gloo: Connection reset by peer"))
+    cluster = SimpleNamespace(dead_workers=lambda: [peer])
+    checkpoints = SimpleNamespace(latest_step=lambda: 1)
+    rt = SimpleNamespace(run_id="r", cluster=cluster, store=SimpleNamespace(checkpoints=checkpoints))
+    assert dead_peer(gloo, cluster) is peer  # type: ignore[arg-type]
+    assert dead_peer(ValueError("bad data"), cluster) is None  # type: ignore[arg-type]  # not a worker's
+    fault = worker_died(gloo, rt, 2, "update_actor")  # type: ignore[arg-type]
+    assert isinstance(fault, WorkerDied) and fault.place == "stage 'update_actor' of step 2"
+    assert fault.cause.startswith("worker 'actor/1', pid 77: ")
+    alive = SimpleNamespace(dead_workers=list)
+    assert dead_peer(gloo, alive) is None  # type: ignore[arg-type]  # a real error of the rank itself
