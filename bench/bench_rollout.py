@@ -27,7 +27,19 @@ ratios, not rates, on a loaded machine):
   actually generated (rows stop at EOS). Run it with `.venv-vllm/bin/python` after
   `infra/setup_vllm_cpu_env.sh`; the engine is spawned by vLLM, hence the `__main__` guard.
 
-Run: `OMP_NUM_THREADS=1 .venv/bin/python bench/bench_rollout.py {hf,engines,vllm} [options]`.
+- `lora`: a LoRA run's two ways to the rollout, per engine (`vllm` here, `hf` in the main environment as
+  for `vllm`): **merged** (the merged weights `W + B·A·alpha/r` of every adapted layer, the whole model,
+  pushed with `sync_weights` into an engine without LoRA) against **adapter** (the adapter alone written as a
+  peft folder and loaded each sync: vLLM's `enable_lora` engine with `add_lora`, the HF engine with peft
+  adapters in its model and `lora.load_adapter_state`). Per engine one line: median seconds of a sync
+  (`sync_*_s`, the actor's merge `merge_s` apart), its tensor bytes (`bytes_*`; a full fine-tuning push is
+  `bytes_merged` too), the generation seconds of the rows with the merged weights and with the adapter
+  (`gen_*_s`, sampled, same seeds) and `greedy_rows_equal` (rows whose greedy tokens agree between the two).
+  The adapters are random (A and B both non-zero, as after training), one per sync, on
+  q/k/v/o/gate/up/down; `actor_*` (main environment): the torch engine's merged `iter_sync_tensors` and
+  `adapter_state` per sync. Run it with `.venv-vllm/bin/python`.
+
+Run: `OMP_NUM_THREADS=1 .venv/bin/python bench/bench_rollout.py {hf,engines,vllm,lora} [options]`.
 """
 
 from __future__ import annotations
@@ -365,6 +377,29 @@ def bench_model_generate(model_path: Path, args: argparse.Namespace) -> dict:
     }
 
 
+def run_child(args: argparse.Namespace, mode: str, model: Path, extra: tuple[str, ...] = ()) -> list[dict]:
+    """Run `mode --only hf` with the main environment's interpreter (`--hf-python`) on `model`; its JSON
+    lines (none when the interpreter is missing or the run fails, said on stderr), each printed too."""
+    if not (args.hf_python and Path(args.hf_python).is_file()):
+        return []
+    cmd = [args.hf_python, __file__, mode, "--only", "hf", "--model", str(model), *extra]
+    for flag in ("rows", "prompt_len", "new_tokens", "repeats", "threads", "n", "max_model_len"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.word_prompts:
+        cmd.append("--word-prompts")
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        print(
+            f"# {mode} --only hf failed (rc={proc.returncode}): {proc.stderr.strip()[-800:]}", file=sys.stderr
+        )
+        return []
+    for line in lines:
+        print(json.dumps(line), flush=True)
+    return lines
+
+
 def run_vllm(args: argparse.Namespace) -> None:
     """vLLM's engine and `model.generate` here, the HF engine in the main environment; JSON lines."""
     torch.set_num_threads(args.threads)
@@ -385,48 +420,238 @@ def run_vllm(args: argparse.Namespace) -> None:
         if args.only in (None, "hf_model"):
             results.append(bench_model_generate(model, args))
             print(json.dumps(results[-1]), flush=True)
-        if args.only is None and args.hf_python and Path(args.hf_python).is_file():
-            cmd = [
-                args.hf_python,
-                __file__,
-                "vllm",
-                "--only",
-                "hf",
-                "--model",
-                str(model),
-                "--rows",
-                str(args.rows),
-                "--prompt-len",
-                str(args.prompt_len),
-                "--new-tokens",
-                str(args.new_tokens),
-                "--repeats",
-                str(args.repeats),
-                "--threads",
-                str(args.threads),
-                "--n",
-                str(args.n),
-                "--max-model-len",
-                str(args.max_model_len),
-                *(["--word-prompts"] if args.word_prompts else []),
-            ]
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode == 0 and lines:
-                results.append(json.loads(lines[-1]))
-                print(lines[-1], flush=True)
-            else:
-                print(
-                    f"# hf_generate failed (rc={proc.returncode}): {proc.stderr.strip()[-500:]}",
-                    file=sys.stderr,
-                )
+        if args.only is None:
+            child = run_child(args, "vllm", model)
+            if child:
+                results.append(child[-1])
         rates = {r["bench"]: r["tok_per_s"] for r in results}
         if "vllm_generate" in rates:
             ratios = {
                 k: round(rates["vllm_generate"] / v, 3) for k, v in rates.items() if k != "vllm_generate"
             }
             print(json.dumps({"bench": "ratio_vllm_over", **ratios}))
+
+
+# --- lora: merged weights pushed against the adapter loaded each sync ---------------------------------------
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The adapted layers (verl's `target_modules: all-linear` on a Llama/Qwen2 model)."""
+
+
+def checkpoint_tensors(model: Path) -> dict[str, torch.Tensor]:
+    """The HF folder's tensors under their checkpoint names (a tied LM head is not among them)."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def synthetic_adapter(base: dict[str, torch.Tensor], rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """An adapter on every `LORA_TARGETS` layer of `base` under peft's saved names, A and B both random (B
+    is zero only before the first update)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, w in base.items():
+        parts = name.split(".")
+        if parts[-1] != "weight" or len(parts) < 2 or parts[-2] not in LORA_TARGETS:
+            continue
+        module = "base_model.model." + name.removesuffix(".weight")
+        out[f"{module}.lora_A.weight"] = 0.02 * torch.randn(rank, w.shape[1], generator=g)
+        out[f"{module}.lora_B.weight"] = 0.02 * torch.randn(w.shape[0], rank, generator=g)
+    return out
+
+
+def merged_weights(
+    base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scaling: float, dtype: torch.dtype
+) -> list[tuple[str, torch.Tensor]]:
+    """Every weight of `base` in `dtype`, an adapted one as `W + B·A·scaling` (summed in float32)."""
+    out = []
+    for name, w in base.items():
+        module = "base_model.model." + name.removesuffix(".weight")
+        a = adapter.get(f"{module}.lora_A.weight")
+        if a is not None:
+            w = w.float() + scaling * (adapter[f"{module}.lora_B.weight"] @ a)
+        out.append((name, w.to(dtype)))
+    return out
+
+
+def write_adapter(folder: Path, adapter: dict[str, torch.Tensor], rank: int, alpha: int) -> Path:
+    """`adapter` as a peft folder (`adapter_config.json` + `adapter_model.safetensors`)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(adapter, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def nbytes(tensors: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> int:
+    """Tensor bytes of a push or an adapter."""
+    items = tensors.values() if isinstance(tensors, dict) else (t for _, t in tensors)
+    return sum(t.numel() * t.element_size() for t in items)
+
+
+class _AdapterRollout:
+    """One engine `name` with the adapter loaded each sync: vLLM built with `enable_lora` (`add_lora`,
+    the previous adapter removed), or the HF engine with peft adapters injected into its model."""
+
+    def __init__(self, name: str, model: Path, args: argparse.Namespace, opts: dict) -> None:
+        self.name, self.request = name, None
+        if name == "vllm":
+            lora_opts = {"enable_lora": True, "max_lora_rank": args.lora_rank, "max_loras": 1}
+            self.engine = make_rollout_engine(name, model, device="cpu", seed=0, **opts, **lora_opts)
+        else:
+            from dapo_core.compute.lora import LoraSpec, add_lora
+
+            self.engine = make_rollout_engine(name, model, device="cpu", seed=0, **opts)
+            spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=LORA_TARGETS)
+            self.peft = add_lora(self.engine.model, spec)
+
+    def load(self, version: int, folder: Path) -> None:
+        if self.name == "hf":
+            from dapo_core.compute.lora import load_adapter_state
+
+            load_adapter_state(self.peft, folder)
+            return
+        from vllm.lora.request import LoRARequest
+
+        core = self.engine.llm.llm_engine
+        if self.request is not None:
+            core.remove_lora(self.request.lora_int_id)
+        self.request = LoRARequest(f"v{version}", version + 1, str(folder))
+        if not core.add_lora(self.request):
+            raise RuntimeError(f"vLLM did not load the adapter {folder}")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[list[int]]:
+        if self.name == "hf":
+            return [c.token_ids for c in self.engine.generate(prompts, params, seeds)]
+        from vllm.inputs import TokensPrompt
+
+        eng = self.engine
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        sampling = [eng._vllm_params(params, s) for s in seeds]
+        outs = eng.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.request)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def bench_lora(name: str, model: Path, args: argparse.Namespace) -> dict:
+    """Sync and generation seconds and sync bytes of merged pushes against adapter loads on engine `name`;
+    the first of `repeats + 1` syncs is a warm-up."""
+    base = checkpoint_tensors(model)
+    scaling = args.lora_alpha / args.lora_rank
+    prompts = bench_prompts(model, args)
+    seeds = list(range(len(prompts)))
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+    opts = {"max_model_len": args.max_model_len} if name == "vllm" else {"max_batch_size": len(prompts)}
+    merged_engine = make_rollout_engine(name, model, device="cpu", seed=0, **opts)
+    adapted = _AdapterRollout(name, model, args, opts)
+    dtype_name = merged_engine.weight_dtype
+    dtype = getattr(torch, dtype_name)
+    times: dict[str, list[float]] = {k: [] for k in ("merge", "sync_merged", "sync_adapter", "gen_merged")}
+    times["gen_adapter"] = []
+    sizes: dict[str, int] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for v in range(args.repeats + 1):
+                adapter = synthetic_adapter(base, args.lora_rank, seed=v)
+                t = [time.perf_counter()]
+                merged = merged_weights(base, adapter, scaling, dtype)
+                t.append(time.perf_counter())
+                merged_engine.sync_weights(merged)
+                t.append(time.perf_counter())
+                adapted.load(v, write_adapter(Path(tmp) / f"v{v}", adapter, args.lora_rank, args.lora_alpha))
+                t.append(time.perf_counter())
+                merged_engine.generate(prompts, sampled, seeds)
+                t.append(time.perf_counter())
+                adapted.generate(prompts, sampled, seeds)
+                t.append(time.perf_counter())
+                if v > 0:
+                    for key, t0, t1 in zip(times, t, t[1:], strict=False):
+                        times[key].append(t1 - t0)
+                sizes = {"bytes_merged": nbytes(merged), "bytes_adapter": nbytes(adapter)}
+            same = [
+                a == b
+                for a, b in zip(
+                    [c.token_ids for c in merged_engine.generate(prompts, greedy, seeds)],
+                    adapted.generate(prompts, greedy, seeds),
+                    strict=True,
+                )
+            ]
+    finally:
+        merged_engine.close()
+        adapted.engine.close()
+    return {
+        "bench": f"{name}_lora",
+        **{f"{k}_s": round(statistics.median(v), 4) for k, v in times.items()},
+        **sizes,
+        "greedy_rows_equal": f"{sum(same)}/{len(same)}",
+        "rows": len(prompts),
+        "new_tokens": args.new_tokens,
+        "rank": args.lora_rank,
+        "rollout_dtype": dtype_name,
+    }
+
+
+def bench_actor_lora(model: Path, args: argparse.Namespace) -> dict:
+    """The torch training engine's per-sync export with LoRA: the merged weights (`iter_sync_tensors`, what
+    a push streams) against the adapter alone (`lora.adapter_state`), median seconds and bytes."""
+    from dapo_core.compute.engines.train import make_train_engine
+    from dapo_core.compute.lora import LoraSpec, adapter_state
+
+    spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=LORA_TARGETS)
+    train = make_train_engine("torch", model, {"lr": 1e-4}, total_steps=10, grad_clip=1.0, lora=spec)
+    try:
+        merged: list = []
+        adapter: dict = {}
+
+        def take_merged() -> int:
+            merged[:] = [(n, t) for n, t in train.iter_sync_tensors() if not isinstance(t, str)]
+            return 1
+
+        def take_adapter() -> int:
+            adapter.clear()
+            adapter.update(adapter_state(train.peft))
+            return 1
+
+        _, _, t_merged = median_rate(take_merged, args.repeats)
+        _, _, t_adapter = median_rate(take_adapter, args.repeats)
+    finally:
+        train.close()
+    return {
+        "bench": "actor_lora_export",
+        "merged_s": round(statistics.median(t_merged), 4),
+        "adapter_s": round(statistics.median(t_adapter), 4),
+        "bytes_merged": nbytes(merged),
+        "bytes_adapter": nbytes(adapter),
+    }
+
+
+def run_lora(args: argparse.Namespace) -> None:
+    """vLLM's lines here, the HF engine's and the actor's in the main environment; JSON lines."""
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(args.model) if args.model else build_tiny_model(Path(tmp) / "tiny", SMALL, seed=0)
+        if args.only == "hf":  # child mode
+            print(json.dumps(bench_lora("hf", model, args)), flush=True)
+            print(json.dumps(bench_actor_lora(model, args)), flush=True)
+            return
+        print(
+            f"# loadavg {Path('/proc/loadavg').read_text().split()[:3]}, rows={args.rows}, "
+            f"new_tokens={args.new_tokens}, rank={args.lora_rank}, model={args.model or 'tiny'}",
+            flush=True,
+        )
+        print(json.dumps(bench_lora("vllm", model, args)), flush=True)
+        run_child(
+            args, "lora", model, ("--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha))
+        )
 
 
 def main() -> None:
@@ -479,6 +704,24 @@ def main() -> None:
     )
     vl.add_argument("--only", choices=["vllm", "hf", "hf_model"], default=None, help=argparse.SUPPRESS)
     vl.set_defaults(run=run_vllm)
+
+    lo = sub.add_parser(
+        "lora", help="LoRA: merged weights pushed vs the adapter loaded per sync (.venv-vllm)"
+    )
+    lo.add_argument("--rows", type=int, default=16)
+    lo.add_argument("--prompt-len", type=int, default=32)
+    lo.add_argument("--new-tokens", type=int, default=32)
+    lo.add_argument("--repeats", type=int, default=3, help="syncs timed (after one warm-up)")
+    lo.add_argument("--threads", type=int, default=1)
+    lo.add_argument("--hf-python", default=str(ROOT / ".venv" / "bin" / "python"), help="as for vllm")
+    lo.add_argument("--model", default=None, help="an HF folder instead of the tiny model")
+    lo.add_argument("--word-prompts", action="store_true", help="as for vllm")
+    lo.add_argument("--n", type=int, default=1, help="as for vllm")
+    lo.add_argument("--max-model-len", type=int, default=512)
+    lo.add_argument("--only", choices=["hf"], default=None, help=argparse.SUPPRESS)
+    lo.add_argument("--lora-rank", type=int, default=8)
+    lo.add_argument("--lora-alpha", type=int, default=16)
+    lo.set_defaults(run=run_lora)
 
     args = ap.parse_args()
     args.run(args)
