@@ -31,7 +31,7 @@ def _params() -> dict:
     """params.yaml with a small data set and a short warm-up (every other key as committed)."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["data"]["synthetic"].update({"num_train": 200, "num_val": 8})
-    params["actor_rollout_ref"]["model"]["sft"]["steps"] = 12
+    params["actor_rollout_ref"]["model"]["sft"]["steps"] = 4
     return params
 
 
