@@ -16,6 +16,7 @@ docs/ARCHITECTURE.md); `replay_train_step` has the contract of `flows.dapo_train
 
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
 
@@ -68,6 +69,15 @@ def weight_lag_metrics(rt: TrainRun, batch_uri: str, version: int) -> dict[str, 
     return {f"{p}_max": float(lag.max(initial=0)), f"{p}_mean": float(lag.mean()) if lag.size else 0.0}
 
 
+_REFILL = re.compile(r"prompts_g\d+")
+"""A refill round's prompts stage (`g0`, `g1`, ...; not `ga`, generated ahead, nor `gr<i>`, re-issued)."""
+
+
+def refill_rounds(rt: TrainRun, step: int) -> int:
+    """How many refill rounds step `step` committed (its `prompts_g<k>` stages)."""
+    return sum(1 for stage in rt.store.committed_stages(step) if _REFILL.fullmatch(stage))
+
+
 def sample_with_refill(rt: TrainRun, step: int, state: DriverState, metrics: dict) -> str:
     """Sample the step's batch from the buffer, generating with the current weights while it is short."""
     cfg = rt.cfg
@@ -81,8 +91,12 @@ def sample_with_refill(rt: TrainRun, step: int, state: DriverState, metrics: dic
             have = need if batch_uri is not None else int(m.get("training/replay/sampleable_groups", 0))
             rt.progress.gen_batch(k - 1, size, min(have, need), need)
         if batch_uri is not None:
+            # a replayed batch (committed before a crash or a restart) comes back at once: the refill rounds
+            # that made it count all the same, so the generation seeds (gen_step) go on as they did
+            rounds = max(k, refill_rounds(rt, step))
+            state.gen_step += rounds - k
             metrics.update(m)
-            metrics["train/num_gen_batches"] = float(k)
+            metrics["train/num_gen_batches"] = float(rounds)
             return batch_uri
         if m.get("must_wait"):
             _collect_inflight(rt, step, state, metrics)

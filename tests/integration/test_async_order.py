@@ -2,14 +2,17 @@
 k, on a local Ray where the two overlap for real. Checked: every trained sample is at most
 `trainer.max_staleness` weight versions old (logged per step), the stale ones get the rollout IS correction
 (with the recomputed old log-probs: the decoupled objective), `max_staleness=0` generates nothing ahead, and
-a run SIGKILLed after its first checkpoint, while the next batch is in flight, resumes to the bits of an
-uninterrupted run."""
+a run whose actor dies mid-update (one automatic restart) and which is later SIGKILLed after its first
+checkpoint, each time with the next batch in flight, resumes to the bits and the step and sample accounting
+of an uninterrupted run."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from tests.integration.conftest import (
     train_cmd,
     train_here,
 )
+from tests.integration.test_self_healing import kill_to_commit_s
 
 pytestmark = pytest.mark.slow
 
@@ -83,21 +87,64 @@ def test_async_order_bounds_staleness_and_corrects_it(async_straight):
         assert any(abs(w - 1.0) > 1e-6 for row in weights for w in row)  # stale samples are reweighted
 
 
+FAULT = "kill@update_actor:1"
+"""The actor dies in step 1's update, while step 2's batch is being generated."""
+
+
 @pytest.mark.timeout(900)
 def test_async_run_killed_with_a_batch_in_flight_resumes_bitwise(tiny_assets, async_straight):
-    def killed_after_checkpoint_1(resumed: Path) -> None:
+    """`dapo train` of the async run with one automatic restart: the actor SIGKILLs itself in step 1's update
+    (`DAPO_FAULT`) with step 2's batch in flight, and the run restarts from the start by itself; it is
+    SIGKILLed once step 3's batch is being made (after checkpoint 1) and resumed in this process. It ends
+    with the uninterrupted run's bits and the same accounting: every step trained `train_batch_size` groups,
+    no group twice, every generated group trained (none dropped, none evicted), nothing left in flight."""
+    run = tiny_assets / "runs" / "async_resumed"
+    log = tiny_assets / "async_resumed.log"
+    restart = {"trainer.max_restarts": 1}
+
+    def restarted_then_killed_after_checkpoint_1(resumed: Path) -> None:
         assert (resumed / "ckpt" / "latest").read_text().strip() == "1"
+        text = log.read_text(errors="replace")
+        said = re.search(r"restart 1 of 1 .*a worker died at stage 'update_actor\S*' of step 1 .*", text)
+        assert said and "resuming from the start" in said.group(0), text[-3000:]
+        marker = FAULT.replace(":", "#0:")
+        print(
+            f"async: actor killed in update_actor: {kill_to_commit_s(resumed, marker)} s to the next commit"
+        )
 
     kill_and_resume(
-        _cmd(tiny_assets, "async_resumed"),
-        tiny_assets / "runs" / "async_resumed",
+        _cmd(tiny_assets, "async_resumed", **restart),
+        run,
         "step_000002/prompts_ga.manifest.json",  # step 3's batch is being made
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        after_kill=killed_after_checkpoint_1,
-        resume=lambda: train_here(_overrides(tiny_assets, "async_resumed")),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "DAPO_FAULT": FAULT},
+        after_kill=restarted_then_killed_after_checkpoint_1,
+        resume=lambda: train_here(_overrides(tiny_assets, "async_resumed", **restart)),
         reference=async_straight,
-        log=tiny_assets / "async_resumed.log",
+        log=log,
     )
+    metrics = _metrics(run)
+    # the restart counts within its flow run: step 1's row says 1, the resumed attempt's rows 0
+    assert [(k, m["fault/restarts"]) for k, m in sorted(metrics.items())] == [(1, 1.0), (2, 0.0), (3, 0.0)]
+    with RunStore(run) as store, RunStore(async_straight) as straight:
+        made: set[str] = set()  # every prompt group a committed prompts stage issued
+        trained: list[str] = []
+        for k in (1, 2, 3):
+            for stage in store.committed_stages(k):
+                if stage.startswith("prompts_"):
+                    made |= set(store.read_stage(k, stage).column("uid").to_pylist())
+            uids = store.read_stage(k, "batch").column("uid").to_pylist()
+            assert uids == straight.read_stage(k, "batch").column("uid").to_pylist(), k
+            groups = Counter(uids)
+            assert len(groups) == 4 and len(set(groups.values())) == 1, (k, groups)  # whole groups
+            trained += list(groups)
+            for why in ("off_policy", "filter_groups", "rollout_failure"):
+                assert metrics[k][f"training/{why}/evicted_samples"] == 0, (k, why)
+        assert len(trained) == len(set(trained)) == 12  # no group trained twice
+        assert set(trained) == made  # none dropped
+        inflight = [
+            u for u, t in store.items("train", is_prompt=True) if t.get("status") in ("pending", "running")
+        ]
+        assert inflight == []
 
 
 @pytest.mark.timeout(600)
