@@ -1,13 +1,13 @@
 """The closed sets of values of config fields, each defined once as a `Literal`.
 
 The schema annotates such a field with one of these names (`step_order: StepOrder = "sync"`). A type checker
-sees the `Literal`, so `cfg.trainer.step_order == "asynch"` or passing a field where another set is expected
-is caught before a run. OmegaConf cannot hold a `Literal` (it refuses the annotation, and its Enums match
-members by name, which cannot spell `token-mean`), so at run time every name below is `str`, the type
-OmegaConf stores and checks. `LITERALS` keeps the `Literal`s: `dapo_core.config.checks` reads the schema's
-annotations through it and refuses a value outside its set with one line naming the key and the allowed
-values. Sets that code can extend at run time (advantage estimators, policy losses, dynamic-sampling metrics)
-stay `str` fields checked against their registries.
+sees the `Literal`, so setting `cfg.trainer.step_order = "asynch"` in code, or passing a field where another
+set is expected, is caught before a run. OmegaConf cannot hold a `Literal` (it refuses the annotation, and its
+Enums match members by name, which cannot spell `token-mean`), so at run time every name below is `str`, the
+type OmegaConf stores and checks (`ZeroStage`'s is `int`). `LITERALS` keeps the `Literal`s:
+`dapo_core.config.checks` reads the schema's annotations through it and refuses a value outside its set with
+one line naming the key and the allowed values. Sets that code can extend at run time (advantage estimators,
+policy losses, dynamic-sampling metrics) stay `str` fields checked against their registries.
 """
 
 from __future__ import annotations
