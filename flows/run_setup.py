@@ -12,7 +12,7 @@ import copy
 import json
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,9 +21,10 @@ from typing import Any
 
 from dapo_core.algo.dynamic_sampling import KeepRateEstimator
 from dapo_core.algo.kl import get_kl_controller
-from dapo_core.compute.cluster import Cluster
+from dapo_core.compute.cluster import Cluster, start_when_placed
 from dapo_core.compute.host import worker_threads
 from dapo_core.compute.models import load_tokenizer
+from dapo_core.compute.placement import check_feasible, checked_resources
 from dapo_core.compute.storage_probe import probe_storage
 from dapo_core.config import (
     DapoConfig,
@@ -110,12 +111,17 @@ def record_attempt(rt: TrainRun) -> Path:
     if rt.changed_inputs and (root / INPUTS_FILE).exists():
         atomic_write_bytes(root / f"inputs.{n}.replaced.json", (root / INPUTS_FILE).read_bytes())
     rt.store.write_json(INPUTS_FILE, rt.inputs)
-    # this attempt's workers: every rank of every role with its Ray node ("in-process" without Ray); the
-    # rollout replicas report themselves as role `rollout`, rank = replica
+    record_workers(rt)
+    return path
+
+
+def record_workers(rt: TrainRun) -> None:
+    """Write `workers.json`: the workers of this attempt (or of its latest restart), every rank of every role
+    with its Ray node ("in-process" without Ray); the rollout replicas report themselves as role `rollout`,
+    rank = replica."""
     replicas = {w["name"] for w in rt.rollout.workers_info()}
     trainers = [w for w in rt.cluster.workers if w["role"] not in replicas]
     rt.store.write_json("workers.json", {"workers": trainers + rt.rollout.workers_info()})
-    return path
 
 
 def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
@@ -244,17 +250,35 @@ def start_workers(
 
 
 def restart_workers(rt: TrainRun) -> None:
-    """Kill the run's workers (dead, hung or well) and start new ones in their place, waiting up to
-    `trainer.restart_wait_s` for room and their start (a `PlacementError` after it); put the driver's state
-    back where the run started (sampler position, keep rate, KL coefficient, replay buffer, launches) and
-    give the replicas the actor's initial weights. `restore` then resumes from the latest checkpoint and the
-    committed stages, as a new attempt of the run would."""
+    """Kill the run's workers (dead, hung or well) and start new ones in their place on the live nodes,
+    waiting up to `trainer.restart_wait_s` for room and their start (`start_when_placed`: a node that offers
+    what a worker asks for, when its own is gone; a `PlacementError` after it); put the driver's state back
+    where the run started (sampler position, keep rate, KL coefficient, replay buffer, launches), give the
+    replicas the actor's initial weights and list the new workers in `workers.json`. `restore` then resumes
+    from the latest checkpoint and the committed stages, as a new attempt of the run would."""
+    import ray
+
     cfg, cluster = rt.cfg, rt.cluster
     cluster.kill_workers()
     wait = cluster.start_timeout_s
-    cluster.start_timeout_s = cfg.trainer.restart_wait_s
+
+    def start(left_s: float) -> dict[str, Any]:
+        cluster.start_timeout_s = left_s
+        if cluster.use_ray:
+            check_custom_resources(cfg, ray.nodes())  # before any worker starts (model loads) in vain
+        return start_workers(cfg, cluster, rt.model_path, rt.tokenizer_path, rt.pad_token_id)
+
+    def nodes() -> list[Mapping[str, Any]]:
+        return ray.nodes() if cluster.use_ray else []
+
     try:
-        workers = start_workers(cfg, cluster, rt.model_path, rt.tokenizer_path, rt.pad_token_id)
+        workers = start_when_placed(
+            start,
+            cfg.trainer.restart_wait_s,
+            what=f"the restart of run {rt.run_id}",
+            nodes=nodes,
+            clean_up=cluster.kill_workers,
+        )
     finally:
         cluster.start_timeout_s = wait
     for name, worker in workers.items():
@@ -266,6 +290,19 @@ def restart_workers(rt: TrainRun) -> None:
     rt.replay_buffer = None
     rt.launches.clear()
     push_weights(rt, 0)
+    record_workers(rt)
+
+
+def check_custom_resources(cfg: DapoConfig, nodes: list[Mapping[str, Any]]) -> None:
+    """A `PlacementError` naming the role when no live node of `nodes` (`ray.nodes()`) offers the custom
+    resources `trainer.ray_resources` gives one of the run's roles."""
+    res = cfg.trainer.ray_resources
+    roles = ["rollout", "actor", "reward"]
+    roles += ["ref"] * need_ref_worker(cfg) + ["critic"] * use_critic(cfg)
+    for role in roles:
+        custom = checked_resources(role, getattr(res, role))
+        if custom:
+            check_feasible(role, custom, nodes)
 
 
 _LEASES: dict[str, Lease] = {}
