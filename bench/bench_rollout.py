@@ -34,7 +34,8 @@ ratios, not rates, on a loaded machine):
   adapters in its model and `lora.load_adapter_state`). Per engine one line: median seconds of a sync
   (`sync_*_s`, the actor's merge `merge_s` apart), its tensor bytes (`bytes_*`; a full fine-tuning push is
   `bytes_merged` too), the generation seconds of the rows with the merged weights and with the adapter
-  (`gen_*_s`, sampled, same seeds) and `greedy_rows_equal` (rows whose greedy tokens agree between the two).
+  (`gen_*_s`, sampled, same seeds; the HF engine's also in CPU seconds of its process, `gen_*_cpu_s`, which a
+  loaded machine disturbs less) and `greedy_rows_equal` (rows whose greedy tokens agree between the two).
   The adapters are random (A and B both non-zero, as after training), one per sync, on
   q/k/v/o/gate/up/down; `actor_*` (main environment): the torch engine's merged `iter_sync_tensors` and
   `adapter_state` per sync. Run it with `.venv-vllm/bin/python`.
@@ -557,6 +558,7 @@ def bench_lora(name: str, model: Path, args: argparse.Namespace) -> dict:
     dtype = getattr(torch, dtype_name)
     times: dict[str, list[float]] = {k: [] for k in ("merge", "sync_merged", "sync_adapter", "gen_merged")}
     times["gen_adapter"] = []
+    cpu: dict[str, list[float]] = {"gen_merged": [], "gen_adapter": []}
     sizes: dict[str, int] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -569,13 +571,18 @@ def bench_lora(name: str, model: Path, args: argparse.Namespace) -> dict:
                 t.append(time.perf_counter())
                 adapted.load(v, write_adapter(Path(tmp) / f"v{v}", adapter, args.lora_rank, args.lora_alpha))
                 t.append(time.perf_counter())
+                c = [time.process_time()]
                 merged_engine.generate(prompts, sampled, seeds)
                 t.append(time.perf_counter())
+                c.append(time.process_time())
                 adapted.generate(prompts, sampled, seeds)
                 t.append(time.perf_counter())
+                c.append(time.process_time())
                 if v > 0:
                     for key, t0, t1 in zip(times, t, t[1:], strict=False):
                         times[key].append(t1 - t0)
+                    cpu["gen_merged"].append(c[1] - c[0])
+                    cpu["gen_adapter"].append(c[2] - c[1])
                 sizes = {"bytes_merged": nbytes(merged), "bytes_adapter": nbytes(adapter)}
             same = [
                 a == b
@@ -591,6 +598,7 @@ def bench_lora(name: str, model: Path, args: argparse.Namespace) -> dict:
     return {
         "bench": f"{name}_lora",
         **{f"{k}_s": round(statistics.median(v), 4) for k, v in times.items()},
+        **({f"{k}_cpu_s": round(statistics.median(v), 4) for k, v in cpu.items()} if name == "hf" else {}),
         **sizes,
         "greedy_rows_equal": f"{sum(same)}/{len(same)}",
         "rows": len(prompts),
