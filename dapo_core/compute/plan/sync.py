@@ -29,7 +29,7 @@ LOOPBACK_BYTES_PER_S = 1e9
 """Assumed bandwidth of a gloo collective between processes of one host (TCP over the loopback device)."""
 LINK_GROUP_BYTES = 4 << 20
 """Resident memory a CPU process adds for a push's link: its gloo group, TCPStore and their threads (2.5-3.5
-MiB measured on the tests' CPU machine beside the buckets; tests/unit/dapo_core/compute/test_plan.py)."""
+MiB measured on the tests' CPU machine beside the buckets; tests/unit/dapo_core/compute/plan/test_sync.py)."""
 SAME_DEVICE_COPIES = 4
 """Copies of every byte on a same-device link: into the bucket, into the shared buffer, out of it, into the
 rollout's model (`weight_transport.send_all` / `receive_into`)."""
