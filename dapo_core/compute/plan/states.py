@@ -70,9 +70,11 @@ def _train_states(
     (`fsdp_config.mixed_precision.param_dtype`) the passes compute in 2 bytes: FSDP2 gathers bf16 layers,
     the torch engine's autocast holds a bf16 copy of every weight through a pass.
 
-    With `lora` (the torch and fsdp2 engines) the P base weights are frozen in the engine's dtype (float32:
-    neither engine casts them) beside the adapters' P_lora, and only the adapters have gradients and AdamW
-    state; FSDP2 shards the adapters with their layers and gathers a layer's adapters with it.
+    With `lora` (every engine) the P base weights are frozen in the engine's weight dtype (float32 on the
+    torch and fsdp2 engines, which never cast them; the module's bf16 under DeepSpeed's `bf16`) beside the
+    adapters' P_lora, and only the adapters have gradients and optimizer state (ZeRO partitions the
+    adapters' alone); FSDP2 shards the adapters with their layers and gathers a layer's adapters with it. A
+    push carries the merged weights: P, not P + P_lora.
     """
     P, big, st = params, s.embedding_params, _States()
     A = lora.params if lora is not None and trained else 0
@@ -117,32 +119,36 @@ def _train_states(
             )
         )
         if stage == 3 and d.offload_param:
-            work = 2 * s.layer_params + big
+            work = 2 * (s.layer_params + LA) + big
             st.dev.append(Row("weights", work * wb, f"offload_param: (2 layers + embedding)·{wb} B gathered"))
-            st.host.append(Row("weights", P * wb // dp, f"P·{wb} B / dp {dp} (offload_param)"))
+            st.host.append(Row("weights", (P + A) * wb // dp, f"{PA}·{wb} B / dp {dp} (offload_param)"))
         else:
             div = dp if stage == 3 else 1
-            st.dev.append(Row("weights", P * wb // div, f"P·{wb} B" + (f" / dp {dp}" if div > 1 else "")))
+            st.dev.append(
+                Row("weights", (P + A) * wb // div, f"{PA}·{wb} B" + (f" / dp {dp}" if div > 1 else ""))
+            )
         gdiv = dp if stage >= 2 else 1
         if d.offload_optimizer:
             st.host.append(
                 Row(
                     "optimizer",
-                    P * 16 // dp,
-                    f"P·16 B / dp {dp} (fp32 master, m, v, fp32 gradients; CPU Adam)",
+                    opt * 16 // dp,
+                    f"{G}·16 B / dp {dp} (fp32 master, m, v, fp32 gradients; CPU Adam)",
                 )
             )
             if stage < 2:
-                st.dev.append(Row("gradients", P * wb, f"P·{wb} B"))
+                st.dev.append(Row("gradients", opt * wb, f"{G}·{wb} B"))
         else:
-            st.dev.append(Row("gradients", P * wb // gdiv, f"P·{wb} B" + (f" / dp {dp}" if gdiv > 1 else "")))
+            st.dev.append(
+                Row("gradients", opt * wb // gdiv, f"{G}·{wb} B" + (f" / dp {dp}" if gdiv > 1 else ""))
+            )
             odiv = dp if stage >= 1 else 1
             what = "fp32 master + m + v" if opt_b == 12 else "AdamW m + v"
             st.dev.append(
                 Row(
                     "optimizer",
-                    P * opt_b // odiv,
-                    f"P·{opt_b} B ({what})" + (f" / dp {dp}" if odiv > 1 else ""),
+                    opt * opt_b // odiv,
+                    f"{G}·{opt_b} B ({what})" + (f" / dp {dp}" if odiv > 1 else ""),
                 )
             )
         if stage == 3:

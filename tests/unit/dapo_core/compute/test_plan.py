@@ -296,6 +296,25 @@ def test_verl_lora_override_on_the_32b_recipe_plans_a_smaller_actor_and_no_refer
     )
 
 
+def test_lora_on_deepspeed_plans_adapter_gradients_and_optimizer_and_bf16_frozen_weights():
+    """The 32B config on the one-process DeepSpeed engine (ZeRO-2, bf16) with verl's LoRA keys: the module
+    holds the frozen base and the adapters in bf16, and the gradients and fp32 master + AdamW state are the
+    adapters' only; with both offloads (ZeRO-3) the host's optimizer row is the adapters' too."""
+    path = str(CONFIGS / "dapo_qwen2.5_32b.yaml")
+    gpu, host = parse_bytes("80GiB"), parse_bytes("1800GiB")
+    z2 = [o for o in DS if "offload" not in o and "zero_stage" not in o]
+    z2.append("actor_rollout_ref.actor.deepspeed.zero_stage=2")
+    full = make_plan(typed(load_config(path, z2)), gpu_mem=gpu, host_mem=host)
+    lora = make_plan(typed(load_config(path, z2 + VERL_LORA)), gpu_mem=gpu, host_mem=host)
+    P, A = full.shape.num_params, 536_870_912
+    got = {r.name: r.bytes for r in lora.roles[0].rows if not r.phase}
+    assert got == {"weights": (P + A) * 2, "gradients": A * 2, "optimizer": A * 12}
+    assert {r.name: r.bytes for r in full.roles[0].rows if not r.phase}["optimizer"] == P * 12
+    offloaded = make_plan(typed(load_config(path, DS + VERL_LORA)), gpu_mem=gpu, host_mem=host)
+    rows = [r for r in offloaded.roles[0].host_rows if r.name == "optimizer"]
+    assert [r.bytes for r in rows] == [A * 16], rows
+
+
 def test_sizes_and_shapes_fail_with_the_fix():
     assert parse_bytes("80GiB") == 80 << 30 and parse_bytes("141G") == 141 << 30
     with pytest.raises(PlanError, match="--gpu-mem 'lots'"):
