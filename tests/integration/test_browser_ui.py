@@ -2,11 +2,12 @@
 
 A server started by `infra/prefect_server.sh` on a non-default port (with PREFECT_API_URL pointing elsewhere,
 as a stale shell would), `dapo deploy` serving the tiny deployment, a flow run killed mid-run (the flow-run
-process, SIGKILL) and retried from the UI's Retry button. Checked on the pages a person opens, starting from
-the server's address as the README does: it opens the classic UI (the one described here, not Prefect 3.9's
-/v2), whose API is this server's (no "Can't connect to Server API"); the state badge shows Crashed after the
-kill; the Artifacts tab shows a handful of cards with one progress card after the Retry; the summary's curves
-image has loaded; every steps-table column has values. The `dapo deploy` shell stays quiet: no line per
+process, SIGKILL, while `DAPO_FAULT=hang@...` holds it in its last step) and retried from the UI's Retry
+button. Checked on the pages a person opens, starting from the server's address as the README does (opened
+while the run trains): it opens the classic UI (the one described here, not Prefect 3.9's /v2), whose API is
+this server's (no "Can't connect to Server API"); the open flow-run page's state badge turns Crashed after
+the kill; the Artifacts tab shows a handful of cards with one progress card after the Retry; the summary's
+curves image has loaded; every steps-table column has values. The `dapo deploy` shell stays quiet: no line per
 finished task run, at most one line per train step and attempt. Screenshots and the `dapo deploy` output are
 kept in the test's temp folder (printed at the end).
 Every wait is explicit (a condition polled up to a limit) and draws on one time budget, so that a slow
@@ -38,8 +39,12 @@ from tests.integration.prefect_server import free_port, healthy, stop
 from tests.integration.test_prefect_ui import SERVED, _client, _deployment, _descendants, _task_runs
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 4
-"""Train steps of the browser test's run (a checkpoint after each; killed once step 2 is checkpointed)."""
+STEPS = 2
+"""Train steps of the browser test's run (a checkpoint after each; killed while held in the last, which the
+Retry trains: the steps table has a row from each attempt)."""
+HANG = f"hang@generate_g0:{STEPS}:browser"
+"""`DAPO_FAULT` of the served flow runs: the run `browser` sleeps in its last step's generation (once: the
+retried attempt passes), where the test kills it."""
 
 TEST_TIMEOUT_S = 1200
 """The test's own limit (pytest-timeout; it counts fixture set-up too). Its parts: the server's start-up
@@ -143,6 +148,20 @@ def _page_text(browser) -> str:
     return browser.find_element("tag name", "body").text
 
 
+_FIND = """const [css, text, scope, has] = arguments;
+  const scopes = scope ? [...document.querySelectorAll(scope)] : [];
+  const roots = scope ? scopes.filter(r => r.innerText.includes(has)) : [document];
+  const found = roots.flatMap(r => [...r.querySelectorAll(css)]);
+  return text === null ? found : found.filter(e => e.innerText.trim() === text);"""
+
+
+def _find(browser, css: str, text: str | None = None, scope: str | None = None, has: str = "") -> list:
+    """The elements matching `css` whose visible text is `text` (any, for None), inside the `scope` elements
+    whose text contains `has` when `scope` is given: one round trip to the browser (reading each element's
+    text through selenium is one round trip per element, slow on a busy machine)."""
+    return browser.execute_script(_FIND, css, text, scope, has)
+
+
 BADGE = ".page-heading-flow-run .state-badge"
 """The flow-run page's state badge (drawn once the page's query of the flow run answered)."""
 
@@ -167,7 +186,7 @@ def _from_the_address(browser, base: str, flow_run, budget: Budget, shots: Path)
     browser.get(f"{base}/")
     nav = _wait(
         browser,
-        lambda b: [e for e in b.find_elements("css selector", "a.p-context-nav-item") if e.text == "Runs"],
+        lambda b: _find(b, "a.p-context-nav-item", "Runs"),
         budget.left(60),
         "the classic UI's side bar",
     )
@@ -196,9 +215,10 @@ def _artifact_cards(browser, budget: Budget, shots: Path, name: str, want: set[s
     """Click the Artifacts tab; the cards' titles, once the cards `want` are among them."""
     tab = lambda b: b.find_elements("css selector", "li.p-tab#artifacts")  # noqa: E731
     _wait(browser, tab, budget.left(60), "the Artifacts tab")[0].click()
+    js = "return [...document.querySelectorAll('.artifact-card__title')].map(e => e.innerText.trim())"
 
     def titles(b):
-        got = [e.text.strip() for e in b.find_elements("css selector", ".artifact-card__title")]
+        got = b.execute_script(js)
         return got if want <= set(got) else None
 
     try:
@@ -209,8 +229,9 @@ def _artifact_cards(browser, budget: Budget, shots: Path, name: str, want: set[s
 
 def _open_card(browser, key: str) -> None:
     """Click the Artifacts tab's card of artifact `key` (opens the artifact's page)."""
-    cards = browser.find_elements("css selector", ".artifact-card")
-    next(e for e in cards if key in e.find_element("css selector", ".artifact-card__title").text).click()
+    js = """return [...document.querySelectorAll('.artifact-card')]
+      .find(c => c.querySelector('.artifact-card__title').innerText.includes(arguments[0]))"""
+    browser.execute_script(js, key).click()
 
 
 def _press_retry(browser, budget: Budget, shots: Path) -> None:
@@ -220,12 +241,10 @@ def _press_retry(browser, budget: Budget, shots: Path) -> None:
         return hits[-1] if hits and hits[-1].is_displayed() and hits[-1].is_enabled() else False
 
     def page_button(b):
-        return shown([e for e in b.find_elements("css selector", "button") if e.text.strip() == "Retry"])
+        return shown(_find(b, "button", "Retry"))
 
     def dialog_button(b):
-        dialogs = [d for d in b.find_elements("css selector", ".p-modal") if "persisted result" in d.text]
-        buttons = [e for d in dialogs for e in d.find_elements("css selector", "button")]
-        return shown([e for e in buttons if e.text.strip() == "Retry"])
+        return shown(_find(b, "button", "Retry", scope=".p-modal", has="persisted result"))
 
     _wait(browser, page_button, budget.left(60), "the Retry button").click()
     try:
@@ -257,16 +276,21 @@ def _table(browser) -> tuple[list[str], list[list[str]]]:
     return (got[0], got[1]) if got else ([], [])
 
 
-def _steps_published(client, flow_run_id) -> list[dict]:
-    """The rows of the flow run's steps-table artifact, through the API (one artifact per key and run)."""
+def _steps_artifacts(client, flow_run_id) -> list:
+    """The flow run's steps-table artifacts, through the API."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
-    found = client.read_artifacts(
+    return client.read_artifacts(
         artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=["dapo-browser-steps"]),
             flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
         )
     )
+
+
+def _steps_published(client, flow_run_id) -> list[dict]:
+    """The rows of the flow run's steps-table artifact, through the API (one artifact per key and run)."""
+    found = _steps_artifacts(client, flow_run_id)
     assert len(found) == 1, f"{len(found)} steps-table artifacts in the flow run: {found}"
     data = found[0].data
     return json.loads(data) if isinstance(data, str) else list(data)
@@ -305,6 +329,7 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
     log = tmp_path / "dapo_deploy.log"  # the `dapo deploy` shell: what a person sees there
     ov = tiny_overrides(tiny_assets, **{**SERVED, "trainer.total_training_steps": STEPS})
     serve_env = {k: v for k, v in env.items() if k != "PREFECT_LOGGING_LEVEL"}  # a person's: INFO
+    serve_env["DAPO_FAULT"] = HANG
     with log.open("wb") as out:
         serve = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "deploy", "--config", str(CONFIG), "--name", "browser", *ov],
@@ -318,9 +343,14 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
         with _client(api) as client:
             dep = _deployment(client, "browser", serve, budget.left(180))
             fr = client.create_flow_run_from_deployment(dep.id, parameters={"run_id": "browser"})
-            run = tiny_assets / "runs" / "browser"
+            _from_the_address(browser, base, fr, budget, shots)  # while the runner starts the flow run
+            held = tiny_assets / "runs" / "browser" / "faults" / f"hang@generate_g0#0:{STEPS}.done"
             wait_for(
-                (run / "ckpt" / "step_2").is_dir, "the run's second checkpoint", budget.left(300), alive=serve
+                lambda: held.exists() and _steps_artifacts(client, fr.id),  # the table has step 1's row
+                f"the run to be held in step {STEPS}, its steps table published",
+                budget.left(300),
+                0.5,
+                alive=serve,
             )
             victims = _descendants(serve.pid)  # the flow-run process the runner started (and its children)
             assert victims, "the flow run should run in a child process of the runner"
@@ -335,14 +365,16 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
             state = wait_for(ended, "the killed run's final state", budget.left(120), 0.5, alive=serve)
             assert state.type == StateType.CRASHED, state
 
-            _from_the_address(browser, base, fr, budget, shots)
-            _wait(browser, lambda b: _badge(b) == "Crashed", budget.left(60), "the Crashed badge")
+            # the open flow-run page reads the run again every 5 s
+            try:
+                _wait(browser, lambda b: _badge(b) == "Crashed", budget.left(60), "the Crashed badge")
+            finally:
+                _shot(browser, shots, "1b_crashed")
             want = {"dapo-browser-progress", "dapo-browser-steps"}
             before = _artifact_cards(browser, budget, shots, "2_artifacts_crashed", want)
             assert len(before) <= 6, before
 
-            _open_flow_run(browser, base, fr.id, budget, shots, "2b_crashed_again")
-            _press_retry(browser, budget, shots)
+            _press_retry(browser, budget, shots)  # the page's header, beside the Artifacts tab
 
             def completed():
                 state = client.read_flow_run(fr.id).state
@@ -368,7 +400,11 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
 
             published = _steps_published(client, fr.id)  # what the flow run published, before the page
             assert [r["step"] for r in published] == list(range(STEPS, 0, -1)), (published, _warnings(log))
-            _open_flow_run(browser, base, fr.id, budget, shots, "7_completed_again")  # the steps table
+            browser.back()  # to the flow-run page: the single-page app's history, no reload
+            _wait(
+                browser, lambda b: b.find_elements("css selector", BADGE), budget.left(60), "the state badge"
+            )
+            _no_connection_error(browser, _shot(browser, shots, "7_completed_again"))
             _artifact_cards(browser, budget, shots, "7_artifacts_again", want)
             _open_card(browser, "dapo-browser-steps")
             try:

@@ -54,7 +54,7 @@ def test_sigterm_stops_cleanly_and_resume_finishes(tiny_assets, prefect_home, tm
         **{
             "trainer.runs_dir": str(tmp_path / "runs"),
             "trainer.experiment_name": run,
-            "trainer.total_training_steps": 2,
+            "trainer.total_training_steps": 1,  # stopped in its only step: the resume finishes that step
             "trainer.save_freq": 1,
             "trainer.test_freq": -1,
             "trainer.val_before_train": "false",
@@ -100,5 +100,5 @@ def test_sigterm_stops_cleanly_and_resume_finishes(tiny_assets, prefect_home, tm
         after_kill=stopped_cleanly,
         log=log,
     )
-    assert (tmp_path / "runs" / run / "ckpt" / "step_2").is_dir()
+    assert (tmp_path / "runs" / run / "ckpt" / "step_1").is_dir()
     assert _marked(marker) == []

@@ -198,11 +198,20 @@ def _client(api: str):
         yield client
 
 
+FAST_EVENTS = {
+    "PREFECT_SERVER_EVENTS_PROACTIVE_GRANULARITY": "PT1S",  # an ISO 8601 duration (a timedelta setting)
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "1",
+}
+"""The test server's event timing: proactive automations (the zombie one) evaluated every second (Prefect's
+default: 5 s, which a missed heartbeat's Crashed waits for on top of `--within`), and received events stored
+within a second (default 5 s) for the events API the host-loss test reads its heartbeat from."""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, prefect_home):
-    """`prefect server start` on a free loopback port, with the zombie automation of infra/."""
+    """`prefect server start` on a free loopback port (`FAST_EVENTS`), with infra/'s zombie automation."""
     home = tmp_path_factory.mktemp("prefect_server")
-    with prefect_server(home, PREFECT_RUNNER_POLL_FREQUENCY="2") as (api, env):
+    with prefect_server(home, PREFECT_RUNNER_POLL_FREQUENCY="2", **FAST_EVENTS) as (api, env):
         auto = subprocess.run(
             [sys.executable, str(ROOT / "infra" / "zombie_automation.py"), "--within", str(ZOMBIE_WITHIN_S)],
             env=env,
@@ -214,9 +223,10 @@ def server(tmp_path_factory, prefect_home):
         yield SimpleNamespace(api=api, env=env)
 
 
-def _serve(server, assets: Path, name: str, **env) -> subprocess.Popen:
-    """`dapo deploy` serving dapo-train/<name> with the tiny overrides (its own session: killable as one)."""
-    ov = tiny_overrides(assets, **SERVED)
+def _serve(server, assets: Path, name: str, served: dict | None = None, **env) -> subprocess.Popen:
+    """`dapo deploy` serving dapo-train/<name> with the tiny overrides and `served` (default `SERVED`) in its
+    own session (killable as one)."""
+    ov = tiny_overrides(assets, **(SERVED if served is None else served))
     return subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "deploy", "--config", str(CONFIG), "--name", name, *ov],
         env={**server.env, **env},
@@ -347,18 +357,23 @@ def test_retry_from_the_ui_continues_the_failed_run(server, tiny_assets, short_r
         assert (a[k] == b[k]).all(), k
 
 
+HOST_LOSS_RUN = {**SERVED, "trainer.total_training_steps": 2}
+"""The host-loss test's deployment: `SERVED` with 2 steps (held in the last; the Retry trains that one)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_host_loss_marks_the_run_crashed(server, tiny_assets):
     """Kill the serving process and the flow-run process together (SIGKILL) while the run is held in step 2
     (`DAPO_FAULT=hang@...`, once): the heartbeat automation of infra/zombie_automation.py marks the run
-    Crashed within a bounded time; once `dapo deploy` serves again, Retry (the UI's button) continues the
-    crashed run to the end, replaying what it had committed."""
+    Crashed within a bounded time; `dapo deploy` serves again (started while the server has yet to notice the
+    loss: its start-up overlaps the wait), and Retry (the UI's button) continues the crashed run to the end,
+    replaying what it had committed."""
     from prefect.client.schemas.objects import StateType
     from prefect.states import AwaitingRetry
 
     held = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30", "DAPO_FAULT": "hang@generate_g0:2:zombie"}
-    serve = _serve(server, tiny_assets, "zombie", **held)
+    serve = _serve(server, tiny_assets, "zombie", HOST_LOSS_RUN, **held)
     try:
         with _client(server.api) as client:
             dep = _deployment(client, "zombie", serve)
@@ -385,14 +400,16 @@ def test_host_loss_marks_the_run_crashed(server, tiny_assets):
                     os.kill(pid, signal.SIGKILL)
             serve.wait()
             killed = time.time()
-            state = _final_state(client, fr.id, ZOMBIE_WITHIN_S + 120)
+            committed = marker.read_text()
+            serve = _serve(
+                server, tiny_assets, "zombie", HOST_LOSS_RUN, **held
+            )  # the hang acted once: it passes
+            state = _final_state(client, fr.id, ZOMBIE_WITHIN_S + 120, serve)
             took = time.time() - killed
             assert state.type == StateType.CRASHED, state
             assert "heartbeat" in (state.message or "")
             print(f"marked Crashed {took:.0f} s after the kill")
 
-            committed = marker.read_text()
-            serve = _serve(server, tiny_assets, "zombie", **held)  # the hang acted once: it passes
             result = client.set_flow_run_state(fr.id, AwaitingRetry(message="Retry from the UI"), force=False)
             assert result.status.value == "ACCEPT", result
             state = _final_state(client, fr.id, 900, serve)
@@ -402,7 +419,7 @@ def test_host_loss_marks_the_run_crashed(server, tiny_assets):
             assert not [t.name for t in left if t.state_type == StateType.RUNNING]  # none runs forever
             crashed = [t for t in left if t.state_type == StateType.CRASHED]
             assert all("attempt 2" in (t.state.message or "") for t in crashed), crashed
-            assert (tiny_assets / "runs" / "zombie" / "ckpt" / "step_3" / "actor").is_dir()
+            assert (tiny_assets / "runs" / "zombie" / "ckpt" / "step_2" / "actor").is_dir()
     finally:
         stop(serve, signal.SIGKILL)
 
