@@ -23,6 +23,8 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from dapo_core.compute.tokenizer import TOKENIZER_SUBDIR, load_tokenizer, tokenizer_dir
+
 __all__ = [
     "BOS_TOKEN",
     "CHATML_TEMPLATE",
@@ -44,8 +46,6 @@ PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 UNK_TOKEN = "<|unk|>"
-TOKENIZER_SUBDIR = "tokenizer"
-"""Sub-folder of every saved model holding a copy of the tokenizer that `AutoTokenizer` loads safely."""
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -95,32 +95,6 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
         add_bos_token=False,
         model_max_length=1 << 30,
-    )
-
-
-def tokenizer_dir(path: str | Path) -> Path:
-    """The folder an `AutoTokenizer` user (vLLM) should load: `<path>/tokenizer` if present, else `path`."""
-    p = Path(path)
-    sub = p / TOKENIZER_SUBDIR
-    return sub if (sub / "tokenizer.json").is_file() else p
-
-
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """Load the tokenizer of a model folder (or of a tokenizer folder) from its `tokenizer.json`.
-
-    Never uses `AutoTokenizer`, so a Qwen2 config.json cannot swap in a byte-level tokenizer.
-    """
-    p = Path(path)
-    for cand in (p, p / TOKENIZER_SUBDIR):
-        if (cand / "tokenizer.json").is_file():
-            tok = PreTrainedTokenizerFast.from_pretrained(str(cand))
-            if tok.pad_token_id is None and tok.eos_token_id is not None:
-                tok.pad_token = tok.eos_token
-            return tok
-    raise FileNotFoundError(
-        f"no tokenizer.json in {p} or {p / TOKENIZER_SUBDIR}; set actor_rollout_ref.model.tokenizer_path to "
-        "a folder with tokenizer.json (HF fast tokenizer) or build one with "
-        "dapo_core.compute.models.build_tiny_model."
     )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from dapo_core.compute.faults import fault_point
-from dapo_core.compute.models import load_tokenizer
+from dapo_core.compute.tokenizer import load_tokenizer
 from dapo_core.data import batch as B
 from dapo_core.errors import DapoUserError
 from dapo_core.metrics.validation import validation_summary
