@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers import wait_for
 from tests.integration.conftest import tiny_overrides
-from tests.integration.ray_nodes import RAY, RayNode, free_port, node_env, ray_nodes, start_head
+from tests.integration.ray_nodes import RayNode, free_port, node_env, ray_nodes, start_head
 
 pytestmark = pytest.mark.slow
 
@@ -117,11 +117,9 @@ def test_submitted_run_stops_resumes_with_the_same_run_id_and_finishes(tiny_asse
     wait_for(
         lambda: _status(client, sid2) in ("SUCCEEDED", "FAILED", "STOPPED"), f"job {sid2} to end", 300, 0.5
     )
-    logs = subprocess.run(
-        [RAY, "job", "logs", "--address", url, sid2], env=env, capture_output=True, text=True
-    )
-    assert _status(client, sid2) == "SUCCEEDED", logs.stdout[-4000:]
-    assert run_id in logs.stdout
+    logs = client.get_job_logs(sid2)  # what `ray job logs` prints
+    assert _status(client, sid2) == "SUCCEEDED", logs[-4000:]
+    assert run_id in logs
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert (run / "ckpt" / "latest").read_text().strip() == "2"
