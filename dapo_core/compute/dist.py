@@ -1,12 +1,12 @@
 """Data parallelism inside one worker process: the process-group seam, the row split, and small collectives.
 
 `init_data_parallel` is the one place a process group is made: gloo on CPU, NCCL on CUDA (each rank's Ray
-actor sees one GPU as device 0; rank 0's node address and a free port of it are the rendezvous). Every other
-helper takes a `DataParallel` (rank, size, and a gloo group for host-side collectives, which NCCL cannot
-run), or None for a single process. `dp_split` divides a batch's rows among the ranks by token count, whole
-groups (e.g. a prompt's `uid`) together; every rank computes the same split from the same table, so no row
-list travels. `gather_table` brings each rank's output rows to rank 0 as Arrow IPC bytes in uint8 tensors
-(no pickle).
+actor sees one GPU as device 0; the rendezvous is rank 0's node address and the port its `listen_store`
+already listens on). Every other helper takes a `DataParallel` (rank, size, and a gloo group for host-side
+collectives, which NCCL cannot run), or None for a single process. `dp_split` divides a batch's rows among the
+ranks by token count, whole groups (e.g. a prompt's `uid`) together; every rank computes the same split from
+the same table, so no row list travels. `gather_table` brings each rank's output rows to rank 0 as Arrow IPC
+bytes in uint8 tensors (no pickle).
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallel", "dp_split", "free_port", "gather_table", "init_data_parallel", "node_address"]
+__all__ = [
+    "DataParallel",
+    "dp_split",
+    "free_port",
+    "gather_table",
+    "init_data_parallel",
+    "listen_store",
+    "node_address",
+]
 
 TIMEOUT = datetime.timedelta(minutes=30)
 """How long a collective waits for the other ranks before it fails (a dead rank surfaces as an error)."""
@@ -70,16 +78,27 @@ class DataParallel:
         return {k: float(v) / self.size for k, v in zip(keys, t.tolist(), strict=True)}
 
 
-def init_data_parallel(rank: int, size: int, address: str, port: int, device: str) -> DataParallel:
+def listen_store(address: str) -> dist.TCPStore:
+    """Rank 0's rendezvous store at `address` (this node's), already listening on a port the OS picked (its
+    `port`): no other process can take that port between the moment rank 0 names it and the moment the
+    ranks join, as one can with a port that was free when asked (`free_port`)."""
+    return dist.TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+
+
+def init_data_parallel(
+    rank: int, size: int, address: str, port: int, device: str, store: Any = None
+) -> DataParallel:
     """Join the role's process group (the seam: gloo on CPU, NCCL on CUDA) and return this rank's
-    `DataParallel`. On CUDA the actor's one visible GPU becomes the current device first; the NCCL group
-    carries the gradients and weights, a second gloo group the host-side collectives."""
+    `DataParallel`. The rendezvous is `store` when given (rank 0's `listen_store`), else a client of the
+    store at `address:port`, or for rank 0 without one a store it starts there. On CUDA the actor's one
+    visible GPU becomes the current device first; the NCCL group carries the gradients and weights, a
+    second gloo group the host-side collectives."""
     backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(0)
-    dist.init_process_group(
-        backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=size, timeout=TIMEOUT
-    )
+    if store is None:
+        store = dist.TCPStore(address, port, is_master=rank == 0, wait_for_workers=False, timeout=TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=TIMEOUT)
     cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else None
     return DataParallel(rank=rank, size=size, cpu_group=cpu_group)
 

@@ -3,8 +3,8 @@
 `create_group` reserves a Ray placement group for the role (its own pool: one bundle per node, spread over
 distinct nodes; on CPU a rank is a process with one core), or places rank `i` on GPU `i` of the colocated pool
 the roles share (`dapo_core.compute.pools`), starts one `_RankHost` per rank, has rank 0 name a
-rendezvous (its node address and a free port) and builds the worker object on every rank at once after the
-ranks joined their process group (`dapo_core.compute.dist.init_data_parallel`).
+rendezvous (its node address and the port of a store it already listens on) and builds the worker object on
+every rank at once after the ranks joined their process group (`dapo_core.compute.dist.init_data_parallel`).
 
 The driver uses the returned `GroupHandle` exactly like a single worker's `Handle` (`proxy`, `submit`,
 `chain`): a call runs the same method with the same arguments on every rank (SPMD) and returns rank 0's
@@ -37,12 +37,16 @@ class _RankHost(_RayHost):
         _init_worker_process(opts)
         self._free_cuda_cache = opts.free_cuda_cache
         self._obj = None
+        self._store: Any = None
 
     def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a port free on it (asked of rank 0)."""
-        from dapo_core.compute.dist import free_port, node_address
+        """This node's address and the port of the rendezvous store this rank now listens on (asked of rank
+        0, which keeps the store for its `build`)."""
+        from dapo_core.compute.dist import listen_store, node_address
 
-        return node_address(), free_port()
+        address = node_address()
+        self._store = listen_store(address)
+        return address, int(self._store.port)
 
     def build(
         self, factory: Callable[[], Any], rank: int, size: int, address: str, port: int, device: str
@@ -50,7 +54,7 @@ class _RankHost(_RayHost):
         """Join the process group as `rank` of `size` and build the worker (every rank at once)."""
         from dapo_core.compute import dist
 
-        dist.set_current(dist.init_data_parallel(rank, size, address, port, device))
+        dist.set_current(dist.init_data_parallel(rank, size, address, port, device, store=self._store))
         self._obj = factory()
         return "ok"
 
