@@ -525,7 +525,8 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _single_process_group(device: str) -> dpd.DataParallel:
     """A process group of one for an fsdp2 engine outside a worker group (dp=1, in-process runs)."""
     if not dist.is_initialized():
-        dp = dpd.init_data_parallel(0, 1, "127.0.0.1", dpd.free_port("127.0.0.1"), device)
+        store = dpd.listen_store("127.0.0.1")
+        dp = dpd.init_data_parallel(0, 1, "127.0.0.1", int(store.port), device, store=store)
         dpd.set_current(dp)
         return dp
     return dpd.DataParallel(rank=dist.get_rank(), size=dist.get_world_size())
