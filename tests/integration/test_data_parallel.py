@@ -110,7 +110,7 @@ def test_dp2_actor_trains_like_dp1_on_the_same_batches(tiny_assets, dp2_run):
 
 @pytest.mark.timeout(900)
 def test_dp2_rank_killed_in_the_update_restarts_the_group_and_ends_bitwise_equal(
-    tiny_assets, dp2_run, monkeypatch, capfd
+    tiny_assets, dp2_run, monkeypatch, caplog
 ):
     """The dp=2 run's config with one automatic restart (in this process): actor rank 1 SIGKILLs itself in
     step 2's update (`DAPO_FAULT`, which the local Ray's workers inherit), so the whole group restarts from
@@ -118,7 +118,7 @@ def test_dp2_rank_killed_in_the_update_restarts_the_group_and_ends_bitwise_equal
     uninterrupted run's."""
     monkeypatch.setenv("DAPO_FAULT", FAULT)
     run = _train(tiny_assets, "dp2_restarted", dp2=True, **{"trainer.max_restarts": 1})
-    text = capfd.readouterr().err
+    text = "\n".join(r.getMessage() for r in caplog.records)  # the flow run's log
     said = re.search(r"restart 1 of 1 .*a worker died at stage 'update_actor' of step 2 .*", text)
     assert said and "worker 'actor/1'" in said.group(0), text[-3000:]
     assert "resuming from checkpoint step 1" in said.group(0)
