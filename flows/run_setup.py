@@ -23,9 +23,9 @@ from dapo_core.algo.dynamic_sampling import KeepRateEstimator
 from dapo_core.algo.kl import get_kl_controller
 from dapo_core.compute.cluster import Cluster, start_when_placed
 from dapo_core.compute.host import worker_threads
-from dapo_core.compute.models import load_tokenizer
 from dapo_core.compute.placement import check_feasible, checked_resources
 from dapo_core.compute.storage_probe import probe_storage
+from dapo_core.compute.tokenizer import load_tokenizer
 from dapo_core.config import (
     DapoConfig,
     gen_batch_size,

@@ -124,6 +124,17 @@ def build_deepspeed_config(
     return ds
 
 
+def _skip_shm_comm_op(deepspeed: Any) -> None:
+    """Keep DeepSpeed's CPU backend from building its shared-memory all-reduce op (`deepspeed_shm_comm`).
+
+    On the CPU accelerator DeepSpeed compiles that C++ op with ninja the first time its communication backend
+    starts (about a minute of compiler time, again whenever the environment's path changes). The op only
+    speeds all-reduces between ranks of one node, and this engine runs one process, so the op would never
+    carry data: marking it incompatible makes DeepSpeed use plain torch.distributed, as it does wherever the
+    op is missing."""
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class DeepSpeedTrainEngine(TrainEngine):
     """DeepSpeed ZeRO engine with the same primitives as `TorchTrainEngine`."""
 
@@ -152,6 +163,8 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.ds_config = build_deepspeed_config(deepspeed_cfg, self.grad_clip)
         self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
         ensure_single_process_env()
+        if self.device.type == "cpu":
+            _skip_shm_comm_op(deepspeed)
         if not torch.distributed.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             deepspeed.init_distributed(dist_backend=backend)
