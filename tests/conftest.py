@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import build_once
+from tests.helpers import build_once, run_tmp
 
 DURATIONS = Path(__file__).with_name("durations.json")
 RECORD_ENV = "DAPO_RECORD_DURATIONS"
@@ -91,6 +91,18 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         known = json.loads(out.read_text()) if out.exists() else {}  # `make check` runs pytest three times
         known.update({k: round(v, 1) for k, v in _recorded.items() if v >= 1.0})
         out.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the integration tests' shared Prefect server (tests/integration/conftest.py, `prefect_home`) once
+    the whole run is over: in the process that ran the session (the xdist controller, after every worker has
+    ended, or pytest itself without xdist), where the run's temporary directory holds its record."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if hasattr(config, "workerinput") or factory is None or factory._basetemp is None:
+        return  # a worker, or a run that made no temporary directory (and so started no server)
+    from tests.integration.prefect_server import stop_shared_prefect_server
+
+    stop_shared_prefect_server(run_tmp(factory))
 
 
 @pytest.fixture(scope="session")

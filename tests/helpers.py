@@ -42,20 +42,26 @@ def unchanged_for(paths: list[Path], after_s: float) -> bool:
     return all(now - max(st.st_mtime_ns, st.st_ctime_ns) >= after_s * 1e9 for st in (p.stat() for p in paths))
 
 
+def run_tmp(tmp_path_factory: Any) -> Path:
+    """The test run's temporary directory, which every pytest-xdist worker shares: the parent of a worker's
+    own base directory, or the base directory itself in the process that runs the session (the xdist
+    controller, or pytest without xdist)."""
+    import os
+
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 def build_once(tmp_path_factory: Any, name: str, build: Callable[[Path], None]) -> Path:
     """The folder `name`, built by `build(folder)` once per test run and read-only afterwards. Under
     pytest-xdist the workers share it: the first worker to ask builds it while the others wait on a file lock,
     then all read the same folder (in the run's temporary directory, the parent of each worker's own). A build
     that raised is not retried by the next worker: it fails with the first worker's error."""
-    import os
     import shutil
 
     from filelock import FileLock
 
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent
-    folder = base / f"once-{name}"
+    folder = run_tmp(tmp_path_factory) / f"once-{name}"
     failed = folder.with_name(folder.name + ".failed")
     with FileLock(str(folder) + ".lock"):
         if failed.exists():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import build_once, wait_for
+from tests.helpers import build_once, run_tmp, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny_cpu.yaml"
@@ -23,36 +23,40 @@ CONFIG = ROOT / "configs" / "tiny_cpu.yaml"
 @pytest.fixture(scope="session", autouse=True)
 def prefect_home(tmp_path_factory) -> Iterator[Path]:
     """One real Prefect server for the whole test run (`prefect server start` on a free loopback port, its
-    own PREFECT_HOME and SQLite), shared by every flow the integration tests run: in this process and in
-    every `dapo` subprocess (PREFECT_API_URL in the environment they inherit), so no process starts its own
-    ephemeral API. Runs are told apart by their run names and ids. Tests whose subject is the server itself
-    (its crash, its UI, deployments) start their own with `prefect_server()`."""
+    own PREFECT_HOME and SQLite, without the loop services no test here needs: `SHARED_SERVER_SERVICES_OFF`),
+    shared by every flow the integration tests run: in every pytest-xdist worker (the first one to need it
+    starts it, the others use it: `shared_prefect_server`) and in every `dapo` subprocess (PREFECT_API_URL in
+    the environment they inherit), so no process starts its own ephemeral API. Runs are told apart by their
+    run names and ids. tests/conftest.py stops the server once the whole run is over. Yields its
+    PREFECT_HOME. Tests whose subject is the server itself (its crash, its UI, deployments) start their own
+    with `prefect_server()`, with Prefect's default services."""
     from prefect.context import refresh_global_settings_context
 
-    from tests.integration.prefect_server import prefect_server
+    from tests.integration.prefect_server import SHARED_SERVER_SERVICES_OFF, shared_prefect_server
 
-    home = tmp_path_factory.mktemp("prefect_home")
     env = {
-        "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "RAY_USAGE_STATS_ENABLED": "0",
         "OMP_NUM_THREADS": "1",
     }
-    with prefect_server(home, **env) as (api, _):
-        env["PREFECT_API_URL"] = api
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        refresh_global_settings_context()  # Prefect read its settings when a test module imported it
-        try:
-            yield home
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            refresh_global_settings_context()
+    # the process that runs the session: the xdist controller (a worker's parent), or this process
+    owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    api, home = shared_prefect_server(run_tmp(tmp_path_factory), owner, **env, **SHARED_SERVER_SERVICES_OFF)
+    # SHARED_SERVER_SERVICES_OFF stays out of this environment: servers that tests start inherit it
+    env.update({"PREFECT_HOME": str(home), "PREFECT_API_URL": api})
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    refresh_global_settings_context()  # Prefect read its settings when a test module imported it
+    try:
+        yield home
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        refresh_global_settings_context()
 
 
 def kill_at(victim: subprocess.Popen, marker: Path, timeout_s: float = 600, log: Path | None = None) -> None:
