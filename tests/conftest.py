@@ -9,7 +9,8 @@
   seconds per test id; a test not listed counts as short), so no worker is left with one long test at the
   end. The order only changes which worker runs what, never whether a test passes.
 - **Recording.** `DAPO_RECORD_DURATIONS=<file> make check` adds every test's setup + call + teardown
-  seconds to `<file>` in the same format (copy it over tests/durations.json when the suite has changed).
+  seconds to `<file>` in the same format (copy it over tests/durations.json when the suite has changed),
+  and its CPU seconds to `<file>.cpu.json` (`tests/cpu_seconds.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 import pytest
 
 from tests.helpers import build_once, run_tmp
+
+pytest_plugins = ["tests.cpu_seconds"]  # CPU seconds per test beside the durations (DAPO_RECORD_DURATIONS)
 
 DURATIONS = Path(__file__).with_name("durations.json")
 RECORD_ENV = "DAPO_RECORD_DURATIONS"

@@ -12,6 +12,7 @@ import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from safetensors.torch import load_file
@@ -25,15 +26,19 @@ from tests.integration.prefect_server import prefect_server, stop
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _artifacts(key: str) -> list:
-    """Every version of artifact `key`, oldest first, from the Prefect API the tests use."""
+def _artifacts(key: str, flow_run_id: Any = None) -> list:
+    """Every version of artifact `key` (published by the flow run `flow_run_id` when given), oldest first,
+    from the Prefect API the tests use (shared by every test of the run: a key two tests publish needs the
+    id)."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
+    by_run = None if flow_run_id is None else ArtifactFilterFlowRunId(any_=[flow_run_id])
     with get_client(sync_client=True) as client:
         newest_first = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=by_run),
+            sort=ArtifactSort.CREATED_DESC,
         )
     return newest_first[::-1]
 
@@ -148,17 +153,19 @@ def test_training_and_evaluation_publish_artifacts(tiny_assets):
     assert "finished" in final and "`ui-Artifacts`" in final and "step 0" in final and "→ step 2" in final
     assert "curves.png" in final and "data:image/png;base64," in final  # drawn when the run closed
 
-    metrics = evaluate_flow(
+    state = evaluate_flow(
         to_yaml(load_config(CONFIG, tiny_overrides(tiny_assets))),
         str(tiny_assets / "models" / "tiny_base"),
         output=str(tiny_assets / "eval_ui.json"),
+        return_state=True,
     )
-    table = _artifacts("dapo-eval-tiny-base")
+    metrics, flow_run = state.result(), state.state_details.flow_run_id  # other tests evaluate tiny_base too
+    table = _artifacts("dapo-eval-tiny-base", flow_run)
     assert table, "evaluation table artifact"
     published = {r["metric"]: r["value"] for r in json.loads(table[-1].data)}
     acc_key = next(k for k in metrics if k.startswith("val-core/") and "/acc/mean@" in k)
     assert published[acc_key] == pytest.approx(metrics[acc_key])
-    assert "eval_ui.json" in _artifacts("dapo-eval-tiny-base-summary")[-1].data
+    assert "eval_ui.json" in _artifacts("dapo-eval-tiny-base-summary", flow_run)[-1].data
 
 
 def test_fault_switch_is_inert_when_unset(prefect_home, monkeypatch):
