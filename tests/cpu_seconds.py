@@ -1,11 +1,14 @@
 """CPU seconds per test: with `DAPO_RECORD_DURATIONS=<file>` set, each test's setup + call + teardown CPU
-time, counted over the pytest process and every child process it waited for (the `dapo` subprocesses, Ray's
-raylet with its workers, servers a test started and stopped), is written to `<file>.cpu.json` and the 30
-costliest tests are listed at the end of the run.
+time is written to `<file>.cpu.json` and the 30 costliest tests are listed at the end of the run.
 
-On the 2-core CI machine the suite keeps both cores busy, so the wall time of the run follows the CPU the
-tests spend, not the seconds any one test waits: this is the figure to cut. Processes no test waits for
-(the run's shared Prefect server, a daemon that outlives its test) are not counted here."""
+What is counted: the pytest process (its threads, the flows it runs in-process) and every child process it
+waited for, with the descendants those waited for: the `dapo` subprocesses and the servers a test starts
+and stops. What is not: processes that end as orphans, above all Ray's worker processes (the raylet does not
+reap them when it stops), and the run's shared Prefect server. So a test that runs Ray workers costs more
+than its figure here; `accton` process accounting gives the whole machine's picture.
+
+On the 2-core CI machine the suite keeps both cores busy, so the wall time of the run follows the CPU its
+processes spend, not the seconds any one test waits."""
 
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _recorded:
         return
     top = sorted(_recorded.items(), key=lambda kv: -kv[1])[:30]
-    terminalreporter.section("most CPU seconds (this process and the children it waited for)")
+    terminalreporter.section("most CPU seconds (pytest and the subprocesses it waited for; not Ray workers)")
     for nodeid, seconds in top:
         terminalreporter.write_line(f"{seconds:8.1f} cpu-s  {nodeid}")
     terminalreporter.write_line(f"{sum(_recorded.values()):8.1f} cpu-s  in all {len(_recorded)} tests")
