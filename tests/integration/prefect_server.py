@@ -37,8 +37,8 @@ SHARED_SERVER_SERVICES_OFF: dict[str, str] = {
 }
 """The server loop services the shared test server (`shared_prefect_server`) runs without. Its clients run
 flows directly: no deployment, schedule, work pool, worker, automation, pause, cancellation or concurrency
-limit, so none of these services has work there, while each wakes up every few seconds (idle on two cores,
-the server spends about 1.5 CPU-seconds a minute without them, 2.3 to 3.3 with them). It keeps the
+limit, so none of these services has work there, while each wakes up every few seconds and costs CPU the
+tests need. It keeps the
 task-run recorder (task runs in the API, from their events) and the event persister (the events API). The
 database vacuum is not listed: Prefect reads `false` for it as its default (vacuum old events, once an
 hour). A test that needs one of these services starts its own server with `prefect_server`, which keeps

@@ -128,10 +128,10 @@ def _skip_shm_comm_op(deepspeed: Any) -> None:
     """Keep DeepSpeed's CPU backend from building its shared-memory all-reduce op (`deepspeed_shm_comm`).
 
     On the CPU accelerator DeepSpeed compiles that C++ op with ninja the first time its communication backend
-    starts (about a minute of compiler time, again whenever the environment's path changes). The op only
-    speeds all-reduces between ranks of one node, and this engine runs one process, so the op would never
-    carry data: marking it incompatible makes DeepSpeed use plain torch.distributed, as it does wherever the
-    op is missing."""
+    starts, and again whenever the environment's path changes (a fresh clone). The op only speeds
+    all-reduces between ranks of one node, and this engine runs one process, so the op would never carry
+    data: marking it incompatible makes DeepSpeed use plain torch.distributed, as it does wherever the op is
+    missing."""
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
