@@ -25,12 +25,12 @@ from typing import Any
 
 import pytest
 
+from tests.cpu_seconds import RECORD_ENV, merge_recorded
 from tests.helpers import build_once, run_tmp
 
 pytest_plugins = ["tests.cpu_seconds"]  # CPU seconds per test beside the durations (DAPO_RECORD_DURATIONS)
 
 DURATIONS = Path(__file__).with_name("durations.json")
-RECORD_ENV = "DAPO_RECORD_DURATIONS"
 _recorded: dict[str, float] = defaultdict(float)
 
 
@@ -87,13 +87,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Add the recorded durations (0.1 s steps, tests under 1 s left out) to `DAPO_RECORD_DURATIONS`."""
-    path = os.environ.get(RECORD_ENV)
-    if path and _recorded and not hasattr(session.config, "workerinput"):
-        out = Path(path)
-        known = json.loads(out.read_text()) if out.exists() else {}  # `make check` runs pytest three times
-        known.update({k: round(v, 1) for k, v in _recorded.items() if v >= 1.0})
-        out.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
+    """Add the recorded durations to `DAPO_RECORD_DURATIONS`."""
+    merge_recorded(session, _recorded)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -59,14 +59,20 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             _recorded[report.nodeid] += float(value)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Merge the recorded CPU seconds (tests under 1 s left out) into `<DAPO_RECORD_DURATIONS>.cpu.json`."""
+def merge_recorded(session: pytest.Session, seconds: dict[str, float], suffix: str = "") -> None:
+    """In the process that ran the session, merge `seconds` per test (0.1 s steps, tests under 1 s left
+    out) into the JSON file `<DAPO_RECORD_DURATIONS><suffix>` (`make check` runs pytest three times)."""
     path = os.environ.get(RECORD_ENV)
-    if path and _recorded and not hasattr(session.config, "workerinput"):
-        out = Path(path + ".cpu.json")
-        known = json.loads(out.read_text()) if out.exists() else {}  # `make check` runs pytest three times
-        known.update({k: round(v, 1) for k, v in _recorded.items() if v >= 1.0})
+    if path and seconds and not hasattr(session.config, "workerinput"):
+        out = Path(path + suffix)
+        known = json.loads(out.read_text()) if out.exists() else {}
+        known.update({k: round(v, 1) for k, v in seconds.items() if v >= 1.0})
         out.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Merge the recorded CPU seconds into `<DAPO_RECORD_DURATIONS>.cpu.json`."""
+    merge_recorded(session, _recorded, ".cpu.json")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
