@@ -2,11 +2,11 @@
 
     for each train step:
         generate → reward → filter_groups  ⟲ until train_batch_size informative groups (dynamic sampling)
-        → old_log_prob → [ref] → [values] → advantage → [update_critic] → update_actor (+ sync weights)
+        → old_log_prob → [ref] → [values] → advantage → [update_critic] → update_actor → sync_weights
         → [checkpoint every save_freq] → [validate every test_freq] → log
 
-Every stage is a Prefect task (tasks/) that commits its output to the run store `runs/<run_id>/`; tasks pass
-URIs and the run id, never batches or actor handles; models live in long-lived workers. Resume = run the
+Every stage is a Prefect task (tasks/) that commits its output to the run store `runs/<run_id>/`; tasks take
+the run's `Runtime` and URIs, never batches; models live in long-lived workers. Resume = run the
 flow again with the same run id (`trainer.resume_mode=auto`). Parameters (a deployment run's fields in the
 Prefect UI): `config` (a name in `configs/`, a path, or resolved YAML text), `overrides` (dotted
 `key=value`), `run_id` (empty for a new run named after the flow run, or a run to resume). `gen_step`
@@ -44,14 +44,14 @@ from flows.run_setup import DriverState, TrainRun, close_run, open_run, restore
 from flows.step_support import add_metrics, observe_rewards, refill_size, step_metrics
 from flows.ui_state import crash_orphaned_task_runs, quiet_task_run_console
 from tasks.rollout import generate, reward
-from tasks.update import checkpoint
+from tasks.update import checkpoint, sync_weights
 from tasks.validate import validate
 
 
 def collect_batch(rt: TrainRun, step: int, state: DriverState) -> tuple[str, dict]:
     """Dynamic sampling (docs/REFERENCE.md §6.1): generate, score and filter until `train_batch_size` groups
     are kept."""
-    run_id, fg, keep_rate = rt.run_id, rt.cfg.algorithm.filter_groups, rt.keep_rate
+    fg, keep_rate = rt.cfg.algorithm.filter_groups, rt.keep_rate
     need = rt.cfg.data.train_batch_size
     kept_uris: list[str] = []
     kept_groups, k = 0, 0
@@ -62,11 +62,11 @@ def collect_batch(rt: TrainRun, step: int, state: DriverState) -> tuple[str, dic
         size = refill_size(rt.cfg, keep_rate, need - kept_groups, fixed=gen_batch_size(rt.cfg))
         rt.progress.stage(f"generate g{k} ({size} prompts)")
         state.gen_step += 1
-        gen_uri, m = generate(run_id, step, k, state.gen_step, size)  # draws its prompts (stage prompts_g<k>)
+        gen_uri, m = generate(rt, step, k, state.gen_step, size)  # draws its prompts (stage prompts_g<k>)
         add_metrics(metrics, m)
         rt.progress.stage(f"reward g{k}")
         # scores, filters (dynamic sampling) and, once the kept groups cover the deficit, assembles the batch
-        scored = reward(run_id, step, k, gen_uri, kept_uris, need - kept_groups)
+        scored = reward(rt, step, k, gen_uri, kept_uris, need - kept_groups)
         add_metrics(metrics, scored.metrics)
         add_metrics(metrics, observe_rewards(rt, scored.uri))  # data.history_sampler only
         k += 1
@@ -93,13 +93,13 @@ def train_step(rt: TrainRun, step: int, state: DriverState) -> dict:
     """One DAPO training step; returns its metrics."""
     t0 = time.perf_counter()
     uri, metrics = collect_batch(rt, step, state)
-    # after critic warm-up, update_actor pushes the new weights to the rollout worker as the next version
-    version = state.weight_version + 1 if step > rt.cfg.trainer.critic_warmup else None
-    adv_uri, stage_metrics = learn(rt, step, uri, sync_version=version)
+    adv_uri, stage_metrics = learn(rt, step, uri)
     for m in stage_metrics:
         metrics.update(m)
-    if version is not None:
-        state.weight_version = version
+    if step > rt.cfg.trainer.critic_warmup:  # the actor was updated: the rollout gets the next version
+        rt.progress.stage("sync weights")
+        metrics.update(sync_weights(rt, step, state.weight_version + 1))
+        state.weight_version += 1
     metrics["timing_s/step"] = time.perf_counter() - t0
     metrics.update(step_metrics(rt, step, adv_uri, metrics))
     return metrics
@@ -169,7 +169,7 @@ def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] 
         ui = RunArtifacts(run_id, rt.store.root, total, state.train_step)
         if tr.val_before_train and state.train_step == 0:
             rt.progress.stage("validate (before training)")
-            val0 = validate(run_id, 0, state.gen_step)[1]
+            val0 = validate(rt, 0, state.gen_step)[1]
             rt.tracker.log(0, val0)
             ui.validation(0, val0)
         step_fn = replay_train_step if runs_ahead(cfg) else train_step
@@ -183,7 +183,7 @@ def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] 
                 last = step == total
                 if tr.test_freq > 0 and (step % tr.test_freq == 0 or last):
                     rt.progress.stage("validate")
-                    metrics.update(validate(run_id, step, state.gen_step)[1])
+                    metrics.update(validate(rt, step, state.gen_step)[1])
                 metrics.update(
                     {
                         "training/global_step": step,
@@ -195,7 +195,7 @@ def dapo_train(config: str = "tiny_cpu", run_id: str = "", overrides: list[str] 
                 rt.tracker.log(step, metrics)  # before the checkpoint: a resumed run misses no step's row
                 if tr.save_freq > 0 and (step % tr.save_freq == 0 or last):
                     rt.progress.stage("checkpoint")
-                    checkpoint(run_id, step, state.to_json(rt))
+                    checkpoint(rt, step, state.to_json(rt))
             except Exception as exc:  # a dead or hung worker: new ones resume from the last checkpoint
                 state = restarts.recover(rt, step, exc)  # raises when it is no such fault or none is left
                 continue

@@ -5,7 +5,7 @@
 The sync order (`flows.dapo_train.train_step`) runs it once per step on the whole batch; the replay-buffer
 order (`flows.replay_order.replay_train_step`) runs it once per local update on each part of the batch
 (`part=i`, so the stages commit as `<name>_p<i>`). Pushing the new weights to the rollout worker is the step
-order's: the sync order has update_actor push them (`sync_version`), the replay order pushes once per step.
+order's own stage (`tasks.update.sync_weights`), once per step in both orders.
 
 On-policy skip: when the update is exactly on-policy (`old_log_prob_needed` returns None: one PPO epoch over
 one mini-batch, nothing else reading π_old) the old_log_prob forward is skipped. The actor then takes π_old as
@@ -80,34 +80,28 @@ def old_log_prob_needed(cfg: DapoConfig, parts: int = 1, model_path: str | None 
     return None
 
 
-_ANNOUNCED: set[str] = set()
-"""Runs whose on-policy decision was printed (once per run and process)."""
-
-
 def learn(
     rt: TrainRun,
     step: int,
     batch_uri: str,
     part: int | None = None,
     label: str = "",
-    sync_version: int | None = None,
 ) -> tuple[str, list[dict[str, float]]]:
     """Run the stages on the batch at `batch_uri`; returns the advantage table's URI and each stage's metrics,
-    in stage order. `label` prefixes the stage names in the progress display; with `sync_version` the
-    update_actor task also pushes the new weights to the rollout worker as that version."""
+    in stage order. `label` prefixes the stage names in the progress display."""
     metrics: list[dict[str, float]] = []
 
-    def stage(task: Callable[..., StageResult], uri: str, **kw: int) -> str:
+    def stage(task: Callable[..., StageResult], uri: str) -> str:
         rt.progress.stage(label + task.__name__)
-        out, m = task(rt.run_id, step, uri, part=part, **kw)
+        out, m = task(rt, step, uri, part=part)
         metrics.append(m)
         return out
 
     rt.rollout.release()  # colocated GPUs: the training ranks get the engine's memory
     parts = sync_parts(rt.cfg) if part is not None else 1
     reason = old_log_prob_needed(rt.cfg, parts)
-    if rt.run_id not in _ANNOUNCED:
-        _ANNOUNCED.add(rt.run_id)
+    if not rt.announced:
+        rt.announced = True
         if reason:
             print(f"old_log_prob: separate forward ({reason})")
         elif rt.cfg.algorithm.rollout_correction.bypass_mode:
@@ -130,5 +124,5 @@ def learn(
     if use_critic(rt.cfg):
         stage(update_critic, uri)
     if step > rt.cfg.trainer.critic_warmup:
-        stage(update_actor, uri, **({} if sync_version is None else {"sync_version": sync_version}))
+        stage(update_actor, uri)
     return uri, metrics

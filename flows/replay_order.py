@@ -41,7 +41,7 @@ from tasks.update import sync_weights
 def _collect(rt: TrainRun, launch_step: int, tag: str, metrics: dict) -> None:
     """Collect the generation launched as (launch_step, tag): its metrics fold into the step's, and its
     kept/seen group counts feed the run-wide keep rate (checkpointed, as in the sync order)."""
-    new = collect_generation(rt.run_id, launch_step, tag)
+    new = collect_generation(rt, launch_step, tag)
     if "train/num_groups" in new:
         rt.keep_rate.update(int(new["train/num_kept_groups"]), int(new["train/num_groups"]))
     add_metrics(metrics, new)
@@ -53,10 +53,10 @@ def _ahead_enabled(cfg: DapoConfig) -> bool:
 
 def _collect_inflight(rt: TrainRun, step: int, state: DriverState, metrics: dict) -> None:
     """Rollouts launched earlier (normally during the previous step) and prompts re-issued after a crash."""
-    for launch_step, tag in pending_launches(rt.run_id):
+    for launch_step, tag in pending_launches(rt):
         rt.progress.stage(f"collect rollouts of step {launch_step} ({tag})")
         _collect(rt, launch_step, tag, metrics)
-    regenerate_reissued(rt.run_id, step, state.gen_step + 1)  # same gen_step (seeds) as their first launch
+    regenerate_reissued(rt, step, state.gen_step + 1)  # same gen_step (seeds) as their first launch
 
 
 def weight_lag_metrics(rt: TrainRun, batch_uri: str, version: int) -> dict[str, float]:
@@ -86,7 +86,7 @@ def sample_with_refill(rt: TrainRun, step: int, state: DriverState, metrics: dic
     k, size = 0, 0
     while True:
         rt.progress.stage("sample replay buffer")
-        batch_uri, m = sample_batch(rt.run_id, step)
+        batch_uri, m = sample_batch(rt, step)
         if k > 0:  # the refill batch just collected: groups the buffer can now give this step, of `need`
             have = need if batch_uri is not None else int(m.get("training/replay/sampleable_groups", 0))
             rt.progress.gen_batch(k - 1, size, min(have, need), need)
@@ -109,9 +109,9 @@ def sample_with_refill(rt: TrainRun, step: int, state: DriverState, metrics: dic
         size = max(refill_size(cfg, rt.keep_rate, deficit, fixed=deficit), 1)
         tag = f"g{k}"
         rt.progress.stage(f"refill {tag} ({size} prompts)")
-        prompts_uri, _ = sample_prompts(rt.run_id, step, tag, size, replay=True)
+        prompts_uri, _ = sample_prompts(rt, step, tag, size, replay=True)
         state.gen_step += 1
-        launch_generation(rt.run_id, step, tag, state.gen_step, prompts_uri)
+        launch_generation(rt, step, tag, state.gen_step, prompts_uri)
         _collect(rt, step, tag, metrics)
         k += 1
 
@@ -119,7 +119,7 @@ def sample_with_refill(rt: TrainRun, step: int, state: DriverState, metrics: dic
 def replay_train_step(rt: TrainRun, step: int, state: DriverState) -> dict:
     """One global step of the replay-buffer order; returns its metrics (contract of
     `dapo_train.train_step`)."""
-    cfg, run_id = rt.cfg, rt.run_id
+    cfg = rt.cfg
     t0 = time.perf_counter()
     metrics: dict = {}
     _collect_inflight(rt, step, state, metrics)
@@ -135,14 +135,14 @@ def replay_train_step(rt: TrainRun, step: int, state: DriverState) -> dict:
         )
         if size > 0:
             rt.progress.stage(f"launch rollouts for step {step + 1} ({size} prompts)")
-            prompts_uri, _ = sample_prompts(run_id, step, "ga", size, replay=True)
+            prompts_uri, _ = sample_prompts(rt, step, "ga", size, replay=True)
             state.gen_step += 1
-            launch_generation(run_id, step, "ga", state.gen_step, prompts_uri)
+            launch_generation(rt, step, "ga", state.gen_step, prompts_uri)
 
     parts = sync_parts(cfg)
     per_part: dict[str, list[float]] = defaultdict(list)
     adv_uris = []
-    for i, uri in enumerate(split_batch(run_id, step, batch_uri, parts)):
+    for i, uri in enumerate(split_batch(rt, step, batch_uri, parts)):
         adv_uri, stage_metrics = learn(rt, step, uri, part=i, label=f"local update {i + 1}/{parts}: ")
         adv_uris.append(adv_uri)
         for m in stage_metrics:
@@ -164,14 +164,14 @@ def replay_train_step(rt: TrainRun, step: int, state: DriverState) -> dict:
         # This step ends with a checkpoint: nothing may stay in flight across it, or a run resumed from it
         # would regenerate those prompts with newer weights than the uninterrupted run used (not bitwise
         # equal).
-        for launch_step, tag in pending_launches(run_id):
+        for launch_step, tag in pending_launches(rt):
             rt.progress.stage(f"collect rollouts of step {launch_step} ({tag}) before the checkpoint")
             _collect(rt, launch_step, tag, metrics)
     if updated:
         rt.progress.stage("sync weights")
         state.weight_version += 1
-        metrics.update(sync_weights(run_id, step, state.weight_version))
-    adv_uri = join_parts(run_id, step, adv_uris)
+        metrics.update(sync_weights(rt, step, state.weight_version))
+    adv_uri = join_parts(rt, step, adv_uris)
     metrics["timing_s/step"] = time.perf_counter() - t0
     metrics.update(step_metrics(rt, step, adv_uri, metrics))
     return metrics

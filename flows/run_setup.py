@@ -91,6 +91,10 @@ class TrainRun(runtime.Runtime):
     """The tokenizer the reward worker loads."""
     initial_sampler_state: dict = field(default_factory=dict)
     """The sampler's position before anything was drawn (a restart without a checkpoint starts there)."""
+    lease: Lease | None = None
+    """This process's hold on the run (one writer per run), released by `close_run`."""
+    announced: bool = False
+    """Whether the old_log_prob decision was printed (once per run and process; `flows.learn`)."""
 
 
 def record_attempt(rt: TrainRun) -> Path:
@@ -126,7 +130,7 @@ def record_workers(rt: TrainRun) -> None:
 
 def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
     """Open (or create) `runs/<run_id>/`, check the inputs against the run's record, start the workers, build
-    the samplers, register the runtime. Nothing is written to the run's records here (`record_attempt`
+    the samplers. Nothing is written to the run's records here (`record_attempt`
     does, once `restore` succeeded)."""
     root = Path(cfg.trainer.runs_dir) / run_id
     lease = take_lease(cfg, root)  # one writer per run: refused here while another process holds it
@@ -198,6 +202,7 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
             model_path=model_path,
             tokenizer_path=tokenizer_path,
             initial_sampler_state=copy.deepcopy(sampler.state_dict()),
+            lease=lease,
         )
         push_weights(rt, 0)  # the replicas start with unset weights: the actor's initial ones, version 0
     except (
@@ -210,8 +215,6 @@ def open_run(cfg: DapoConfig, run_id: str) -> TrainRun:
         store.close()
         lease.release()
         raise
-    runtime.register(rt)
-    _LEASES[run_id] = lease
     lease.start_heartbeat()
     return rt
 
@@ -303,10 +306,6 @@ def check_custom_resources(cfg: DapoConfig, nodes: list[Mapping[str, Any]]) -> N
         custom = checked_resources(role, getattr(res, role))
         if custom:
             check_feasible(role, custom, nodes)
-
-
-_LEASES: dict[str, Lease] = {}
-"""The lease each open run of this process holds (released by `close_run`)."""
 
 
 def take_lease(cfg: DapoConfig, root: Path) -> Lease:
@@ -457,11 +456,10 @@ def close_run(rt: TrainRun) -> None:
     finally:
         rt.progress.close()
         rt.cluster.shutdown()
-        runtime.unregister(rt.run_id)
         rt.store.close()
-        lease = _LEASES.pop(rt.run_id, None)
-        if lease is not None:
-            lease.release()
+        if rt.lease is not None:
+            rt.lease.release()
+            rt.lease = None
 
 
 def write_memory_report(rt: TrainRun) -> dict[str, Any] | None:

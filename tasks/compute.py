@@ -24,9 +24,8 @@ _KL_COEF = "_kl_coef_after"
 
 
 @task(name="old_log_prob", task_run_name=run_name("old_log_prob"), **_OPTS)
-def old_log_prob(run_id: str, step: int, batch_uri: str, part: int | None = None) -> StageResult:
+def old_log_prob(rt: runtime.Runtime, step: int, batch_uri: str, part: int | None = None) -> StageResult:
     """π_old log-probs (and entropy) recomputed by the actor with its current weights."""
-    rt = runtime.get(run_id)
     cfg = rt.cfg
     return worker_stage(
         rt,
@@ -40,9 +39,8 @@ def old_log_prob(run_id: str, step: int, batch_uri: str, part: int | None = None
 
 
 @task(name="ref", task_run_name=run_name("ref"), **_OPTS)
-def ref(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
+def ref(rt: runtime.Runtime, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Reference-policy log-probs (only when a KL term is used)."""
-    rt = runtime.get(run_id)
     return worker_stage(
         rt,
         step,
@@ -55,9 +53,8 @@ def ref(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageRe
 
 
 @task(name="values", task_run_name=run_name("values"), **_OPTS)
-def values(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
+def values(rt: runtime.Runtime, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Critic values per response token (only for GAE-style estimators)."""
-    rt = runtime.get(run_id)
     return worker_stage(
         rt,
         step,
@@ -77,10 +74,9 @@ def _advantage(table: pa.Table, kl_ctrl: Any, **kwargs: Any) -> tuple[pa.Table, 
 
 
 @task(name="advantage", task_run_name=run_name("advantage"), **_OPTS)
-def advantage(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
+def advantage(rt: runtime.Runtime, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Token rewards (KL in reward), overlong filtering, rollout correction, and advantages by the configured
     estimator."""
-    rt = runtime.get(run_id)
     alg = rt.cfg.algorithm
     rc = alg.rollout_correction
     enabled = rc.rollout_is is not None or rc.rollout_rs is not None

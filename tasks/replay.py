@@ -85,11 +85,10 @@ def _scalar_metrics(metrics: dict[str, Any], prefix: str = "training") -> dict[s
 
 # ---------------------------------------------------------------------------------------------- rollout side
 @task(name="replay_launch_generation", task_run_name="launch_generation-step{step}-{tag}", **_OPTS)
-def launch_generation(run_id: str, step: int, tag: str, gen_step: int, prompts_uri: str) -> int:
+def launch_generation(rt: runtime.Runtime, step: int, tag: str, gen_step: int, prompts_uri: str) -> int:
     """Submit generation of the groups of `prompts_uri` that are still in flight in the ledger
     (pending/running) to the rollout worker, without waiting; returns the number of groups submitted (0:
     nothing left to do). The worker reads the prompts and commits `generate_<tag>` itself."""
-    rt = runtime.get(run_id)
     stage = f"generate_{tag}"
     if rt.store.is_committed(step, stage):
         return 0  # collect_generation reuses the committed output
@@ -104,7 +103,7 @@ def launch_generation(run_id: str, step: int, tag: str, gen_step: int, prompts_u
         wanted = set(todo)
         rows = np.asarray([i for i, u in enumerate(uids) if u in wanted], dtype=np.int64)
         input_uri, _ = select_stage(rt, step, f"prompts_{tag}_todo", [prompts_uri], lambda: (rows, {}))
-    fault = injected_fault(stage, step, run_id)
+    fault = injected_fault(stage, step, rt.run_id)
     if fault is not None:
         raise InjectedFault(fault)
     # the gen_step tag lets a re-issued prompt be regenerated with the same seeds (regenerate_reissued)
@@ -114,17 +113,16 @@ def launch_generation(run_id: str, step: int, tag: str, gen_step: int, prompts_u
     return len(todo)
 
 
-def pending_launches(run_id: str) -> list[tuple[int, str]]:
+def pending_launches(rt: runtime.Runtime) -> list[tuple[int, str]]:
     """(step, tag) of the generations submitted and not yet collected (oldest first)."""
-    return sorted(runtime.get(run_id).launches)
+    return sorted(rt.launches)
 
 
 @task(name="replay_collect_generation", task_run_name="collect_generation-step{step}-{tag}", **_OPTS)
-def collect_generation(run_id: str, step: int, tag: str) -> dict[str, float]:
+def collect_generation(rt: runtime.Runtime, step: int, tag: str) -> dict[str, float]:
     """Wait for the generation launched as (step, tag) (the rollout worker commits `generate_<tag>`), have the
     reward worker commit `reward_<tag>`, and add the groups that are not finished yet to the replay buffer
     (stamped with their `weight_version`). Only uids and the filter metric are read here."""
-    rt = runtime.get(run_id)
     stage = f"generate_{tag}"
     launch = rt.launches.get((step, tag))
     if launch is None and not rt.store.is_committed(step, stage):
@@ -166,11 +164,10 @@ def collect_generation(run_id: str, step: int, tag: str) -> dict[str, float]:
 
 
 @task(name="replay_regenerate_reissued", task_run_name="regenerate_reissued-step{step}", **_OPTS)
-def regenerate_reissued(run_id: str, step: int, fallback_gen_step: int) -> int:
+def regenerate_reissued(rt: runtime.Runtime, step: int, fallback_gen_step: int) -> int:
     """Regenerate the prompts left pending/running in the ledger that no generation of this process owns (the
     ones `RunStore.reissue_inflight` re-issued at resume) from their payloads, each with the `gen_step` it was
     launched with (same seeds; `fallback_gen_step` if it never was). Returns the number of groups."""
-    rt = runtime.get(run_id)
     owned = {u for launch in rt.launches.values() for u in launch.uids}
     items = [
         (k, t)
@@ -187,15 +184,16 @@ def regenerate_reissued(run_id: str, step: int, fallback_gen_step: int) -> int:
         _, payload = rt.store.get(key)
         if payload is None:
             raise RuntimeError(
-                f"prompt {key} of run {run_id} is in flight in the ledger but has no payload to regenerate "
-                f"it from; draw replay-order prompts with tasks.rollout.sample_prompts(replay=True)"
+                f"prompt {key} of run {rt.run_id} is in flight in the ledger but has no payload to "
+                "regenerate it from; draw replay-order prompts with "
+                "tasks.rollout.sample_prompts(replay=True)"
             )
         by_gen_step.setdefault(int(tags.get("gen_step", fallback_gen_step)), []).append(from_ipc(payload))
     for j, (gen_step, tables) in enumerate(sorted(by_gen_step.items()), start=first):
         table = pa.concat_tables(tables, promote_options="default")
         uri, _ = run_stage(rt, step, f"prompts_gr{j}", precomputed(table))
-        launch_generation.fn(run_id, step, f"gr{j}", gen_step, uri)
-        collect_generation.fn(run_id, step, f"gr{j}")
+        launch_generation.fn(rt, step, f"gr{j}", gen_step, uri)
+        collect_generation.fn(rt, step, f"gr{j}")
     return len(items)
 
 
@@ -215,11 +213,10 @@ def _next_regen_index(rt: runtime.Runtime, step: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- trainer side
 @task(name="replay_sample_batch", task_run_name="sample_batch-step{step}", **_OPTS)
-def sample_batch(run_id: str, step: int) -> tuple[str | None, dict[str, float]]:
+def sample_batch(rt: runtime.Runtime, step: int) -> tuple[str | None, dict[str, float]]:
     """Take `train_batch_size` groups oldest-first (evicting DAPO-filtered, stale and failed groups) as stage
     `batch` (a row selection over their `replay_add` files; nothing is read); returns `(None, metrics)` with
     `refill_needed` (prompts) / `must_wait` when it is short."""
-    rt = runtime.get(run_id)
     done = committed(rt, step, "batch")
     if done is not None:
         return done
@@ -238,9 +235,8 @@ def sample_batch(run_id: str, step: int) -> tuple[str | None, dict[str, float]]:
 
 
 @task(name="replay_split_batch", task_run_name="split_batch-step{step}", **_OPTS)
-def split_batch(run_id: str, step: int, batch_uri: str, parts: int) -> list[str]:
+def split_batch(rt: runtime.Runtime, step: int, batch_uri: str, parts: int) -> list[str]:
     """Cut the sampled batch into `parts` equal slices of whole groups (`batch_p<i>`), each balanced."""
-    rt = runtime.get(run_id)
     lengths = lengths_of(rt, [batch_uri])
     if lengths.num_rows % (parts * rt.n):
         raise ValueError(
@@ -263,8 +259,7 @@ def split_batch(run_id: str, step: int, batch_uri: str, parts: int) -> list[str]
 
 
 @task(name="replay_join_parts", task_run_name="join_parts-step{step}", **_OPTS)
-def join_parts(run_id: str, step: int, uris: list[str]) -> str:
+def join_parts(rt: runtime.Runtime, step: int, uris: list[str]) -> str:
     """The step's `advantage` table: the parts' advantage tables concatenated (for step metrics)."""
-    rt = runtime.get(run_id)
     total = sum(rt.store.manifest(*rt.store.ref_of(u))["rows"] for u in uris)
     return select_stage(rt, step, "advantage", uris, lambda: (np.arange(total, dtype=np.int64), {}))[0]

@@ -75,7 +75,9 @@ def _new_uids(rt: runtime.Runtime, table: pa.Table) -> tuple[list[str], list[str
 
 
 @task(name="sample_prompts", task_run_name="sample_prompts-step{step}-{tag}", **_OPTS)
-def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: bool = False) -> StageResult:
+def sample_prompts(
+    rt: runtime.Runtime, step: int, tag: str, num_prompts: int, replay: bool = False
+) -> StageResult:
     """Draw `num_prompts` prompts as stage `prompts_<tag>` (`draw_prompts`) and register their groups
     `pending` in the ledger. The replay-buffer order draws its prompts here; the synchronous order draws them
     inside its `generate` task.
@@ -84,7 +86,6 @@ def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: b
     the two duplicates nothing. The replay-buffer order (`replay=True`) keeps each group's rows as its ledger
     payload, from which a prompt re-issued after a crash is regenerated (`tasks.replay.regenerate_reissued`).
     """
-    rt = runtime.get(run_id)
     uri, metrics, table = draw_prompts(rt, step, tag, num_prompts, replay)
     _, new = _new_uids(rt, table)
     if new:
@@ -94,7 +95,7 @@ def sample_prompts(run_id: str, step: int, tag: str, num_prompts: int, replay: b
 
 
 @task(name="generate", task_run_name="generate-step{step}-g{gen_idx}", **_OPTS)
-def generate(run_id: str, step: int, gen_idx: int, gen_step: int, num_prompts: int) -> StageResult:
+def generate(rt: runtime.Runtime, step: int, gen_idx: int, gen_step: int, num_prompts: int) -> StageResult:
     """Draw `num_prompts` prompts (stage `prompts_g<gen_idx>`, `draw_prompts`) and sample n responses per
     prompt on the rollout replicas (each a share of whole groups; seeded by gen_step, uid, sample_idx).
 
@@ -102,7 +103,6 @@ def generate(run_id: str, step: int, gen_idx: int, gen_step: int, num_prompts: i
     redraws nothing). The groups enter the ledger `running` in one transaction just before the generation
     starts (new uids are inserted, known ones re-tagged); when the generation is committed already (a
     replayed step), new uids are only registered `pending`, as a separate draw would have left them."""
-    rt = runtime.get(run_id)
     stage = f"generate_g{gen_idx}"
     prompts_uri, _, table = draw_prompts(rt, step, f"g{gen_idx}", num_prompts)
     known, new = _new_uids(rt, table)
@@ -134,7 +134,7 @@ class Scored(NamedTuple):
 
 @task(name="reward", task_run_name="reward-step{step}-g{gen_idx}", **_OPTS)
 def reward(
-    run_id: str,
+    rt: runtime.Runtime,
     step: int,
     gen_idx: int,
     gen_uri: str,
@@ -151,7 +151,6 @@ def reward(
     kept groups cover `groups_missing` (default: the whole `train_batch_size`) the step's batch is assembled
     from `kept_before` (the step's earlier kept selections) and these (`assemble`, stage `batch`). Without
     dynamic sampling every group is kept and the batch is assembled at once."""
-    rt = runtime.get(run_id)
     scored = False
 
     def call(job: StageJob) -> StageResult:

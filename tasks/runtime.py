@@ -1,14 +1,14 @@
-"""The per-run objects tasks need (store, workers, sampler, config), registered by the flow under the run id.
+"""The per-run objects tasks need (store, workers, sampler, config): the flow builds one `Runtime` per run and
+hands it to every task as its first argument.
 
-Tasks receive the run id (a small, hashable value) and look the rest up here, so no batch or actor handle ever
-becomes a Prefect task input. Every field is typed: the workers are `dapo_core.compute.rpc.proxy` objects
-typed as their worker class, so `rt.actor.update_actor(table, step)` is checked against
-`ActorWorker.update_actor`.
+Prefect sees the runtime as a task input and records nothing of it but its references; batches and models stay
+in the run store and the workers, so only URIs, small metrics and this handle cross a task boundary. Every
+field is typed: the workers are `dapo_core.compute.rpc.proxy` objects typed as their worker class, so
+`rt.actor.update_actor_from(root, uri, step)` is checked against `ActorWorker.update_actor_from`.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -25,8 +25,6 @@ from dapo_core.store import RunStore
 from dapo_core.store.jobs import StageJob
 from dapo_core.store.replay import ReplayBuffer
 
-_RUNTIMES: dict[str, Runtime] = {}
-_LOCK = threading.Lock()
 W = TypeVar("W")
 
 
@@ -131,25 +129,3 @@ def need(worker: W | None, role: str) -> W:
             f"algorithm.adv_estimator=gae"
         )
     return worker
-
-
-def register(rt: Runtime) -> None:
-    """Make `rt` visible to the tasks of its run."""
-    with _LOCK:
-        _RUNTIMES[rt.run_id] = rt
-
-
-def unregister(run_id: str) -> None:
-    """Forget a run (at the end of the flow)."""
-    with _LOCK:
-        _RUNTIMES.pop(run_id, None)
-
-
-def get(run_id: str) -> Runtime:
-    """The runtime of `run_id` (RuntimeError if the flow did not register it in this process)."""
-    with _LOCK:
-        if run_id not in _RUNTIMES:
-            raise RuntimeError(
-                f"run {run_id!r} has no runtime in this process; tasks must run inside dapo-train"
-            )
-        return _RUNTIMES[run_id]

@@ -1,4 +1,4 @@
-"""Update-side stage tasks: update_critic, update_actor, weight sync, checkpoint.
+"""Update-side stage tasks: update_critic, update_actor, sync_weights, checkpoint.
 
 The updates hand the worker the batch's URI (the worker reads it from the run store) and commit a one-row
 marker with the update's metrics; the checkpoint task then applies step-data retention
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from dapo_core.config import runs_ahead
-from dapo_core.errors import find_user_error
 from dapo_core.store.replay import referenced_steps
 from dapo_core.store.retention import apply_retention
 from tasks import runtime
@@ -33,9 +31,8 @@ def _marker(step: int, part: int | None) -> pa.Table:
 
 
 @task(name="update_critic", task_run_name=run_name("update_critic"), **_OPTS)
-def update_critic(run_id: str, step: int, in_uri: str, part: int | None = None) -> StageResult:
+def update_critic(rt: runtime.Runtime, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """Clipped value-loss updates of the critic."""
-    rt = runtime.get(run_id)
     return run_stage(
         rt,
         step,
@@ -48,18 +45,11 @@ def update_critic(run_id: str, step: int, in_uri: str, part: int | None = None) 
 
 
 @task(name="update_actor", task_run_name=run_name("update_actor"), **_OPTS)
-def update_actor(
-    run_id: str, step: int, in_uri: str, part: int | None = None, sync_version: int | None = None
-) -> StageResult:
+def update_actor(rt: runtime.Runtime, step: int, in_uri: str, part: int | None = None) -> StageResult:
     """The DAPO policy update (PPO mini-batches/epochs with the configured loss); not retried automatically,
-    since a half-applied update cannot be undone — the flow resumes from the last checkpoint instead.
-
-    With `sync_version` (the synchronous order), the new weights are then pushed to the rollout worker and
-    stamped with that version inside this task (no task of its own: plumbing), timed as
-    `timing_s/sync_weights`. The push alone is retried, as the `sync_weights` task is; a replayed (committed)
-    update pushes too."""
-    rt = runtime.get(run_id)
-    out = run_stage(
+    since a half-applied update cannot be undone — the flow resumes from the last checkpoint instead. The new
+    weights reach the rollout worker in the `sync_weights` stage that follows."""
+    return run_stage(
         rt,
         step,
         stage_name("update_actor", part),
@@ -68,29 +58,6 @@ def update_actor(
             rt.actor.update_actor_from(str(rt.store.root), in_uri, step),
         ),
     )
-    if sync_version is not None:
-        t0 = time.perf_counter()
-        _retried(lambda: push_weights(rt, sync_version), SYNC_RETRIES, SYNC_RETRY_DELAY_S)
-        out = (out[0], {**out[1], **rt.rollout.last_push, "timing_s/sync_weights": time.perf_counter() - t0})
-    return out
-
-
-SYNC_RETRIES = 2
-"""Retries of a failed weight push (as the `sync_weights` task's Prefect retries; none for user errors)."""
-SYNC_RETRY_DELAY_S = 1.0
-"""Seconds between weight-push attempts."""
-
-
-def _retried(fn: Callable[[], None], retries: int, delay_s: float) -> None:
-    """Call `fn`, again up to `retries` times after a failure that is not a `DapoUserError`."""
-    for attempt in range(retries + 1):
-        try:
-            fn()
-            return
-        except Exception as exc:
-            if attempt == retries or find_user_error(exc) is not None:
-                raise
-            time.sleep(delay_s)
 
 
 @task(
@@ -100,11 +67,11 @@ def _retried(fn: Callable[[], None], retries: int, delay_s: float) -> None:
     retries=2,
     retry_condition_fn=retry_unless_user_error,
 )
-def sync_weights(run_id: str, step: int, weight_version: int) -> dict[str, float]:
+def sync_weights(rt: runtime.Runtime, step: int, weight_version: int) -> dict[str, float]:
     """Push the actor's weights to the rollout worker as `weight_version`; returns the push's metrics
-    (`timing_s/sync_weights` and the transport's `weight_sync/*`). The orders that generate ahead call it
-    once per step after their local updates; the synchronous order pushes inside `update_actor`."""
-    rt = runtime.get(run_id)
+    (`timing_s/sync_weights` and the transport's `weight_sync/*`). Every order calls it once per step after
+    the step's updates. It commits nothing: a resumed step pushes again, and the push is idempotent (the
+    same weights under the same version), so retrying it is safe."""
     t0 = time.perf_counter()
     push_weights(rt, weight_version)
     return {**rt.rollout.last_push, "timing_s/sync_weights": time.perf_counter() - t0}
@@ -133,9 +100,8 @@ def push_weights(rt: runtime.Runtime, weight_version: int) -> None:
     retries=1,
     retry_condition_fn=retry_unless_user_error,
 )
-def checkpoint(run_id: str, step: int, driver_state: dict) -> str:
+def checkpoint(rt: runtime.Runtime, step: int, driver_state: dict) -> str:
     """Write ckpt/step_<step>/ (actor [+critic] states, driver state) atomically; `latest` is written last."""
-    rt = runtime.get(run_id)
     ckpts = rt.store.checkpoints
 
     def write(tmp_dir: Path) -> None:
@@ -147,7 +113,7 @@ def checkpoint(run_id: str, step: int, driver_state: dict) -> str:
 
     # overwrite: a retry after a save that completed, or a run resumed (resume_path) from before its latest
     # checkpoint, writes this step again; the state being saved is the driver's current one either way
-    path = ckpts.save(step, write, {"step": step, "run_id": run_id}, overwrite=True)
+    path = ckpts.save(step, write, {"step": step, "run_id": rt.run_id}, overwrite=True)
     tr = rt.cfg.trainer
     if tr.max_actor_ckpt_to_keep:
         ckpts.keep_last(tr.max_actor_ckpt_to_keep)

@@ -40,10 +40,9 @@ VAL_STAGES = ("val_prompts", "val_generate", "val")
     retries=1,
     retry_condition_fn=retry_unless_user_error,
 )
-def validate(run_id: str, step: int, gen_step: int) -> StageResult:
+def validate(rt: runtime.Runtime, step: int, gen_step: int) -> StageResult:
     """Evaluate the current rollout weights on the validation set (committed as stage `val`); returns its URI
     and the validation metrics, with `timing_s/val` the time of the three stages together."""
-    rt = runtime.get(run_id)
     done = committed(rt, step, "val")  # also a run validated before validation had its own stages
     if done is not None:
         return done

@@ -107,20 +107,20 @@ def test_reward_filters_and_assembles_the_batch_once_the_kept_groups_suffice(tin
             rt.store.register_prompts(uids, 1)  # what the generate task did
             gens.append(rt.store.write_stage(1, f"generate_g{k}", table))
             scored.append(rt.store.write_stage(1, f"reward_g{k}", table, base=gens[k]))
-        first = reward.fn("filterfold", 1, 0, gens[0], [], need)
+        first = reward.fn(rt, 1, 0, gens[0], [], need)
         assert first.uri == scored[0] and first.batch is None
         assert (
             first.kept_metrics["train/num_kept_groups"] == 2 and first.kept_metrics["train/num_groups"] == 4
         )
         assert not rt.store.is_committed(1, "batch")
-        second = reward.fn("filterfold", 1, 1, gens[1], [first.kept_uri], need - 2)
+        second = reward.fn(rt, 1, 1, gens[1], [first.kept_uri], need - 2)
         assert second.kept_metrics["train/num_kept_groups"] == 3 and second.batch is not None
         batch_uri, bm = second.batch
         assert bm["train/num_gen_batches"] == 2.0 and bm["train/discarded_surplus_groups"] == 1.0
         table = rt.store.read_uri(batch_uri)
         counts = table.group_by("uid").aggregate([("sample_idx", "count")]).to_pydict()
         assert sorted(counts["uid"]) == ["a0", "a2", "b0", "b1"] and set(counts["sample_idx_count"]) == {n}
-        assert reward.fn("filterfold", 1, 1, gens[1], [first.kept_uri], need - 2) == second
+        assert reward.fn(rt, 1, 1, gens[1], [first.kept_uri], need - 2) == second
     finally:
         rs.close_run(rt)
     off = {"trainer.use_ray": "false", "algorithm.filter_groups.enable": "false"}
@@ -131,7 +131,7 @@ def test_reward_filters_and_assembles_the_batch_once_the_kept_groups_suffice(tin
         rt.store.register_prompts(["c0", "c1", "c2", "c3"], 1)
         gen = rt.store.write_stage(1, "generate_g0", table)
         rt.store.write_stage(1, "reward_g0", table, base=gen)
-        out = reward.fn("nofilter", 1, 0, gen)
+        out = reward.fn(rt, 1, 0, gen)
         assert out.kept_uri == out.uri and out.kept_metrics == {} and out.batch is not None
         assert out.batch[1]["train/num_gen_batches"] == 1.0
         assert rt.store.read_uri(out.batch[0]).num_rows == 4 * rt.n  # all-equal groups kept: no filter
@@ -155,12 +155,12 @@ def test_replayed_reward_stage_records_what_the_ledger_lacks(tiny_assets):
         rt.store.write_stage(1, "reward_g0", table, base=gen_uri)
         rt.store.register_prompts(["c0", "c1"], 1)
         rt.store.update_tags(["c1"], status="finished")  # a prompt the lost transaction had not reached
-        reward.fn("rewardreplay", 1, 0, gen_uri)
+        reward.fn(rt, 1, 0, gen_uri)
         ledger = dict(rt.store.items("train"))
         assert sorted(ledger) == sorted(["c0", "c1", *(f"{u}_{s}" for u in ("c0", "c1") for s in range(n))])
         assert {t["status"] for t in ledger.values()} == {"finished"}
         assert {t["global_steps"] for t in ledger.values()} == {1}
-        reward.fn("rewardreplay", 1, 0, gen_uri)
+        reward.fn(rt, 1, 0, gen_uri)
         assert dict(rt.store.items("train")) == ledger
     finally:
         rs.close_run(rt)

@@ -247,8 +247,8 @@ def test_failed_open_run_leaves_no_workers_and_retried_draw_skips_no_prompt(tiny
 
         monkeypatch.setattr(rt.store, "register_prompts", flaky)
         with pytest.raises(OSError, match="disk hiccup"):
-            sample_prompts.fn("openfail", 1, "g0", 3)
-        uri, _ = sample_prompts.fn("openfail", 1, "g0", 3)
+            sample_prompts.fn(rt, 1, "g0", 3)
+        uri, _ = sample_prompts.fn(rt, 1, "g0", 3)
         got = rt.store.read_uri(uri).column("prompt_id").to_pylist()
         assert list(dict.fromkeys(got)) == expected
     finally:

@@ -93,7 +93,7 @@ def test_validation_metrics_equal_the_driver_path_and_no_table_passes_through_th
     before = driver_bytes["bytes"]
 
     driver_bytes["bytes"] = 0
-    uri, metrics = validate.fn(rt.run_id, step, gen_step)
+    uri, metrics = validate.fn(rt, step, gen_step)
     after = driver_bytes["bytes"]
     print(f"\ndriver bytes per validation: before {before:,}  after {after:,}")
 
@@ -109,6 +109,6 @@ def test_validation_metrics_equal_the_driver_path_and_no_table_passes_through_th
 
     # committed: a second call returns the committed metrics and recomputes nothing
     driver_bytes["bytes"] = 0
-    again_uri, again = validate.fn(rt.run_id, step, gen_step)
+    again_uri, again = validate.fn(rt, step, gen_step)
     assert again_uri == uri and driver_bytes["bytes"] == 0
     assert {k: v for k, v in again.items() if not k.startswith("timing_s/")} == want
