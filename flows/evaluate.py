@@ -1,9 +1,10 @@
 """dapo-evaluate: score a model on held-out parquet files with k samples per prompt.
 
 Writes `eval.output` (default `metrics/eval.json`) with mean@k, pass@k, maj@k (and best@k, std@k) per data
-source. The checkpoint may be an HF folder, a run checkpoint `runs/<id>/ckpt/step_<n>` (its `actor/` weights
-are used) or a run folder (its latest checkpoint). Sampling follows `eval.{n,temperature,top_p,top_k}`; the
-reproduction configs use the reference's AIME settings (temperature 1.0, top_p 0.7).
+source. The checkpoint may be an HF folder, a run checkpoint `runs/<id>/ckpt/step_<n>` (its `actor/` weights,
+or a LoRA run's adapter merged into its base) or a run folder (its latest checkpoint). Sampling follows
+`eval.{n,temperature,top_p,top_k}`; the reproduction configs use the reference's AIME settings (temperature
+1.0, top_p 0.7).
 """
 
 from __future__ import annotations
@@ -62,7 +63,15 @@ def eval_chunks(rows: int, micro_batch: int | None, parts: int = 20) -> list[tup
 
 @task(name="evaluate_model")
 def evaluate_model(cfg_yaml: str, model_dir: str) -> dict:
-    """Generate `eval.n` samples per held-out prompt and summarise the scores."""
+    """Generate `eval.n` samples per held-out prompt and summarise the scores. A LoRA checkpoint's adapter
+    folder is evaluated as its merged model (`dapo_core.compute.lora_checkpoint.hf_folder`)."""
+    from dapo_core.compute.lora_checkpoint import hf_folder
+
+    with hf_folder(model_dir) as folder:
+        return _evaluate(cfg_yaml, folder)
+
+
+def _evaluate(cfg_yaml: str, model_dir: str) -> dict:
     from flows.run_inputs import default_model_path, val_prompts
 
     cfg = typed(load_config_text(cfg_yaml))

@@ -141,7 +141,8 @@ def comparison_lines(before: dict, after: dict, before_g: dict, after_g: dict) -
 
 
 def export_final(run_dir: Path, out: Path) -> Path:
-    """Copy the latest checkpoint's policy (HF weights, config, tokenizer; no optimizer state) to `out`."""
+    """Copy the latest checkpoint's policy (HF weights, config, tokenizer; no optimizer state) to `out`
+    (`_copy_policy`)."""
     from dapo_core.store.checkpoint import CheckpointDir
 
     ckpts = CheckpointDir(run_dir)
@@ -153,7 +154,7 @@ def export_final(run_dir: Path, out: Path) -> Path:
     src = Path(ckpts.load(step)) / "actor"
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("optim.*", "extra_state.*", "deepspeed"))
+    _copy_policy(src, tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -195,9 +196,22 @@ def export_milestones(run_dir: Path, steps: list[int], out: Path, save_freq: int
                 "params.yaml",
             )
         dst = out / f"step_{step}"
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("optim.pt", "extra_state.pt", "deepspeed"))
+        _copy_policy(src, dst)
         done.append(dst)
     return done
+
+
+def _copy_policy(src: Path, dst: Path) -> None:
+    """The policy of the checkpoint folder `src` as an HF model folder at `dst`: its weights, config and
+    tokenizer (no optimizer or engine state), or for a LoRA checkpoint its adapter merged into the base
+    (`dapo_core.compute.lora_checkpoint.merge_into`)."""
+    from dapo_core.compute.lora_checkpoint import is_adapter_folder, merge_into
+
+    if is_adapter_folder(src):
+        merge_into(src, dst)
+        return
+    skip = shutil.ignore_patterns("optim.*", "optim.rank*", "extra_state.*", "deepspeed", "model.rank*")
+    shutil.copytree(src, dst, ignore=skip)
 
 
 def write_train_metrics(run_dir: Path, summary: dict, metrics_dir: Path) -> None:

@@ -15,6 +15,7 @@ folder also carries a copy of the tokenizer in `<folder>/tokenizer/` (no config.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "ModelConfigError",
     "build_char_tokenizer",
     "build_tiny_model",
+    "copy_model_files",
     "load_model",
     "load_tokenizer",
     "require_hf_folder",
@@ -188,6 +190,28 @@ def build_tiny_model(out_dir: str | Path, tiny_cfg: Mapping[str, Any], seed: int
 def config_subset(tiny_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The tiny-model keys of `tiny_cfg` as plain Python values (for provenance files)."""
     return {k: (v if isinstance(v, (int, float, bool, str)) else str(v)) for k, v in tiny_cfg.items()}
+
+
+MODEL_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    TOKENIZER_SUBDIR,
+)
+"""The tokenizer files of an HF model folder (the tokenizer also sits in its own sub-folder)."""
+
+
+def copy_model_files(src: str | Path, out: str | Path) -> None:
+    """Copy `MODEL_FILES` that exist in the model folder `src` into `out` (created if needed)."""
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in MODEL_FILES:
+        path = src / name
+        if path.is_dir():
+            shutil.copytree(path, out / name, dirs_exist_ok=True)
+        elif path.is_file():
+            shutil.copy2(path, out / name)
 
 
 def require_hf_folder(path: str | Path) -> Path:

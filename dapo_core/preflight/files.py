@@ -324,9 +324,9 @@ def model_folder_of(path: str, *, key: str = "eval.checkpoint") -> str:
     if not p.exists():
         raise PreflightError(f"{p} does not exist", where=key, fix=fix)
     if (p / "config.json").exists():
-        return str(p)
+        return _with_base(p, key)
     if (p / "actor" / "config.json").exists():
-        return str(p / "actor")
+        return _with_base(p / "actor", key)
     if (p / "ckpt").is_dir():
         # A lost or damaged `latest` pointer: the newest verifying checkpoint, as `dapo eval` will resolve it
         # (it warns then; read-only here).
@@ -339,6 +339,19 @@ def model_folder_of(path: str, *, key: str = "eval.checkpoint") -> str:
         where=key,
         fix=fix,
     )
+
+
+def _with_base(folder: Path, key: str) -> str:
+    """`folder`; for a LoRA checkpoint's adapter folder, first a `PreflightError` when its base model is gone
+    (evaluation merges the adapter into it)."""
+    from dapo_core.compute.lora_checkpoint import base_model_of, is_adapter_folder
+
+    if is_adapter_folder(folder):
+        try:
+            base_model_of(folder)
+        except DapoUserError as exc:
+            raise PreflightError(exc.what, where=f"{key}: {exc.where}", fix=exc.fix) from None
+    return str(folder)
 
 
 def check_checkpoint(path: str | Path, *, key: str = "trainer.resume_from_path") -> None:

@@ -87,10 +87,15 @@ def train_here(overrides: list[str]) -> dict:
 
 
 def actor_weights(run: Path, step: int) -> dict:
-    """The actor's tensors of checkpoint `step` of the run folder `run` (torch imported only here)."""
+    """The actor's tensors of checkpoint `step` of the run folder `run`: its weights, or a LoRA run's adapter
+    (torch imported only here)."""
     from safetensors.torch import load_file
 
-    return load_file(str(run / "ckpt" / f"step_{step}" / "actor" / "model.safetensors"))
+    from dapo_core.compute.lora import ADAPTER_SUBDIR, ADAPTER_WEIGHTS
+
+    actor = run / "ckpt" / f"step_{step}" / "actor"
+    weights = actor / "model.safetensors"
+    return load_file(str(weights if weights.exists() else actor / ADAPTER_SUBDIR / ADAPTER_WEIGHTS))
 
 
 def assert_same_weights(a: Path, b: Path, step: int) -> None:

@@ -38,11 +38,12 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(ln) for ln in lines if ln.strip()]
 
 
-def test_lora_run_learns_without_ref_worker_and_resumes_bitwise(tiny_assets):
+def test_lora_run_learns_without_ref_worker_and_resumes_bitwise(tiny_assets, tmp_path):
     import torch
     from safetensors.torch import load_file
 
     from dapo_core.compute.lora import ADAPTER_SUBDIR, ADAPTER_WEIGHTS
+    from dapo_core.compute.lora_checkpoint import is_adapter_folder, merge_into
     from flows.dapo_train import dapo_train
 
     cfg = load_config(CONFIG, tiny_overrides(tiny_assets, **LORA_RUN, **{"trainer.experiment_name": "lora"}))
@@ -51,9 +52,11 @@ def test_lora_run_learns_without_ref_worker_and_resumes_bitwise(tiny_assets):
     run = Path(out["run_dir"])
     actor = run / "ckpt" / "step_3" / "actor"
 
-    # the merged export differs from the base on the adapted layers only, under the base model's names
+    # the checkpoint holds the adapter, not the model; merged into the base (as evaluation and the exports
+    # do), it differs from the base on the adapted layers only, under the base model's names
+    assert is_adapter_folder(actor) and not (actor / "model.safetensors").exists()
     base = load_file(str(tiny_assets / "models" / "tiny_base" / "model.safetensors"))
-    merged = load_file(str(actor / "model.safetensors"))
+    merged = load_file(str(merge_into(actor, tmp_path / "merged") / "model.safetensors"))
     assert merged.keys() == base.keys()
     changed = {k for k in base if not torch.equal(base[k], merged[k])}
     assert changed and all(k.endswith("proj.weight") for k in changed), sorted(changed)[:5]

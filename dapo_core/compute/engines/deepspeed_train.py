@@ -314,10 +314,16 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     def save(self, out_dir: str | Path) -> Path:
         """Write HF weights, DeepSpeed model + optimizer state, scheduler and RNG states to `out_dir`; with
-        LoRA DeepSpeed's state covers the adapters alone (the HF weights are the merged ones)."""
+        LoRA DeepSpeed's state covers the adapters alone, and the adapter folder
+        (`dapo_core.compute.lora_checkpoint`) stands in for the HF weights."""
+        from dapo_core.compute.lora_checkpoint import write_adapter_folder
         from dapo_core.store.state_files import save_state
 
-        out = self.export_hf(out_dir)
+        if self.peft is None:
+            out = self.export_hf(out_dir)
+        else:
+            with self._full_params():
+                out = write_adapter_folder(self.peft, out_dir, self.model_path)
         rng = get_rng_state()  # DeepSpeed must not perturb what we save
         self.engine.save_checkpoint(
             str(out / DS_SUBDIR),

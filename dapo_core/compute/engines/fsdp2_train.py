@@ -10,7 +10,9 @@ mini-batch. Each forward is one module call (the shared-prompt forward, which ma
 Checkpoint written by `save(dir)`: per rank `model.rank<r>.safetensors` (its parameter shards),
 `optim.rank<r>.{json,tensors}` and `extra_state.rank<r>.{json,tensors}` (scheduler, counters, RNG), plus
 `fsdp2.json` (world size, each parameter's global shape and each rank's rows) and a full HF export written
-by rank 0 (`model.safetensors`, config, tokenizer) for evaluation. Resuming needs the same world size.
+by rank 0 (`model.safetensors`, config, tokenizer) for evaluation; with LoRA the shards are the adapters'
+and rank 0 writes the adapter folder instead of the export (`lora_checkpoint`). Resuming needs the same world
+size.
 docs/ARCHITECTURE.md (Engines) says why FSDP2 rather than ZeRO-3.
 
 LoRA (`lora=LoraSpec`, `dapo_core.compute.lora`): the peft adapters are injected into the meta model before
@@ -36,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -56,6 +57,7 @@ from dapo_core.compute.engines.train import (
     enable_gradient_checkpointing,
     lr_lambda_for,
 )
+from dapo_core.compute.models import copy_model_files
 from dapo_core.compute.safetensors_stream import StreamedSafetensors
 from dapo_core.compute.weight_transport import distinct_tensors
 from dapo_core.config import OptimConfig
@@ -367,18 +369,7 @@ class FSDP2TrainEngine(TrainEngine):
                 lora_lib.save_adapter(self.peft, out / lora_lib.ADAPTER_SUBDIR, adapter)
         if self.dp.rank == 0:
             self.model.config.save_pretrained(str(out))
-            for name in (
-                "tokenizer.json",
-                "tokenizer_config.json",
-                "special_tokens_map.json",
-                "chat_template.jinja",
-                "tokenizer",
-            ):
-                src = self.model_path / name
-                if src.is_dir():
-                    shutil.copytree(src, out / name, dirs_exist_ok=True)
-                elif src.is_file():
-                    shutil.copy2(src, out / name)
+            copy_model_files(self.model_path, out)
         if dist.is_initialized():
             dist.barrier(group=self.dp.cpu_group)
         return out
@@ -395,12 +386,19 @@ class FSDP2TrainEngine(TrainEngine):
 
     def save(self, out_dir: str | Path) -> Path:
         """Every rank writes its shards (with LoRA: of the adapters) and states; rank 0 the manifest and the
-        full HF export."""
+        full HF export (with LoRA the adapter folder instead, `dapo_core.compute.lora_checkpoint`)."""
         from safetensors.torch import save_file
 
+        from dapo_core.compute.lora_checkpoint import write_adapter_folder
         from dapo_core.store.state_files import save_state
 
-        out = self.export_hf(out_dir)
+        if self.peft is None:
+            out = self.export_hf(out_dir)
+        else:
+            out = Path(out_dir)
+            adapter = lora_lib.adapter_state(self.peft, SHARDS)  # a gather: every rank
+            if self.dp.rank == 0:
+                write_adapter_folder(self.peft, out, self.model_path, adapter)
         out.mkdir(parents=True, exist_ok=True)
         r = self.dp.rank
         names = {id(p): n for n, p in self.model.named_parameters()}

@@ -155,13 +155,18 @@ class TorchTrainEngine(TrainEngine):
         return out
 
     def save(self, out_dir: str | Path) -> Path:
-        """Write weights (HF safetensors + tokenizer), optimizer, scheduler and RNG states to `out_dir`.
+        """Write weights (HF safetensors + tokenizer; with LoRA the adapter folder instead,
+        `dapo_core.compute.lora_checkpoint`), optimizer, scheduler and RNG states to `out_dir`.
 
         Optimizer and extra state go to `optim.{json,tensors}` and `extra_state.{json,tensors}`
         (`dapo_core.store.state_files`: tensors + JSON, never pickle)."""
+        from dapo_core.compute.lora_checkpoint import write_adapter_folder
         from dapo_core.store.state_files import save_state
 
-        out = self.export_hf(out_dir)
+        if self.peft is None:
+            out = self.export_hf(out_dir)
+        else:
+            out = write_adapter_folder(self.peft, out_dir, self.model_path)
         save_state(out, "optim", self.optimizer.state_dict())
         save_state(
             out,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from tests.unit.bad_inputs.workspace import (
     TINY,
     Case,
+    _adapter_without_base,
     _checkpoints,
     _ckpt_without_latest,
     _disk_free,
@@ -37,6 +38,14 @@ CHECKPOINTS: list[Case] = [
         "checkpoint",
         lambda ws: ["eval", "--config", TINY, *_good(ws), "--checkpoint", str(ws.root / "in")],
         ("neither a model folder", "--checkpoint"),
+    ),
+    Case(
+        "eval LoRA checkpoint whose base model is gone",
+        "checkpoint",
+        lambda ws: ["eval", "--config", TINY, *_good(ws), "--checkpoint", str(ws.root / "adapter")],
+        ("base model is gone", "moved_base", "lora_base.json", "put the base model back"),
+        "PreflightError",
+        setup=_adapter_without_base,
     ),
     Case(
         "eval run without checkpoint",

@@ -162,6 +162,15 @@ def _ckpt_without_latest(ws: Ws) -> None:
     (ws.runs / "r1" / "ckpt").mkdir(parents=True)
 
 
+def _adapter_without_base(ws: Ws) -> None:
+    """A LoRA checkpoint's adapter folder (`lora_checkpoint`) whose base model was moved away."""
+    folder = ws.root / "adapter"
+    folder.mkdir()
+    shutil.copy2(ws.model / "config.json", folder / "config.json")
+    gone = ws.root / "moved_base"
+    (folder / "lora_base.json").write_text(json.dumps({"base_model": str(gone), "absolute": str(gone)}))
+
+
 def _base_cycle(ws: Ws) -> None:
     (ws.root / "a.yaml").write_text("base: b.yaml\n")
     (ws.root / "b.yaml").write_text("base: a.yaml\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,9 +210,23 @@ def test_adapter_only_export_is_peft_format(tiny_dir, tmp_path):
 
 
 def test_checkpoint_holds_adapter_and_its_optimizer_and_resumes_bitwise(tiny_dir, tmp_path):
+    from dapo_core.compute.lora_checkpoint import hf_folder, is_adapter_folder, merge_into
+
     engine = _engine(tiny_dir)
     _train(engine, steps=1)
     engine.save(tmp_path / "ckpt")
+    # no model weights in the checkpoint: the adapter, and the merge gives the export bit for bit
+    assert is_adapter_folder(tmp_path / "ckpt") and not list((tmp_path / "ckpt").glob("*.safetensors"))
+    exported = load_file(str(engine.export_hf(tmp_path / "hf") / "model.safetensors"))
+    merged_dir = merge_into(tmp_path / "ckpt", tmp_path / "merged")
+    merged = load_file(str(merged_dir / "model.safetensors"))
+    assert merged.keys() == exported.keys() and all(torch.equal(merged[k], exported[k]) for k in merged)
+    assert (merged_dir / ADAPTER_SUBDIR / ADAPTER_WEIGHTS).is_file() and (
+        merged_dir / "tokenizer.json"
+    ).is_file()
+    with hf_folder(tmp_path / "ckpt") as folder:
+        assert (Path(folder) / "model.safetensors").is_file()
+    assert not Path(folder).exists()  # the temporary merge is gone with the context
     _train(engine, steps=1)
     want = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     resumed = _engine(tiny_dir)

@@ -398,7 +398,10 @@ def test_deepspeed_lora_matches_torch_lora_and_round_trips(tiny_dir, tmp_path, z
         assert saved and all(".lora_" in k for k in saved)  # the checkpoint holds no frozen base weight
         adapter = load_file(str(tmp_path / "ckpt" / ADAPTER_SUBDIR / ADAPTER_WEIGHTS))
         assert len(adapter) == len(trainable)
-        exported = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+        from dapo_core.compute.lora_checkpoint import merge_into
+
+        assert not (tmp_path / "ckpt" / "model.safetensors").exists()  # the adapter stands for the model
+        exported = load_file(str(merge_into(tmp_path / "ckpt", tmp_path / "merged") / "model.safetensors"))
         assert max_param_diff(exported, merged) == 0.0
         cont = _train(ds, batch, 1)
         after = params_of(ds)
