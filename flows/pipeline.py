@@ -210,7 +210,7 @@ def _copy_policy(src: Path, dst: Path) -> None:
     if is_adapter_folder(src):
         merge_into(src, dst)
         return
-    skip = shutil.ignore_patterns("optim.*", "optim.rank*", "extra_state.*", "deepspeed", "model.rank*")
+    skip = shutil.ignore_patterns("optim.*", "extra_state.*", "deepspeed", "model.rank*", "fsdp2.json")
     shutil.copytree(src, dst, ignore=skip)
 
 

@@ -1,8 +1,9 @@
 """The per-run objects tasks need (store, workers, sampler, config): the flow builds one `Runtime` per run and
 hands it to every task as its first argument.
 
-Prefect sees the runtime as a task input and records nothing of it but its references; batches and models stay
-in the run store and the workers, so only URIs, small metrics and this handle cross a task boundary. Every
+Prefect walks this task input for upstream task results (there are none) and sends none of its values to the
+server; batches and models stay in the run store and the workers, so only URIs, small metrics and this
+in-process handle cross a task boundary. Every
 field is typed: the workers are `dapo_core.compute.rpc.proxy` objects typed as their worker class, so
 `rt.actor.update_actor_from(root, uri, step)` is checked against `ActorWorker.update_actor_from`.
 """
