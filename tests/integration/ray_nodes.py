@@ -85,9 +85,14 @@ def node_env(**extra: str) -> dict[str, str]:
     return env
 
 
-STARTUP_TIMED_OUT = "timed out during startup"
-"""What `ray start` prints when its raylet did not register with the GCS within Ray's fixed 30 s, which a
-loaded machine can exceed (the GCS answers late); the node is then started again."""
+def last_error(log: str) -> str:
+    """The last line of `log` that names an exception or error (what a `ray start` traceback ends with), or
+    its last non-empty line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "Exception" in line or "timed out" in line:
+            return line
+    return lines[-1] if lines else "(empty log)"
 
 
 class RayNode:
@@ -123,22 +128,29 @@ class RayNode:
             )
 
     def wait_started(self, timeout_s: float = 180.0, attempts: int = 3) -> None:
-        """Wait until the node logs that it runs; a node that exits because Ray's own startup wait ran out
-        (`STARTUP_TIMED_OUT`) is started again, up to `attempts` starts within `timeout_s`."""
-        left = [attempts - 1]
+        """Wait until the node logs that it runs. A node whose `ray start` exits first is started again, up
+        to `attempts` starts within `timeout_s`: on a loaded machine Ray's own fixed waits run out (the
+        raylet's 30 s to register with the GCS, the worker node's version check against a GCS that answers
+        late), and a port picked free can be taken before the node binds it. The failure names the last
+        error line first, then the log's end."""
+        starts = [1]
 
         def started() -> bool:
             text = self.log.read_text(errors="replace")
             if "Ray runtime started" in text:
                 return True
-            if self.proc.poll() is not None:
-                if left[0] > 0 and text.count(STARTUP_TIMED_OUT) == attempts - left[0]:
-                    left[0] -= 1
-                    kill_sessions([self.proc.pid], grace_s=1.0)
-                    self._launch()
-                    return False
-                raise AssertionError(f"ray node exited:\n{text[-3000:]}")
-            return False
+            if self.proc.poll() is None:
+                return False
+            if starts[0] < attempts:
+                starts[0] += 1
+                kill_sessions([self.proc.pid], grace_s=1.0)
+                note = f"\n--- ray start exited ({last_error(text)}); start {starts[0]} of {attempts}\n"
+                with self.log.open("a") as out:
+                    out.write(note)
+                self._launch()
+                return False
+            name = self.log.stem
+            raise AssertionError(f"ray node {name} exited {attempts} times, last: {last_error(text)}")
 
         try:
             wait_for(started, f"ray node {self.log.stem} to log 'Ray runtime started'", timeout_s, 0.5)
