@@ -36,7 +36,7 @@ import pytest
 from tests.helpers import wait_for
 from tests.integration.conftest import CONFIG, tiny_overrides
 from tests.integration.prefect_server import free_port, healthy, stop
-from tests.integration.test_prefect_ui import SERVED, _client, _deployment, _descendants, _task_runs
+from tests.integration.test_prefect_ui import SERVED, _client, _deployment, _descendants, _settled_task_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -382,8 +382,7 @@ def test_a_person_kills_and_retries_a_run_in_the_browser(browser, script_server,
 
             wait_for(completed, "the retried run to complete", budget.left(300), 0.5, alive=serve)
             assert client.read_flow_run(fr.id).run_count == 2
-            left = _task_runs(client, fr.id)
-            assert not [t.name for t in left if t.state_type == StateType.RUNNING]
+            _settled_task_runs(client, fr.id)  # none runs forever
 
             _open_flow_run(browser, base, fr.id, budget, shots, "4_completed")
             _wait(browser, lambda b: _badge(b) == "Completed", budget.left(60), "the Completed badge")
