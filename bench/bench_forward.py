@@ -283,7 +283,7 @@ def run_shared_prompt(args: argparse.Namespace) -> None:
                     w.compute_log_prob(table)
                     t_lp = time.perf_counter() - t
                     t = time.perf_counter()
-                    w.update_actor(table, i + 1)
+                    w.update_actor(table, i + 1, pi_old="current")
                     t_up = time.perf_counter() - t
                 if i:
                     times[name]["log_probs"].append(t_lp)

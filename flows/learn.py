@@ -7,15 +7,17 @@ order (`flows.replay_order.replay_train_step`) runs it once per local update on 
 (`part=i`, so the stages commit as `<name>_p<i>`). Pushing the new weights to the rollout worker is the step
 order's own stage (`tasks.update.sync_weights`), once per step in both orders.
 
-On-policy skip: when the update is exactly on-policy (`old_log_prob_needed` returns None: one PPO epoch over
-one mini-batch, nothing else reading π_old) the old_log_prob forward is skipped. The actor then takes π_old as
-its own log-probs, detached, so the ratio is exactly 1, as it is (to float precision) after a separate forward
-with the same weights; the step logs `timing_s/old_log_prob = 0` and `actor/old_log_prob_skipped = 1`.
-`actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false` always runs the stage.
+On-policy skip: `pi_old_source` is the one place that decides where the update's π_old comes from. When the
+update is exactly on-policy (`old_log_prob_needed` returns None: one PPO epoch over one mini-batch, nothing
+else reading π_old) the old_log_prob forward is skipped and the update is told `pi_old="current"`: π_old is
+its own forward's log-probs, detached, so the ratio is exactly 1, as it is (to float precision) after a
+separate forward with the same weights; the step logs `timing_s/old_log_prob = 0` and
+`actor/old_log_prob_skipped = 1`. `actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false` always
+runs the stage.
 
 Bypass mode (`algorithm.rollout_correction.bypass_mode`): π_old is the rollout's own log-probs, already in the
-batch, so the stage is skipped whatever the epochs and mini-batches; the update takes `rollout_log_probs` as
-π_old and computes the IS / RS correction against π_θ per micro-batch (one forward per sample in all).
+batch, so the stage is skipped whatever the epochs and mini-batches (`pi_old="rollout_log_probs"`); the
+update computes the IS / RS correction against π_θ per micro-batch (one forward per sample in all).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from dapo_core.algo.losses import PiOld
 from dapo_core.config import DapoConfig, need_reference_policy, sync_parts, use_critic
 from flows.run_inputs import default_model_path
 from flows.run_setup import TrainRun
@@ -80,6 +83,16 @@ def old_log_prob_needed(cfg: DapoConfig, parts: int = 1, model_path: str | None 
     return None
 
 
+def pi_old_source(cfg: DapoConfig, step: int, parts: int = 1, model_path: str | None = None) -> PiOld:
+    """Where step `step`'s update takes π_old from: the old_log_prob stage's column when the batch needs a
+    separate forward (`old_log_prob_needed`) or the actor does not train yet (`trainer.critic_warmup`: the
+    stage then runs for its metrics); else the rollout's log-probs in bypass mode, or the update's own
+    forward (`"current"`, exactly on-policy)."""
+    if old_log_prob_needed(cfg, parts, model_path) or step <= cfg.trainer.critic_warmup:
+        return "old_log_probs"
+    return "rollout_log_probs" if cfg.algorithm.rollout_correction.bypass_mode else "current"
+
+
 def learn(
     rt: TrainRun,
     step: int,
@@ -91,17 +104,18 @@ def learn(
     in stage order. `label` prefixes the stage names in the progress display."""
     metrics: list[dict[str, float]] = []
 
-    def stage(task: Callable[..., StageResult], uri: str) -> str:
+    def stage(task: Callable[..., StageResult], uri: str, **kwargs: object) -> str:
         rt.progress.stage(label + task.__name__)
-        out, m = task(rt, step, uri, part=part)
+        out, m = task(rt, step, uri, part=part, **kwargs)
         metrics.append(m)
         return out
 
     rt.rollout.release()  # colocated GPUs: the training ranks get the engine's memory
     parts = sync_parts(rt.cfg) if part is not None else 1
-    reason = old_log_prob_needed(rt.cfg, parts)
+    pi_old = pi_old_source(rt.cfg, step, parts)
     if not rt.announced:
         rt.announced = True
+        reason = old_log_prob_needed(rt.cfg, parts)
         if reason:
             print(f"old_log_prob: separate forward ({reason})")
         elif rt.cfg.algorithm.rollout_correction.bypass_mode:
@@ -111,11 +125,11 @@ def learn(
                 "old_log_prob: skipped, the update is exactly on-policy (one epoch, one mini-batch): "
                 "π_old = the current policy, ratio 1"
             )
-    if reason is None and step > rt.cfg.trainer.critic_warmup:
+    if pi_old == "old_log_probs":
+        uri = stage(old_log_prob, batch_uri)
+    else:
         uri = batch_uri
         metrics.append({"timing_s/old_log_prob": 0.0, "actor/old_log_prob_skipped": 1.0})
-    else:
-        uri = stage(old_log_prob, batch_uri)
     if need_reference_policy(rt.cfg):
         uri = stage(ref, uri)
     if use_critic(rt.cfg):
@@ -124,5 +138,5 @@ def learn(
     if use_critic(rt.cfg):
         stage(update_critic, uri)
     if step > rt.cfg.trainer.critic_warmup:
-        stage(update_actor, uri)
+        stage(update_actor, uri, pi_old=pi_old)
     return uri, metrics

@@ -16,6 +16,7 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from dapo_core.algo.losses import PiOld
 from dapo_core.config import runs_ahead
 from dapo_core.store.replay import referenced_steps
 from dapo_core.store.retention import apply_retention
@@ -45,17 +46,20 @@ def update_critic(rt: runtime.Runtime, step: int, in_uri: str, part: int | None 
 
 
 @task(name="update_actor", task_run_name=run_name("update_actor"), **_OPTS)
-def update_actor(rt: runtime.Runtime, step: int, in_uri: str, part: int | None = None) -> StageResult:
-    """The DAPO policy update (PPO mini-batches/epochs with the configured loss); not retried automatically,
-    since a half-applied update cannot be undone — the flow resumes from the last checkpoint instead. The new
-    weights reach the rollout worker in the `sync_weights` stage that follows."""
+def update_actor(
+    rt: runtime.Runtime, step: int, in_uri: str, part: int | None = None, pi_old: PiOld = "old_log_probs"
+) -> StageResult:
+    """The DAPO policy update (PPO mini-batches/epochs with the configured loss) with π_old from `pi_old`
+    (`flows.learn.pi_old_source`); not retried automatically, since a half-applied update cannot be undone —
+    the flow resumes from the last checkpoint instead. The new weights reach the rollout worker in the
+    `sync_weights` stage that follows."""
     return run_stage(
         rt,
         step,
         stage_name("update_actor", part),
         lambda: (
             _marker(step, part),
-            rt.actor.update_actor_from(str(rt.store.root), in_uri, step),
+            rt.actor.update_actor_from(str(rt.store.root), in_uri, step, pi_old),
         ),
     )
 

@@ -150,9 +150,9 @@ def local_run(assets):
     calls: list[int] = []
     original = actor_mod.ActorWorker.update_actor
 
-    def counting(self, table, global_steps):
+    def counting(self, table, global_steps, *args):
         calls.append(int(global_steps))
-        return original(self, table, global_steps)
+        return original(self, table, global_steps, *args)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(actor_mod.ActorWorker, "update_actor", counting)
@@ -186,10 +186,10 @@ def test_replay_order_resumes_after_crash(assets, local_run, monkeypatch):
 
     original = learn.update_actor
 
-    def crash_at_step_2(run_id, step, uri, part=None):
+    def crash_at_step_2(run_id, step, uri, part=None, **kwargs):
         if step == 2:
             raise RuntimeError("injected crash")
-        return original(run_id, step, uri, part=part)
+        return original(run_id, step, uri, part=part, **kwargs)
 
     run = "replay-crash"
     cfg = load_config(

@@ -32,6 +32,7 @@ __all__ = [
     "POLICY_LOSS_REGISTRY",
     "ActorLoss",
     "LossAggMode",
+    "PiOld",
     "PolicyLossParams",
     "actor_objective",
     "agg_loss",
@@ -420,15 +421,20 @@ def actor_objective(
     return loss, metrics
 
 
+PiOld = Literal["old_log_probs", "rollout_log_probs", "current"]
+"""Where the update's π_old comes from: the old_log_prob stage's column; the rollout's log-probs (bypass
+mode, no stage); or the update's own forward, detached (an exactly on-policy update, no stage)."""
+
+
 @dataclass(frozen=True)
 class ActorLoss:
     """The actor's loss of one micro-batch under fixed settings: `actor_objective` applied to a micro-batch's
     tensors, in the form the PPO loop calls (`loss(log_probs, entropy, micro_batch, global_batch_info)`).
 
-    π_old is the micro-batch's `old_log_probs`. When the batch has none (the flow skipped the old_log_prob
-    stage) it is `rollout_log_probs` under `bypass_mode`, else this forward's own log-probs detached (the
-    update is exactly on-policy: ratio 1); either way the entropy metric then comes from this forward. The KL
-    loss needs `ref_log_probs` in the micro-batch; `bypass_mode` reads `rollout_log_probs`."""
+    π_old is the micro-batch tensor `pi_old` names, or this forward's own log-probs detached (`"current"`:
+    the flow decided the update is exactly on-policy, ratio 1); unless it is the old_log_prob stage's
+    column, the entropy metric comes from this forward. The KL loss needs `ref_log_probs` in the
+    micro-batch; `bypass_mode` reads `rollout_log_probs`."""
 
     loss_mode: str
     """Registered policy loss (`actor.policy_loss.loss_mode`)."""
@@ -446,6 +452,8 @@ class ActorLoss:
     """KL estimator (`actor.kl_loss_type`)."""
     loss_scale_factor: float | None = None
     """Constant divisor of the seq-mean-token-sum-norm mode (`actor.loss_scale_factor`; null = the length)."""
+    pi_old: PiOld = "old_log_probs"
+    """Where π_old comes from (the flow's decision, `flows.learn.pi_old_source`)."""
 
     def __call__(
         self,
@@ -461,13 +469,7 @@ class ActorLoss:
         if self.loss_scale_factor is not None:
             info["loss_scale_factor"] = self.loss_scale_factor
         use_kl = self.use_kl_loss and "ref_log_probs" in mb
-        skipped = "old_log_probs" not in mb
-        if not skipped:
-            old = mb["old_log_probs"]
-        elif self.loss_mode == "bypass_mode":
-            old = mb["rollout_log_probs"]
-        else:
-            old = log_probs.detach()
+        old = log_probs.detach() if self.pi_old == "current" else mb[self.pi_old]
         loss, metrics = actor_objective(
             old,
             log_probs,
@@ -484,6 +486,6 @@ class ActorLoss:
             rollout_is_weights=mb.get("rollout_is_weights"),
             global_batch_info=info,
         )
-        if skipped and entropy is not None:  # the old_log_prob stage's metric; summed over micro-batches
+        if self.pi_old != "old_log_probs" and entropy is not None:  # the skipped stage's metric, summed
             metrics["actor/entropy"] = metrics["actor/entropy_loss"]
         return loss, metrics

@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from dapo_core.algo.losses import ActorLoss, PolicyLossParams, agg_loss
+from dapo_core.algo.losses import ActorLoss, PiOld, PolicyLossParams, agg_loss
 from dapo_core.compute import dist as dpd
 from dapo_core.compute.engines.ppo import ppo_update
 from dapo_core.compute.engines.train import TrainEngine, make_train_engine
@@ -334,20 +334,22 @@ class ActorWorker:
 
         return run_job(job, compute)
 
-    def update_actor_from(self, root: str, uri: str, global_steps: int) -> dict[str, float]:
+    def update_actor_from(
+        self, root: str, uri: str, global_steps: int, pi_old: PiOld = "old_log_probs"
+    ) -> dict[str, float]:
         """`update_actor` on the batch this worker reads from the run store at `uri` (run folder `root`)."""
         fault_point(root, "update_actor", global_steps)
-        return self.update_actor(stage_files(root).read_uri(uri), global_steps)
+        return self.update_actor(stage_files(root).read_uri(uri), global_steps, pi_old)
 
     # -- update ----------------------------------------------------------------------------------------------
-    def update_actor(self, table: pa.Table, global_steps: int) -> dict[str, float]:
+    def update_actor(
+        self, table: pa.Table, global_steps: int, pi_old: PiOld = "old_log_probs"
+    ) -> dict[str, float]:
         """One PPO update over the batch (mini-batches of `ppo_mini_batch_size·n` trajectories); steps the
-        lr. Without an `old_log_probs` column the flow skipped the old_log_prob stage and `actor/entropy`
-        comes from this forward: in bypass mode π_old is the batch's `rollout_log_probs`; otherwise the update
-        is exactly on-policy and π_old is this forward's own log-probs, detached, which is exact only for one
-        epoch over one mini-batch, so anything else is refused."""
-        skipped = "old_log_probs" not in table.column_names
-        on_policy = skipped and not self.bypass
+        lr. `pi_old`: where π_old comes from, as the flow decided (`ActorLoss.pi_old`); when the flow skipped
+        the old_log_prob stage, `actor/entropy` comes from this forward."""
+        if pi_old != "current" and pi_old not in table.column_names:
+            raise ValueError(f"update_actor: pi_old={pi_old!r} but the batch has no {pi_old} column")
         cols = ["advantages"]
         for c in ("old_log_probs", "rollout_is_weights", "ref_log_probs", "rollout_log_probs"):
             if c in table.column_names:
@@ -356,19 +358,12 @@ class ActorWorker:
         mini = int(self.cfg.ppo_mini_batch_size) * self.n
         micro = self.cfg.ppo_micro_batch_size_per_gpu or mini
         epochs = int(self.cfg.ppo_epochs)
-        if on_policy and (epochs != 1 or mini < table.num_rows):
-            raise ValueError(
-                f"update_actor: the batch has no old_log_probs column, which is exact only for one epoch "
-                f"over one mini-batch, but ppo_epochs={epochs} and ppo_mini_batch_size·n={mini} for "
-                f"{table.num_rows} rows; run the old_log_prob stage first "
-                "(actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false)."
-            )
         calc_entropy = True  # `actor/entropy` is reported every update
         self.engine.train()
         metrics = ppo_update(
             self.engine,
             t,
-            loss_fn=self.loss,
+            loss_fn=dataclasses.replace(self.loss, pi_old=pi_old),
             mini_batch_size=min(mini, table.num_rows),
             micro_batch_size=int(micro),
             epochs=epochs,

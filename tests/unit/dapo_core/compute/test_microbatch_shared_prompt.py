@@ -282,7 +282,7 @@ def test_update_micro_batches_take_the_longest_prompt_groups_first(tiny_dir, mon
 
     monkeypatch.setattr(train_engines, "group_rows", spy)
     table = _update_table(ids, mask, [0.5] * ids.shape[0])
-    _actor(tiny_dir, mini=4, micro=8, total_steps=1, share=True).update_actor(table, global_steps=1)
+    _actor(tiny_dir, mini=4, micro=8, total_steps=1, share=True).update_actor(table, 1, "current")
     group_len: dict[tuple, int] = {}
     for p, r in zip(table["prompt_ids"].to_pylist(), table["response_ids"].to_pylist(), strict=True):
         group_len[tuple(p)] = group_len.get(tuple(p), 0) + len(r)

@@ -15,7 +15,7 @@ from dapo_core.config import load_config, typed
 from dapo_core.data import batch as B
 from dapo_core.seeding import uid_factory
 from dapo_core.stages import compute_advantage_table
-from flows.learn import old_log_prob_needed
+from flows.learn import old_log_prob_needed, pi_old_source
 from tests.helpers import tiny_model_cfg
 
 N = 4
@@ -70,7 +70,9 @@ def _update(actor: ActorWorker, table: pa.Table, step: int, separate: bool):
     if separate:
         table = actor.compute_log_prob(table)
     adv, _ = compute_advantage_table(table, pad_token_id=0, adv_estimator="grpo")
-    return table, actor.update_actor(adv, global_steps=step)
+    return table, actor.update_actor(
+        adv, global_steps=step, pi_old="old_log_probs" if separate else "current"
+    )
 
 
 def test_skipping_the_old_log_prob_forward_changes_no_loss_gradient_or_weight(model_dir):
@@ -105,14 +107,12 @@ def test_skipping_the_old_log_prob_forward_changes_no_loss_gradient_or_weight(mo
         weights = w_ref
 
 
-def test_an_update_without_old_log_probs_refuses_more_than_one_mini_batch(model_dir):
+def test_an_update_refuses_a_pi_old_the_batch_does_not_hold(model_dir):
+    """π_old comes from where the flow says; a batch without that column is refused, naming it."""
     batch, _ = compute_advantage_table(_batch(model_dir, gen_step=1), pad_token_id=0, adv_estimator="grpo")
-    for change in ({"ppo_mini_batch_size": 1}, {"ppo_epochs": 2}):
-        actor = ActorWorker(
-            model_dir, {**ACTOR, **change}, pad_token_id=0, temperature=1.0, rollout_n=N, total_steps=2
-        )
-        with pytest.raises(ValueError, match=r"no old_log_probs column.*skip_old_log_prob_when_on_policy"):
-            actor.update_actor(batch, global_steps=1)
+    actor = ActorWorker(model_dir, ACTOR, pad_token_id=0, temperature=1.0, rollout_n=N, total_steps=2)
+    with pytest.raises(ValueError, match=r"pi_old='old_log_probs' but the batch has no old_log_probs column"):
+        actor.update_actor(batch, global_steps=1)
 
 
 def test_bypass_mode_takes_the_rollout_log_probs_as_pi_old_without_the_stage(model_dir):
@@ -144,7 +144,8 @@ def test_bypass_mode_takes_the_rollout_log_probs_as_pi_old_without_the_stage(mod
     with_entropy = a.compute_log_prob(adv)  # what the skipped stage would log, from the same weights
     t = B.to_padded(with_entropy, 0, columns=["entropy"])
     stage_entropy = float(agg_loss(t["entropy"], t["response_mask"].float(), "token-mean"))
-    m_skip, m_given = a.update_actor(adv, global_steps=1), b.update_actor(given, global_steps=1)
+    m_skip = a.update_actor(adv, global_steps=1, pi_old="rollout_log_probs")
+    m_given = b.update_actor(given, global_steps=1)
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/rollout_corr/rollout_is_mean"):
         assert m_skip[key] == m_given[key], key
     assert m_skip["actor/ppo_kl"] != 0.0
@@ -183,6 +184,17 @@ def test_the_flow_skips_only_exactly_on_policy_updates(tmp_path):
     assert old_log_prob_needed(_cfg(*bypass), model_path=no_model) is None
     always = "actor_rollout_ref.actor.skip_old_log_prob_when_on_policy=false"
     assert old_log_prob_needed(_cfg(*bypass, always), model_path=no_model) == always
+    # what the update is told: π_old from the stage, the rollout or its own forward; the stage runs while
+    # the critic warms up (the actor does not train then)
+    warmup = "trainer.critic_warmup=1"
+    for cfg, step, want in (
+        (_cfg(), 1, "old_log_probs"),
+        (_cfg(on), 1, "current"),
+        (_cfg(*bypass), 1, "rollout_log_probs"),
+        (_cfg(on, warmup), 1, "old_log_probs"),
+        (_cfg(on, warmup), 2, "current"),
+    ):
+        assert pi_old_source(cfg, step, model_path=no_model) == want, (step, want)
     (tmp_path / "config.json").write_text('{"attention_dropout": 0.1, "hidden_size": 8}')
     assert "dropout 0.1" in old_log_prob_needed(_cfg(on), model_path=str(tmp_path))
 
