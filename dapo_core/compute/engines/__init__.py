@@ -6,6 +6,5 @@
   → `deepspeed_train`, imported only when asked for), shared log-prob / entropy / LR code; `ppo`:
   `ppo_update`, the PPO loop.
 
-The package itself imports none of them, so a process that only generates (or only drives) never loads the
-training engines and the transformers modelling code they pull in.
+The package itself imports none of them: a process imports only the engines it uses.
 """
